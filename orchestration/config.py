@@ -1,0 +1,281 @@
+"""Typed job configuration: one dataclass per Hydra group, validated once before Ray starts.
+
+Hydra composes conf/ into a DictConfig; `load_job_config` merges it onto the structured schema below, so an unknown
+key or a wrong type fails with the key's full name, and `validate` then checks the values that types cannot express
+(ranges, divisibility, known names). Every user error is a ConfigError naming the key and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sysconfig
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from orchestration.faults import FaultConfig
+from orchestration.monitor import MonitorConfig
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+PRECISIONS = ("bf16", "fp8")
+RECIPES = ("auto", "tensorwise", "rowwise", "rowwise_gw_hp")
+DEVICES = ("cpu", "cuda", "rocm", "auto")
+DTYPES = ("float32", "bfloat16")
+ENV_PRESET_NAMES = ("none", "nccl_h100", "nccl_h200", "rccl_mi300x", "rccl_mi350x")
+
+
+class ConfigError(ValueError):
+    """A user-facing configuration error; the message names the key and what is allowed."""
+
+
+@dataclass
+class ModelConfig:
+    name: str = "debug_moe"
+    # Flavor fields to change, e.g. {n_layers: 2} for a reduced-depth benchmark; unknown keys fail at build time.
+    overrides: dict[str, Any] = field(default_factory=dict)
+    activation_checkpointing: bool = False
+    compile: bool = False
+
+
+@dataclass
+class PrecisionConfig:
+    name: str = "fp8"  # bf16 | fp8
+    # auto = the recommended recipe for the device (fp8.recommended_recipe); ignored for bf16.
+    recipe: str = "auto"
+    # Dtype of the matmul inputs outside the fp8 layers (autocast); float32 keeps CPU tests exact.
+    compute_dtype: str = "bfloat16"
+    # FSDP2 MixedPrecisionPolicy: parameters gathered in this dtype, gradients reduced in reduce_dtype.
+    fsdp_param_dtype: str = "float32"
+    fsdp_reduce_dtype: str = "float32"
+
+
+@dataclass
+class ClusterConfig:
+    name: str = "local"
+    address: str | None = None  # None: embedded local cluster; "auto" or "ray://host:10001" joins one
+    min_workers: int = 2
+    max_workers: int = 2
+    device: str = "cpu"  # cpu | cuda | rocm | auto
+    cpus_per_worker: float = 1.0
+    gpus_per_worker: float = 0.0
+    memory_per_worker_gb: float = 8.0  # accelerator (or host) memory per worker, for the dry-run fits check
+    storage_path: str | None = None  # None: <repo>/runs; else an absolute path or s3:// gs:// abfss:// URI
+    env_preset: str = "none"
+    env_vars: dict[str, str] = field(default_factory=dict)
+    runtime_env: dict[str, Any] = field(default_factory=dict)
+    max_failures: int = 3
+    worker_group_start_timeout_s: float = 60.0
+    health_check_interval_s: float = 0.2
+
+
+@dataclass
+class DataConfig:
+    # "python_stdlib": the bytes of this interpreter's standard library sources (present on every machine);
+    # otherwise an absolute path to a directory or a file of text.
+    source: str = "python_stdlib"
+    seq_len: int = 128
+    seed: int = 1234
+    # Files whose name matches this glob are read from a directory source.
+    glob: str = "*.py"
+    max_files: int = 400
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 120
+    global_batch_size: int = 16  # sequences per optimizer step, constant across world sizes
+    micro_batch_size: int = 4  # sequences per worker per forward; grad accumulation fills the rest
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 10
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    log_every: int = 5
+    seed: int = 0
+    # FSDP2 sharding when world_size > 1 ("fsdp") or plain DDP-style gradient all-reduce ("none").
+    sharding: str = "fsdp"
+
+
+@dataclass
+class CheckpointConfig:
+    every_steps: int = 40
+    keep_last: int = 3
+    keep_good: int = 2
+    # A checkpoint is marked good once the monitors passed this many steps after it.
+    good_after_steps: int = 10
+    resume: bool = True
+    report_to_ray: bool = True
+
+
+@dataclass
+class LoggingConfig:
+    wandb: bool = True
+    wandb_mode: str = "offline"  # offline | online | disabled
+    project: str = "elastic-fp8"
+    group: str | None = None
+    tags: list[str] = field(default_factory=list)
+    progress_every_s: float = 5.0
+    ray_metrics: bool = True
+
+
+@dataclass
+class JobConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    faults: FaultConfig = field(default_factory=FaultConfig)
+    run_name: str | None = None
+    run_root: str | None = None
+    dry_run: bool = False
+
+
+def load_job_config(cfg: DictConfig | dict) -> JobConfig:
+    """Merge a composed config onto the schema (unknown keys and wrong types fail) and validate values."""
+    schema = OmegaConf.structured(JobConfig)
+    try:
+        merged = OmegaConf.merge(schema, cfg)
+        job = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as exc:
+        key = getattr(exc, "full_key", None) or "?"
+        raise ConfigError(f"invalid config at '{key}': {exc.msg if hasattr(exc, 'msg') else exc}. "
+                          f"See `python launch.py --help` for the groups and their options.") from None
+    assert isinstance(job, JobConfig)
+    validate(job)
+    return job
+
+
+def _require(ok: bool, key: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}: {message}")
+
+
+def validate(job: JobConfig) -> None:
+    """Value checks that types cannot express. Raises ConfigError naming the key and what is allowed."""
+    from models.registry import MODEL_FLAVORS
+
+    _require(job.model.name in MODEL_FLAVORS, "model.name",
+             f"unknown model '{job.model.name}'; known: {', '.join(sorted(MODEL_FLAVORS))}")
+    _require(job.precision.name in PRECISIONS, "precision.name",
+             f"'{job.precision.name}' is not one of {PRECISIONS}")
+    _require(job.precision.recipe in RECIPES, "precision.recipe",
+             f"'{job.precision.recipe}' is not one of {RECIPES}")
+    for key in ("compute_dtype", "fsdp_param_dtype", "fsdp_reduce_dtype"):
+        value = getattr(job.precision, key)
+        _require(value in DTYPES, f"precision.{key}", f"'{value}' is not one of {DTYPES}")
+
+    c = job.cluster
+    _require(c.min_workers >= 1, "cluster.min_workers", f"must be >= 1, got {c.min_workers}")
+    _require(c.max_workers >= c.min_workers, "cluster.max_workers",
+             f"must be >= cluster.min_workers ({c.min_workers}), got {c.max_workers}")
+    _require(c.device in DEVICES, "cluster.device", f"'{c.device}' is not one of {DEVICES}")
+    _require(c.cpus_per_worker > 0, "cluster.cpus_per_worker", f"must be > 0, got {c.cpus_per_worker}")
+    _require(c.gpus_per_worker >= 0, "cluster.gpus_per_worker", f"must be >= 0, got {c.gpus_per_worker}")
+    _require(c.device in ("cpu", "auto") or c.gpus_per_worker > 0, "cluster.gpus_per_worker",
+             f"must be > 0 when cluster.device={c.device}")
+    _require(c.memory_per_worker_gb > 0, "cluster.memory_per_worker_gb", "must be > 0")
+    _require(c.env_preset in ENV_PRESET_NAMES, "cluster.env_preset",
+             f"'{c.env_preset}' is not one of {ENV_PRESET_NAMES}")
+    _require(c.max_failures >= 0, "cluster.max_failures", "must be >= 0 (-1 is not supported: bound restarts)")
+    _require(c.worker_group_start_timeout_s > 0, "cluster.worker_group_start_timeout_s", "must be > 0")
+    _require(c.health_check_interval_s > 0, "cluster.health_check_interval_s", "must be > 0")
+    if c.storage_path is not None and "://" not in c.storage_path:
+        _require(os.path.isabs(c.storage_path), "cluster.storage_path",
+                 f"must be absolute (Ray workers run in another cwd), got '{c.storage_path}'")
+
+    d = job.data
+    _require(d.seq_len >= 8, "data.seq_len", f"must be >= 8, got {d.seq_len}")
+    if d.source != "python_stdlib":
+        _require(os.path.isabs(d.source) and os.path.exists(d.source), "data.source",
+                 f"'{d.source}' must be 'python_stdlib' or an absolute path to an existing file or directory")
+    _require(d.max_files >= 1, "data.max_files", "must be >= 1")
+
+    t = job.train
+    _require(t.steps >= 1, "train.steps", f"must be >= 1, got {t.steps}")
+    _require(t.lr > 0, "train.lr", f"must be > 0, got {t.lr}")
+    _require(0 <= t.min_lr_ratio <= 1, "train.min_lr_ratio", "must be in [0, 1]")
+    _require(0 <= t.warmup_steps <= t.steps, "train.warmup_steps", f"must be in [0, train.steps={t.steps}]")
+    _require(t.weight_decay >= 0, "train.weight_decay", "must be >= 0")
+    _require(0 <= t.beta1 < 1 and 0 <= t.beta2 < 1, "train.beta1/beta2", "must be in [0, 1)")
+    _require(t.grad_clip > 0, "train.grad_clip", "must be > 0")
+    _require(t.log_every >= 1, "train.log_every", "must be >= 1")
+    _require(t.sharding in ("fsdp", "none"), "train.sharding", f"'{t.sharding}' is not one of ('fsdp', 'none')")
+    _require(t.micro_batch_size >= 1, "train.micro_batch_size", "must be >= 1")
+    _require(t.global_batch_size >= 1, "train.global_batch_size", "must be >= 1")
+    # The global batch must split evenly at every world size the cluster may take (elastic range).
+    for world in range(c.min_workers, c.max_workers + 1):
+        try:
+            from orchestration.elastic import plan_batch
+
+            plan_batch(t.global_batch_size, t.micro_batch_size, world)
+        except ValueError as exc:
+            raise ConfigError(f"train.global_batch_size: {exc}") from None
+
+    k = job.checkpoint
+    _require(k.every_steps >= 1, "checkpoint.every_steps", "must be >= 1")
+    _require(k.keep_last >= 1, "checkpoint.keep_last", "must be >= 1")
+    _require(k.keep_good >= 1, "checkpoint.keep_good", "must be >= 1")
+    _require(k.good_after_steps >= 0, "checkpoint.good_after_steps", "must be >= 0")
+
+    lg = job.logging
+    _require(lg.wandb_mode in ("offline", "online", "disabled"), "logging.wandb_mode",
+             f"'{lg.wandb_mode}' is not one of ('offline', 'online', 'disabled')")
+    _require(lg.progress_every_s > 0, "logging.progress_every_s", "must be > 0")
+
+    if job.run_root is not None:
+        _require(os.path.isabs(job.run_root), "run_root", f"must be an absolute path, got '{job.run_root}'")
+    if job.run_name is not None:
+        _require(job.run_name and "/" not in job.run_name and job.run_name not in (".", ".."), "run_name",
+                 f"'{job.run_name}' must be a plain directory name")
+
+    validate_monitor = getattr(job.monitor, "validate", None)
+    if callable(validate_monitor):
+        try:
+            validate_monitor()
+        except ValueError as exc:
+            raise ConfigError(f"monitor: {exc}") from None
+    validate_faults = getattr(job.faults, "validate", None)
+    if callable(validate_faults):
+        try:
+            validate_faults()
+        except ValueError as exc:
+            raise ConfigError(f"faults: {exc}") from None
+
+
+def python_stdlib_dir() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def to_dict(job: JobConfig) -> dict[str, Any]:
+    return dataclasses.asdict(job)
+
+
+def from_dict(data: dict[str, Any]) -> JobConfig:
+    """Rebuild a JobConfig inside a worker from the plain dict the driver sent (already validated there)."""
+    job = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(JobConfig), data))
+    assert isinstance(job, JobConfig)
+    return job
+
+
+SECRET_MARKERS = ("key", "token", "password", "secret")
+
+
+def redact_secrets(data: Any) -> Any:
+    """Drop values whose key looks like a credential, recursively (config.yaml and W&B must never hold them)."""
+    if isinstance(data, dict):
+        return {k: ("<redacted>" if any(m in str(k).lower() for m in SECRET_MARKERS) else redact_secrets(v))
+                for k, v in data.items()}
+    if isinstance(data, list):
+        return [redact_secrets(v) for v in data]
+    return data

@@ -1,0 +1,128 @@
+"""The run directory (DESIGN.md contract): config.yaml, events.jsonl, metrics.jsonl, summary.json.
+
+Every rank may append events (divergence verdicts are per rank); each line is one small JSON object written with a
+single O_APPEND write, which Linux keeps whole on a local filesystem, so concurrent writers do not interleave.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+EVENTS_FILE = "events.jsonl"
+METRICS_FILE = "metrics.jsonl"
+SUMMARY_FILE = "summary.json"
+CONFIG_FILE = "config.yaml"
+FINAL_STATE_FILE = "final_state.json"
+
+
+def _append_line(path: Path, record: dict[str, Any]) -> None:
+    line = (json.dumps(record, sort_keys=False, default=_json_default) + "\n").encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line)
+    finally:
+        os.close(fd)
+
+
+def _json_default(value: Any) -> Any:
+    if hasattr(value, "item"):
+        return value.item()
+    if isinstance(value, Path):
+        return str(value)
+    return str(value)
+
+
+def _finite_or_none(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+class RunDir:
+    def __init__(self, path: str | Path, rank: int = 0):
+        self.path = Path(path)
+        self.rank = rank
+        self.path.mkdir(parents=True, exist_ok=True)
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.path / "checkpoints"
+
+    def write_config(self, config: dict[str, Any]) -> None:
+        tmp = self.path / (CONFIG_FILE + ".tmp")
+        tmp.write_text(yaml.safe_dump(config, sort_keys=False))
+        os.replace(tmp, self.path / CONFIG_FILE)
+
+    def event(self, event: str, step: int, **fields: Any) -> dict[str, Any]:
+        record = {"time": time.time(), "event": event, "step": int(step), **fields}
+        _append_line(self.path / EVENTS_FILE, record)
+        return record
+
+    def metrics(self, record: dict[str, Any]) -> None:
+        _append_line(self.path / METRICS_FILE, {k: _finite_or_none(v) for k, v in record.items()})
+
+    def write_json(self, name: str, data: dict[str, Any]) -> None:
+        tmp = self.path / (name + ".tmp")
+        tmp.write_text(json.dumps(data, indent=2, default=_json_default))
+        os.replace(tmp, self.path / name)
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a line cut by a killed writer; the rest of the log is still valid
+    return records
+
+
+def summarize(run_dir: Path, status: str, wall_time_s: float | None = None) -> dict[str, Any]:
+    """summary.json from the run directory alone, so it is right across restarts and resizes."""
+    events = read_jsonl(run_dir / EVENTS_FILE)
+    metrics = read_jsonl(run_dir / METRICS_FILE)
+    final_state = {}
+    if (run_dir / FINAL_STATE_FILE).exists():
+        final_state = json.loads((run_dir / FINAL_STATE_FILE).read_text())
+
+    def count(name: str) -> int:
+        # Agreed decisions are logged on every rank; count them once (rank 0's copy, or rank-less events).
+        return sum(1 for e in events if e["event"] == name and e.get("rank", 0) == 0)
+
+    starts = [e for e in events if e["event"] == "worker_group_start"]
+    losses = [m for m in metrics if m.get("loss") is not None]
+    tput = [m["tokens_per_s"] for m in metrics if m.get("tokens_per_s")]
+    restart_timings = [
+        {k: e.get(k) for k in ("from_step", "world_size", "downtime_s", "setup_s", "checkpoint_load_s")}
+        for e in events if e["event"] == "resume"
+    ]
+    return {
+        "status": status,
+        "final_step": final_state.get("step", metrics[-1]["step"] if metrics else 0),
+        "first_loss": losses[0]["loss"] if losses else None,
+        "final_loss": losses[-1]["loss"] if losses else None,
+        "world_sizes_seen": sorted({e["world_size"] for e in starts}),
+        "restarts": max(0, len(starts) - 1),
+        "rollbacks": count("rollback"),
+        "fallbacks": sum(1 for e in events if e["event"] == "precision_changed" and e.get("to") == "bf16"
+                         and e.get("rank", 0) == 0),
+        "skipped_steps": count("step_skipped"),
+        "samples_consumed": final_state.get("samples_consumed"),
+        "consumed_ranges": final_state.get("consumed_ranges"),
+        "skipped_ranges": final_state.get("skipped_ranges"),
+        "tokens_per_s": (sum(tput) / len(tput)) if tput else None,
+        "restart_timings": restart_timings,
+        "wall_time_s": wall_time_s,
+    }
