@@ -1,0 +1,706 @@
+"""Checkpoints: DCP save/load in atomic directories with a manifest, checksums and retention.
+
+One checkpoint is a directory `root/step_000123/`:
+
+    dcp/.metadata, dcp/__R_I.distcp   tensors of the model and optimizer state (torch.distributed.checkpoint,
+                                      reshardable to any world size)
+    state_meta.pt                     the non-tensor leaves of those state dicts (optimizer param_groups, ...), rank 0
+    scheduler.pt                      LR scheduler state_dict, rank 0 (absent when saved without a scheduler)
+    extra_state.json                  the caller's JSON state: data position, policy, precision, elastic plan, ...
+    rng/rank_00000.pt                 RNG states of each rank (torch CPU, CUDA, python, numpy)
+    manifest.json                     written last: step, world_size, time, good, checksum algorithm,
+                                      files {relative path: {size, digest}}
+
+Life of a checkpoint:
+1. `save` (collective): every rank writes into `root/.tmp-step_000123/`; the ranks hash the files (each rank a
+   share), rank 0 writes manifest.json (good=false) and renames the directory to `root/step_000123`. A crash at
+   any point leaves either the old state or a `.tmp-*` directory that readers ignore and rank 0 removes at start.
+2. `mark_good` (rank 0 writes): after the monitors passed the steps after it, good=true is set by rewriting
+   manifest.json through temp file + os.replace. Retention runs then (and after each save): the newest
+   `keep_last` checkpoints and the newest `keep_good` good ones stay, everything older goes.
+3. `latest` verifies candidates newest first (manifest readable, all files present with the recorded sizes and
+   digests); a corrupt or partial one is reported with a `checkpoint_corrupt` event and skipped.
+4. `load` reshards the tensors into the current model/optimizer (any world size, FSDP2 or plain), restores the
+   scheduler, the RNG of this rank, and returns the extra state. Loading never deletes anything.
+
+Trust: everything we write ourselves is read back with `torch.load(weights_only=True)` or json. Only tensors go
+through DCP, so DCP's pickle path for non-tensor items (`torch.load(weights_only=False)` in its planner) is never
+taken; DCP's own `.metadata` is a pickle that DCP reads, and its digest is checked against the manifest first.
+
+RNG on load: with the same world size, each rank gets back exactly the states it saved. With a different world
+size there is no meaningful mapping of old ranks to new ones, so every rank seeds torch (CPU and all CUDA
+devices), python `random` and numpy from `derive_rng_seed(seed, step, rank)`: a pure function of the manager's
+seed, the checkpoint step and the new rank, so a resumed run is reproducible for a given world size.
+
+Events go to `event_sink(name, payload)`; each payload has `step`. `checkpoint_saved` (path, step, good=False),
+`checkpoint_good` (path, step), `checkpoint_deleted` (path, step, reason) and `checkpoint_loaded` come from rank 0;
+`checkpoint_corrupt` (path, step, reason) comes from the rank that found it (from rank 0 only when `latest` runs
+collectively). Give non-zero ranks a sink that drops events if only rank 0 should write the event log.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import pickle
+import random
+import re
+import shutil
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+
+try:  # numpy is optional for us; its RNG is saved only when it is importable
+    import numpy as np
+except ImportError:  # pragma: no cover - numpy ships with torch's usual environments
+    np = None
+
+FORMAT = "elastic-fp8-checkpoint"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+TMP_PREFIX = ".tmp-"
+DCP_DIR = "dcp"
+STATE_META = "state_meta.pt"
+SCHEDULER = "scheduler.pt"
+EXTRA_STATE = "extra_state.json"
+RNG_DIR = "rng"
+_STEP_RE = re.compile(r"^step_(\d+)$")
+
+EventSink = Callable[[str, dict], None]
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, partial, corrupt or unreadable (not a user error in the arguments)."""
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """A verified, finalized checkpoint directory."""
+
+    step: int
+    path: Path
+    world_size: int  # world size that wrote it (RNG states exist for ranks 0..world_size-1)
+    good: bool
+    time: float  # unix time the manifest was written
+    manifest: dict = field(compare=False, repr=False)
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:06d}"
+
+
+def rng_file_name(rank: int) -> str:
+    return f"{RNG_DIR}/rank_{rank:05d}.pt"
+
+
+def derive_rng_seed(seed: int, step: int, rank: int) -> int:
+    """Seed for `rank` when resuming from `step` at a different world size (pure, stable across Python runs)."""
+    digest = hashlib.sha256(f"elastic-fp8-rng:{seed}:{step}:{rank}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+def seed_all_rngs(seed: int) -> None:
+    """Seed torch (CPU and every CUDA device), python `random` and numpy from one integer."""
+    random.seed(seed)
+    torch.manual_seed(seed)  # also seeds all CUDA devices
+    if np is not None:
+        np.random.seed(seed % 2**32)
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """RNG states of this process in types that `torch.load(weights_only=True)` accepts."""
+    state: dict[str, Any] = {"torch_cpu": torch.get_rng_state(), "python": random.getstate(), "numpy": None,
+                             "cuda": None}
+    if np is not None:
+        name, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
+        # ndarrays are not allowed by weights_only loading; the MT19937 key fits an int64 tensor exactly
+        state["numpy"] = {"name": str(name), "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                          "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()  # the current device: one device per rank
+    return state
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch_cpu"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    if state.get("numpy") is not None and np is not None:
+        s = state["numpy"]
+        np.random.set_state((s["name"], s["keys"].numpy().astype(np.uint32), s["pos"], s["has_gauss"],
+                             s["cached_gaussian"]))
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def ray_checkpoint_dir(checkpoint: CheckpointInfo | str | Path) -> str:
+    """Directory to give `ray.train.Checkpoint.from_directory` for a finalized checkpoint.
+
+    Report it from rank 0 only (the directory holds every rank's files on a shared filesystem). Ray copies it
+    into its storage at report time, so later `mark_good` calls do not reach Ray's copy: use this manager's
+    root to find good checkpoints.
+    """
+    path = Path(checkpoint.path if isinstance(checkpoint, CheckpointInfo) else checkpoint).resolve()
+    if path.name.startswith(TMP_PREFIX):
+        raise ValueError(f"{path} is an unfinished temporary checkpoint directory; report the path save() returned")
+    if not (path / MANIFEST).is_file():
+        raise ValueError(f"{path} has no {MANIFEST}: not a finalized checkpoint (use the path save() returned)")
+    return str(path)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Small pure helpers: state-dict splitting, files, manifest checks
+
+
+def split_tensors(tree: dict) -> tuple[dict, dict]:
+    """Split a nested state dict into (tensor leaves, everything else), both keeping the dict nesting.
+
+    Lists and tuples (e.g. optimizer param_groups) count as non-tensor leaves. Empty dicts are dropped from the
+    tensor side (DCP has nothing to write for them).
+    """
+    tensors: dict = {}
+    rest: dict = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            sub_tensors, sub_rest = split_tensors(value)
+            if sub_tensors:
+                tensors[key] = sub_tensors
+            rest[key] = sub_rest
+        elif isinstance(value, torch.Tensor):
+            tensors[key] = value
+        else:
+            rest[key] = value
+    return tensors, rest
+
+
+def merge_trees(base: dict, overlay: dict) -> dict:
+    """Deep merge: keys of `overlay` win; nested dicts merge."""
+    out = dict(base)
+    for key, value in overlay.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge_trees(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def file_digest(path: Path, algorithm: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, algorithm).hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # some filesystems do not allow opening directories; the rename is still atomic there
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    """Write JSON so readers see the old or the new file, never a half-written one."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w", encoding="ascii") as f:
+        json.dump(obj, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _check_weights_only_roundtrip(obj: Any, what: str) -> bytes:
+    """Serialize `obj` and prove it loads with weights_only=True, so a bad type fails at save, not at resume."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    data = buf.getvalue()
+    try:
+        torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+    except Exception as e:  # the unpickler raises UnpicklingError or others depending on the type
+        raise ValueError(f"{what} holds a type that torch.load(weights_only=True) refuses, so it could not be "
+                         f"resumed: {e}. Keep it to tensors, numbers, strings, lists, tuples and dicts.") from e
+    return data
+
+
+def _list_files(directory: Path) -> list[str]:
+    """Relative POSIX paths of all regular files under `directory`, sorted (the manifest is excluded)."""
+    out = []
+    for dirpath, _, filenames in os.walk(directory):
+        for name in filenames:
+            rel = (Path(dirpath) / name).relative_to(directory).as_posix()
+            if rel != MANIFEST:
+                out.append(rel)
+    return sorted(out)
+
+
+def read_manifest(path: Path) -> dict:
+    """Parse and sanity-check `path/manifest.json`; CheckpointError with the reason otherwise."""
+    mpath = Path(path) / MANIFEST
+    if not mpath.is_file():
+        raise CheckpointError(f"{MANIFEST} missing (partial or foreign checkpoint)")
+    try:
+        manifest = json.loads(mpath.read_text(encoding="ascii"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"unreadable {MANIFEST}: {e}") from e
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{MANIFEST} is not an {FORMAT} manifest")
+    if manifest.get("version") != FORMAT_VERSION:
+        raise CheckpointError(f"{MANIFEST} has version {manifest.get('version')!r}; this code reads {FORMAT_VERSION}")
+    for key, kind in (("step", int), ("world_size", int), ("files", dict), ("checksum", str), ("good", bool)):
+        if not isinstance(manifest.get(key), kind):
+            raise CheckpointError(f"{MANIFEST} field {key!r} missing or not {kind.__name__}")
+    if manifest["world_size"] < 1:
+        raise CheckpointError(f"{MANIFEST} has world_size {manifest['world_size']}")
+    return manifest
+
+
+def verify_checkpoint(path: str | Path, *, checksums: bool = True, share: tuple[int, int] = (0, 1)) -> CheckpointInfo:
+    """Verify one checkpoint directory and describe it; CheckpointError(reason) when it is partial or corrupt.
+
+    Sizes of all files are checked; digests only of this caller's share (file index % share[1] == share[0]),
+    so a collective verification spreads the hashing over the ranks.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError("not a directory")
+    manifest = read_manifest(path)
+    files: dict = manifest["files"]
+    algorithm = manifest["checksum"]
+    if checksums and algorithm not in hashlib.algorithms_available:
+        raise CheckpointError(f"checksum algorithm {algorithm!r} not available in this Python")
+    required = {f"{DCP_DIR}/.metadata", STATE_META, EXTRA_STATE}
+    required |= {rng_file_name(r) for r in range(manifest["world_size"])}
+    unlisted = sorted(required - files.keys())
+    if unlisted:
+        raise CheckpointError(f"{MANIFEST} does not list required files {unlisted}")
+    share_rank, share_size = share
+    for index, rel in enumerate(sorted(files)):
+        meta = files[rel]
+        if Path(rel).is_absolute() or ".." in Path(rel).parts:
+            raise CheckpointError(f"{MANIFEST} lists a path outside the checkpoint: {rel!r}")
+        file_path = path / rel
+        if not file_path.is_file():
+            raise CheckpointError(f"file missing: {rel}")
+        size = file_path.stat().st_size
+        if size != meta.get("size"):
+            raise CheckpointError(f"size mismatch in {rel}: manifest {meta.get('size')}, on disk {size}")
+        if checksums and index % share_size == share_rank:
+            digest = file_digest(file_path, algorithm)
+            if digest != meta.get("digest"):
+                raise CheckpointError(f"{algorithm} mismatch in {rel}: manifest {meta.get('digest')}, "
+                                      f"on disk {digest}")
+    return CheckpointInfo(step=manifest["step"], path=path, world_size=manifest["world_size"],
+                          good=manifest["good"], time=float(manifest.get("time", 0.0)), manifest=manifest)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Collectives (no-ops without an initialized process group)
+
+
+def _dist_on() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _sync_errors(error: str | None, what: str) -> None:
+    """All ranks learn whether any rank failed, and all raise together (no rank is left waiting)."""
+    if _dist_on() and dist.get_world_size() > 1:
+        errors: list = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+    else:
+        errors = [error]
+    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+    if failed:
+        detail = "; ".join(f"rank {r}: {e}" for r, e in failed)
+        raise CheckpointError(f"{what} failed: {detail}")
+
+
+def _broadcast_from_rank0(obj: Any) -> Any:
+    if _dist_on() and dist.get_world_size() > 1:
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+    return obj
+
+
+def _gather_to_all(obj: Any) -> list:
+    if _dist_on() and dist.get_world_size() > 1:
+        out: list = [None] * dist.get_world_size()
+        dist.all_gather_object(out, obj)
+        return out
+    return [obj]
+
+
+def _err(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class CheckpointManager:
+    """Atomic, verified, reshardable checkpoints under one root directory (see the module docstring).
+
+    `save` and `latest(collective=True)` are collectives: call them on every rank. `mark_good` and
+    `discard_newer_than` write on rank 0 only and return at once elsewhere; `latest()` (default) and `load` are
+    local reads (`load` runs DCP collectives when a process group is initialized, so call it on every rank).
+    """
+
+    def __init__(self, root: str | Path, keep_last: int = 3, keep_good: int = 2, *, rank: int | None = None,
+                 world_size: int | None = None, event_sink: EventSink | None = None, seed: int = 0,
+                 checksum: str = "sha256", create: bool = True, clean_tmp: bool = True) -> None:
+        if not isinstance(keep_last, int) or keep_last < 1:
+            raise ValueError(f"keep_last must be an int >= 1 (checkpoints to keep), got {keep_last!r}")
+        if not isinstance(keep_good, int) or keep_good < 1:
+            raise ValueError(f"keep_good must be an int >= 1 (the newest good checkpoint is always kept), "
+                             f"got {keep_good!r}")
+        if checksum not in hashlib.algorithms_available:
+            raise ValueError(f"checksum {checksum!r} is not a hashlib algorithm here; use e.g. 'sha256' or "
+                             f"'blake2b' (faster on CPUs without SHA instructions)")
+        dist_rank = dist.get_rank() if _dist_on() else 0
+        dist_world = dist.get_world_size() if _dist_on() else 1
+        self.rank = dist_rank if rank is None else rank
+        self.world_size = dist_world if world_size is None else world_size
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} out of range for world_size {self.world_size}")
+        if _dist_on() and (self.rank, self.world_size) != (dist_rank, dist_world):
+            raise ValueError(f"rank/world_size {self.rank}/{self.world_size} disagree with the initialized "
+                             f"process group ({dist_rank}/{dist_world}); leave them out to use the group's")
+        self.keep_last = keep_last
+        self.keep_good = keep_good
+        self.seed = seed
+        self.checksum = checksum
+        self.event_sink = event_sink
+        self.last_load_rng: str | None = None  # "restored" or "derived" after load()
+        self.root = Path(root).expanduser().absolute()
+        if self.root.exists() and not self.root.is_dir():
+            raise ValueError(f"checkpoint root {self.root} exists but is not a directory")
+        if not self.root.exists():
+            if not create:
+                raise ValueError(f"checkpoint root {self.root} does not exist; create it or pass create=True")
+            try:
+                self.root.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise ValueError(f"cannot create checkpoint root {self.root}: {e}") from e
+        if clean_tmp and self.rank == 0:
+            # leftovers of saves or deletions that crashed; nobody else writes here before our first save
+            for leftover in self._tmp_dirs():
+                shutil.rmtree(leftover, ignore_errors=True)
+
+    # -- events ---------------------------------------------------------------------------------------------------
+
+    def _emit(self, name: str, payload: dict) -> None:
+        if self.event_sink is not None:
+            self.event_sink(name, payload)
+
+    # -- listing ----------------------------------------------------------------------------------------------------
+
+    def _require_root(self) -> None:
+        if not self.root.is_dir():
+            raise CheckpointError(f"checkpoint root {self.root} does not exist (deleted, or the storage is not "
+                                  f"mounted on this node?)")
+
+    def _tmp_dirs(self) -> list[Path]:
+        return [p for p in self.root.iterdir() if p.name.startswith(TMP_PREFIX) and p.is_dir()]
+
+    def finalized(self) -> list[tuple[int, Path]]:
+        """(step, path) of every `step_*` directory, newest first; not verified."""
+        self._require_root()
+        out = []
+        for p in self.root.iterdir():
+            m = _STEP_RE.match(p.name)
+            if m and p.is_dir():
+                out.append((int(m.group(1)), p))
+        return sorted(out, key=lambda sp: sp[0], reverse=True)
+
+    def path_for(self, step: int) -> Path:
+        return self.root / step_dir_name(step)
+
+    # -- save -------------------------------------------------------------------------------------------------------
+
+    def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
+             scheduler: Any | None = None, extra_state: dict | None = None) -> Path:
+        """Collective: write checkpoint `step` atomically and return its final directory (on every rank)."""
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ValueError(f"step must be an int >= 0, got {step!r}")
+        extra_state = {} if extra_state is None else extra_state
+        if not isinstance(extra_state, dict):
+            raise ValueError(f"extra_state must be a dict, got {type(extra_state).__name__}")
+        try:
+            extra_json = json.dumps(extra_state, indent=1, sort_keys=True)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"extra_state must be JSON-serialisable (convert tensors with .item()/.tolist()): "
+                             f"{e}") from e
+        self._require_root()
+
+        # Everything that can fail on bad input runs before the first collective, identically on every rank.
+        state = self._get_state(model, optimizer)
+        tensors, rest = split_tensors(state)
+        rest_bytes = _check_weights_only_roundtrip(rest, "the non-tensor part of the model/optimizer state")
+        sched_bytes = None
+        if scheduler is not None:
+            sched_bytes = _check_weights_only_roundtrip(scheduler.state_dict(), "the LR scheduler state_dict")
+        rng_bytes = _check_weights_only_roundtrip(capture_rng_state(), "the RNG state")
+
+        name = step_dir_name(step)
+        tmp = self.root / f"{TMP_PREFIX}{name}"
+        final = self.root / name
+        error = None
+        if self.rank == 0:
+            try:
+                if tmp.exists():
+                    shutil.rmtree(tmp)
+                (tmp / RNG_DIR).mkdir(parents=True)
+            except OSError as e:
+                error = _err(e)
+        _sync_errors(error, f"creating {tmp}")
+
+        with warnings.catch_warnings():  # DCP warns that it runs single-process when no group exists: intended
+            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+            dcp.save(tensors, checkpoint_id=tmp / DCP_DIR)
+        error = None
+        try:
+            (tmp / rng_file_name(self.rank)).write_bytes(rng_bytes)
+            if self.rank == 0:
+                (tmp / STATE_META).write_bytes(rest_bytes)
+                if sched_bytes is not None:
+                    (tmp / SCHEDULER).write_bytes(sched_bytes)
+                (tmp / EXTRA_STATE).write_text(extra_json, encoding="ascii")
+        except OSError as e:
+            error = _err(e)
+        _sync_errors(error, f"writing {tmp}")
+
+        # Hash in parallel: rank 0's listing is the truth (directory caches may lag on network filesystems).
+        files = _broadcast_from_rank0(_list_files(tmp) if self.rank == 0 else None)
+        error, digests = None, {}
+        try:
+            for index, rel in enumerate(files):
+                if index % self.world_size == self.rank:
+                    digests[rel] = {"size": (tmp / rel).stat().st_size, "digest": file_digest(tmp / rel,
+                                                                                              self.checksum)}
+        except OSError as e:
+            error = _err(e)
+        gathered = _gather_to_all((error, digests))
+        _sync_errors(error, f"hashing {tmp}")
+
+        error, deleted = None, []
+        if self.rank == 0:
+            try:
+                all_digests: dict = {}
+                for _, part in gathered:
+                    all_digests.update(part)
+                assert sorted(all_digests) == files, "every listed file is hashed exactly once"
+                manifest = {"format": FORMAT, "version": FORMAT_VERSION, "step": step,
+                            "world_size": self.world_size, "time": time.time(), "good": False,
+                            "checksum": self.checksum, "files": all_digests, "torch_version": torch.__version__,
+                            "has_scheduler": scheduler is not None}
+                write_json_atomic(tmp / MANIFEST, manifest)
+                _fsync_dir(tmp)
+                replaced = None
+                if final.exists():
+                    # Re-saving a step (after a rollback): the new one wins; the old one goes via a .tmp name so
+                    # a crash here never leaves a half-deleted step_ directory.
+                    replaced = self.root / f"{TMP_PREFIX}replaced-{name}-{os.getpid()}"
+                    os.rename(final, replaced)
+                os.rename(tmp, final)
+                _fsync_dir(self.root)
+                if replaced is not None:
+                    shutil.rmtree(replaced, ignore_errors=True)
+                deleted = self._apply_retention()
+            except OSError as e:
+                error = _err(e)
+        _sync_errors(error, f"finalizing {final}")
+        if self.rank == 0:
+            self._emit("checkpoint_saved", {"step": step, "path": str(final), "good": False})
+            self._emit_deleted(deleted)
+        return final
+
+    def _get_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict:
+        if optimizer is None:
+            return {"model": get_model_state_dict(model)}
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        return {"model": model_sd, "optim": optim_sd}
+
+    # -- good marks and retention ---------------------------------------------------------------------------------
+
+    def mark_good(self, step: int) -> None:
+        """Mark checkpoint `step` good (rank 0 writes; other ranks return) and apply retention."""
+        if self.rank != 0:
+            return
+        path = self.path_for(step)
+        if not path.is_dir():
+            raise CheckpointError(f"cannot mark step {step} good: {path} does not exist")
+        try:
+            manifest = read_manifest(path)
+        except CheckpointError as e:
+            raise CheckpointError(f"cannot mark step {step} good: {path}: {e}") from e
+        if not manifest["good"]:
+            manifest["good"] = True
+            manifest["good_time"] = time.time()
+            write_json_atomic(path / MANIFEST, manifest)
+        self._emit("checkpoint_good", {"step": step, "path": str(path)})
+        self._emit_deleted(self._apply_retention())
+
+    def _is_good(self, path: Path) -> bool:
+        try:
+            return read_manifest(path)["good"]
+        except CheckpointError:
+            return False
+
+    def retention_plan(self) -> tuple[list[int], list[int]]:
+        """(steps kept, steps to delete) under keep_last / keep_good; pure apart from reading manifests."""
+        entries = self.finalized()
+        steps = [s for s, _ in entries]
+        good_steps = [s for s, p in entries if self._is_good(p)]
+        keep = set(steps[: self.keep_last]) | set(good_steps[: self.keep_good])
+        return sorted(keep), sorted(s for s in steps if s not in keep)
+
+    def _apply_retention(self) -> list[tuple[int, Path]]:
+        _, delete = self.retention_plan()
+        deleted = []
+        for step in delete:
+            path = self.path_for(step)
+            self._remove_dir(path, step)
+            deleted.append((step, path))
+        return deleted
+
+    def _remove_dir(self, path: Path, step: int) -> None:
+        # rename first: readers never see a half-deleted step_ directory
+        trash = self.root / f"{TMP_PREFIX}deleted-{path.name}-{os.getpid()}"
+        os.rename(path, trash)
+        shutil.rmtree(trash, ignore_errors=True)
+
+    def _emit_deleted(self, deleted: list[tuple[int, Path]], reason: str = "retention") -> None:
+        for step, path in deleted:
+            self._emit("checkpoint_deleted", {"step": step, "path": str(path), "reason": reason})
+
+    def discard_newer_than(self, step: int) -> list[Path]:
+        """After a rollback to `step`: delete the checkpoints of the abandoned trajectory (rank 0 only).
+
+        Without this a restart would resume from a newer checkpoint of the diverged run. Returns deleted paths.
+        """
+        if self.rank != 0:
+            return []
+        deleted = []
+        for s, path in self.finalized():
+            if s > step:
+                self._remove_dir(path, s)
+                deleted.append((s, path))
+        self._emit_deleted(deleted, reason=f"rollback to step {step}")
+        return [p for _, p in deleted]
+
+    # -- find and verify --------------------------------------------------------------------------------------------
+
+    def verify(self, path: str | Path, *, checksums: bool = True) -> CheckpointInfo:
+        """Verify one directory (any location, e.g. a Ray-restored checkpoint); CheckpointError if bad."""
+        path = Path(path)
+        try:
+            return verify_checkpoint(path, checksums=checksums)
+        except CheckpointError as e:
+            raise CheckpointError(f"checkpoint {path}: {e}") from e
+
+    def latest(self, good_only: bool = False, *, collective: bool = False,
+               checksums: bool = True) -> CheckpointInfo | None:
+        """Newest checkpoint that verifies (and is good, with good_only); None if there is none.
+
+        Corrupt or partial ones are skipped with a `checkpoint_corrupt` event. With collective=True (call on all
+        ranks) rank 0's listing is used, each rank hashes a share of the files, and all ranks get the same answer.
+        """
+        use_group = collective and _dist_on() and dist.get_world_size() > 1
+        share = (self.rank, self.world_size) if use_group else (0, 1)
+        if use_group:
+            listing = None
+            if self.rank == 0:
+                listing = [(s, str(p), self._is_good(p)) for s, p in self.finalized()]
+            listing = _broadcast_from_rank0(listing)
+        else:
+            listing = [(s, str(p), self._is_good(p)) for s, p in self.finalized()]
+        for step, path_str, good in listing:
+            path = Path(path_str)
+            if good_only and not good:
+                # skipped without hashing; an unreadable manifest reads as not good and is reported when
+                # a non-good_only call reaches it
+                continue
+            reason, info = None, None
+            try:
+                info = verify_checkpoint(path, checksums=checksums, share=share)
+                if info.step != step:
+                    raise CheckpointError(f"manifest says step {info.step} but the directory is {path.name}")
+            except CheckpointError as e:
+                reason = str(e)
+            if use_group:
+                reasons = [r for r in _gather_to_all(reason)]
+                bad = [(r, why) for r, why in enumerate(reasons) if why is not None]
+                reason = "; ".join(f"rank {r}: {why}" for r, why in bad) if bad else None
+            if reason is not None:
+                if not use_group or self.rank == 0:
+                    self._emit("checkpoint_corrupt", {"step": step, "path": str(path), "reason": reason})
+                continue
+            assert info is not None
+            return info
+        return None
+
+    # -- load -------------------------------------------------------------------------------------------------------
+
+    def load(self, info: CheckpointInfo | str | Path, model: torch.nn.Module,
+             optimizer: torch.optim.Optimizer | None = None, scheduler: Any | None = None) -> dict:
+        """Load `info` into the (possibly resharded) model/optimizer/scheduler; return the extra state.
+
+        Call on every rank when a process group is initialized (DCP reads collectively). Call it before the
+        first backward or right after an optimizer step (get/set_state_dict need initialized optimizer state).
+        """
+        if not isinstance(info, CheckpointInfo):
+            info = self.verify(info)
+        path = info.path
+        if scheduler is not None and not (path / SCHEDULER).is_file():
+            raise CheckpointError(f"checkpoint {path} was saved without a scheduler; pass scheduler=None or "
+                                  f"resume from a checkpoint that has one")
+        try:
+            saved_rest = torch.load(path / STATE_META, weights_only=True, map_location="cpu")
+            extra_state = json.loads((path / EXTRA_STATE).read_text(encoding="ascii"))
+        except (OSError, ValueError, RuntimeError, pickle.UnpicklingError) as e:
+            raise CheckpointError(f"checkpoint {path}: cannot read {STATE_META}/{EXTRA_STATE}: {e}") from e
+        if optimizer is not None and "optim" not in saved_rest:
+            raise CheckpointError(f"checkpoint {path} has no optimizer state; pass optimizer=None to load "
+                                  f"the model only")
+        dest = self._get_state(model, optimizer)
+        tensors, _ = split_tensors(dest)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+            dcp.load(tensors, checkpoint_id=path / DCP_DIR)  # in place, resharded to the current layout
+        merged = merge_trees(saved_rest, tensors)
+        if optimizer is None:
+            set_model_state_dict(model, merged["model"])
+        else:
+            set_state_dict(model, optimizer, model_state_dict=merged["model"], optim_state_dict=merged["optim"])
+        if scheduler is not None:
+            scheduler.load_state_dict(torch.load(path / SCHEDULER, weights_only=True, map_location="cpu"))
+        if info.world_size == self.world_size:
+            restore_rng_state(torch.load(path / rng_file_name(self.rank), weights_only=True, map_location="cpu"))
+            rng = "restored"
+        else:
+            seed_all_rngs(derive_rng_seed(self.seed, info.step, self.rank))
+            rng = "derived"
+        if self.rank == 0:
+            self._emit("checkpoint_loaded", {"step": info.step, "path": str(path), "from_world_size":
+                                             info.world_size, "world_size": self.world_size, "rng": rng})
+        self.last_load_rng = rng
+        return extra_state
