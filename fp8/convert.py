@@ -1,0 +1,187 @@
+"""Model conversion and the run-time precision switch.
+
+convert_to_fp8 swaps nn.Linear -> Float8Linear (sharing the Parameter objects) and, on every module with
+a callable `grouped_mm` attribute (MoE experts), swaps that attribute for Fp8GroupedMM, keeping the
+original so set_precision can switch back. Neither touches parameters, buffers in the state_dict, or
+optimizer state, so the divergence fallback can flip precision mid-run and checkpoints stay compatible.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import nn
+
+from fp8.grouped import Fp8GroupedMM
+from fp8.linear import Float8Linear
+from fp8.recipes import Recipe, get_recipe
+
+PRECISIONS = ("fp8", "bf16")
+
+# Last name components kept in high precision by the default filter: the LM head and MoE routers are
+# small, precision-sensitive (logits, routing decisions) and cheap in bf16.
+_HP_LEAF_NAMES = frozenset({"output", "lm_head", "head", "gate", "router"})
+
+# Attributes set on converted grouped modules.
+_FP8_OP = "_fp8_grouped_op"
+_HP_OP = "_fp8_hp_grouped_mm"
+_RECIPE_ATTR = "_fp8_recipe_name"
+
+
+def default_module_filter(name: str, module: nn.Module) -> bool:
+    """True if `module` (at dotted `name`) should run in FP8.
+
+    Keeps in high precision: embeddings, the output head, routers/gates, and linears whose in or out
+    features are not multiples of 16 (FP8 GEMMs need 16-element alignment).
+    """
+    leaf = name.rsplit(".", 1)[-1]
+    if leaf in _HP_LEAF_NAMES or "embed" in name:
+        return False
+    if isinstance(module, nn.Embedding):
+        return False
+    if isinstance(module, nn.Linear):
+        return module.in_features % 16 == 0 and module.out_features % 16 == 0
+    return True
+
+
+def _is_grouped(module: nn.Module) -> bool:
+    return callable(getattr(module, "grouped_mm", None)) and not isinstance(module, nn.Linear)
+
+
+def convert_to_fp8(
+    model: nn.Module,
+    recipe: str | Recipe = "tensorwise",
+    module_filter: Callable[[str, nn.Module], bool] | None = None,
+) -> nn.Module:
+    """Swap eligible layers of `model` to FP8 in place and return it.
+
+    recipe: "tensorwise" | "rowwise" | "rowwise_gw_hp" (dense linears; MoE experts always use rowwise).
+    module_filter(name, module) -> bool: which modules to convert; default `default_module_filter`.
+    Converting twice is an error (ValueError) so a recipe change cannot half-apply.
+    """
+    rec = get_recipe(recipe)
+    keep = module_filter or default_module_filter
+    if any(isinstance(m, Float8Linear) or hasattr(m, _FP8_OP) for m in model.modules()):
+        raise ValueError("model is already converted to fp8; build a fresh model to change the recipe")
+    swaps: list[tuple[nn.Module, str, nn.Module]] = []
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and type(module) is nn.Linear and name and keep(name, module):
+            parent_name, _, child = name.rpartition(".")
+            swaps.append((model.get_submodule(parent_name), child, module))
+        elif _is_grouped(module) and keep(name, module):
+            setattr(module, _HP_OP, module.grouped_mm)
+            setattr(module, _FP8_OP, Fp8GroupedMM())
+            setattr(module, _RECIPE_ATTR, rec.name)
+            module.grouped_mm = getattr(module, _FP8_OP)
+    for parent, child, module in swaps:
+        setattr(parent, child, Float8Linear.from_float(module, rec))
+    return model
+
+
+def _fp8_modules(model: nn.Module):
+    """(name, module) of every converted module (Float8Linear or grouped)."""
+    for name, module in model.named_modules():
+        if isinstance(module, Float8Linear) or hasattr(module, _FP8_OP):
+            yield name, module
+
+
+def _in_scope(name: str, scope: Iterable[str] | None) -> bool:
+    if scope is None:
+        return True
+    return any(name == p or name.startswith(p + ".") or p == "" for p in scope)
+
+
+def _set_module(module: nn.Module, fp8: bool) -> None:
+    if isinstance(module, Float8Linear):
+        module.fp8_enabled = fp8
+    else:
+        module.grouped_mm = getattr(module, _FP8_OP) if fp8 else getattr(module, _HP_OP)
+
+
+def _module_is_fp8(module: nn.Module) -> bool:
+    if isinstance(module, Float8Linear):
+        return module.fp8_enabled
+    return module.grouped_mm is getattr(module, _FP8_OP)
+
+
+def set_precision(model: nn.Module, precision: str, scope: Iterable[str] | str | None = None) -> list[str]:
+    """Switch the compute precision of converted modules at run time; returns the names switched.
+
+    precision: "fp8" or "bf16" ("bf16" = the module's own high-precision path, exactly the unconverted
+    computation). scope: None for the whole model, or module-name prefixes ("layers.3", ...).
+    Parameters and optimizer state are untouched. Needs a converted model for "fp8".
+    """
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if isinstance(scope, str):
+        scope = [scope]
+    scope = list(scope) if scope is not None else None
+    mods = list(_fp8_modules(model))
+    if precision == "fp8" and not mods:
+        raise ValueError("set_precision('fp8') on a model with no fp8 layers: call convert_to_fp8 first")
+    changed = []
+    for name, module in mods:
+        if _in_scope(name, scope):
+            _set_module(module, precision == "fp8")
+            changed.append(name)
+    if scope is not None and not changed and mods:
+        raise ValueError(f"scope {scope} matches no fp8 module; known e.g. {[n for n, _ in mods[:5]]}")
+    return changed
+
+
+def precision_state(model: nn.Module) -> dict:
+    """Checkpointable precision state: {"recipe": name | None, "modules": {name: "fp8" | "bf16"}}."""
+    recipe = None
+    modules = {}
+    for name, module in _fp8_modules(model):
+        modules[name] = "fp8" if _module_is_fp8(module) else "bf16"
+        if isinstance(module, Float8Linear):
+            recipe = module.recipe.name
+        elif recipe is None:
+            recipe = getattr(module, _RECIPE_ATTR, None)
+    return {"recipe": recipe, "modules": modules}
+
+
+def load_precision_state(model: nn.Module, state: dict) -> None:
+    """Restore what precision_state saved (the model must be converted with the same layout)."""
+    if not isinstance(state, dict) or "modules" not in state:
+        raise ValueError("precision state must be the dict returned by precision_state(model)")
+    mods = dict(_fp8_modules(model))
+    unknown = sorted(set(state["modules"]) - set(mods))
+    if unknown:
+        raise ValueError(f"precision state names modules this model does not convert: {unknown[:5]}")
+    for name, prec in state["modules"].items():
+        if prec not in PRECISIONS:
+            raise ValueError(f"module {name}: precision must be one of {PRECISIONS}, got {prec!r}")
+        _set_module(mods[name], prec == "fp8")
+
+
+def fp8_health(model: nn.Module) -> dict[str, torch.Tensor]:
+    """On-device health scalars from the last forward of every fp8-enabled layer (no host sync).
+
+    saturated_frac: mean over layers of the fraction of sampled fp8 values at +-max.
+    underflow_frac: mean over layers of the fraction of sampled nonzero inputs that cast to zero.
+    amax_max: largest input amax seen. All zeros if no layer ran in fp8.
+    """
+    stats = []
+    for _, module in _fp8_modules(model):
+        if not _module_is_fp8(module):
+            continue
+        if isinstance(module, Float8Linear):
+            stats.append(module.fp8_health_stats)
+        else:
+            last = getattr(module, _FP8_OP).last_stats
+            if last is not None:
+                stats.append(last)
+    if not stats:
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        z = torch.zeros((), device=device)
+        return {"saturated_frac": z, "underflow_frac": z.clone(), "amax_max": z.clone()}
+    device = stats[0].device
+    all_S3 = torch.stack([s.to(device) for s in stats])
+    return {
+        "saturated_frac": all_S3[:, 0].mean(),
+        "underflow_frac": all_S3[:, 1].mean(),
+        "amax_max": all_S3[:, 2].max(),
+    }

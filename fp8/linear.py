@@ -1,0 +1,197 @@
+"""Float8Linear: one autograd.Function owns the three GEMMs of a linear layer.
+
+    output      y_MN  = x_MK  @ w_NK^T      (forward)
+    grad_input  gx_MK = gy_MN @ w_NK        (backward)
+    grad_weight gw_NK = gy_MN^T @ x_MK      (backward)
+
+Each GEMM quantizes its two operands along the contraction dim (rowwise) or per tensor (tensorwise) and
+runs through `torch._scaled_mm` (cuBLASLt on CUDA, hipBLASLt on ROCm) or, where no FP8 matrix unit exists,
+through the emulated path: the same fp8 operands dequantized to float32 and multiplied in float32. Both
+paths compute the same function (up to float32 accumulation order).
+
+Legend: M tokens (all leading dims flattened), K in_features, N out_features. Suffixes: _hp high
+precision, _fp8 quantized, _t transposed; scales are quantization multipliers (x_fp8 = x * scale).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fp8 import quant
+from fp8.backend import Fp8Backend, get_backend
+from fp8.recipes import Recipe, get_recipe
+
+# Rows of the forward input sampled for health statistics (cheap: a strided view, no host sync).
+_HEALTH_SAMPLE_ROWS = 64
+
+
+def _row_major(a: torch.Tensor) -> torch.Tensor:
+    return a if a.stride(-1) == 1 else a.contiguous()
+
+
+def _col_major(b: torch.Tensor) -> torch.Tensor:
+    return b if b.stride(-2) == 1 else b.t().contiguous().t()
+
+
+def _as_row_vec(s: torch.Tensor, n: int) -> torch.Tensor:
+    """Scale of the right operand as the (1, N) float32 row _scaled_mm's rowwise mode wants."""
+    return s.reshape(1, -1).expand(1, n).contiguous() if s.numel() == 1 else s.reshape(1, n).contiguous()
+
+
+def _as_col_vec(s: torch.Tensor, m: int) -> torch.Tensor:
+    return s.reshape(-1, 1).expand(m, 1).contiguous() if s.numel() == 1 else s.reshape(m, 1).contiguous()
+
+
+def scaled_mm(
+    a_fp8: torch.Tensor,
+    b_fp8: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    out_dtype: torch.dtype,
+    use_scaled_mm: bool,
+    fast_accum: bool = False,
+) -> torch.Tensor:
+    """a (M, K) @ b (K, N) dequantized: (a / scale_a) @ (b / scale_b).
+
+    scale_a: 0-d or (M, 1); scale_b: 0-d or (1, N). use_scaled_mm=False runs the emulated float32 path.
+    """
+    inv_a, inv_b = scale_a.reciprocal(), scale_b.reciprocal()
+    if not use_scaled_mm:
+        a32 = a_fp8.float() * inv_a
+        b32 = b_fp8.float() * inv_b
+        return (a32 @ b32).to(out_dtype)
+    m, n = a_fp8.shape[0], b_fp8.shape[1]
+    tensorwise = inv_a.numel() == 1 and inv_b.numel() == 1
+    if tensorwise:
+        inv_a, inv_b = inv_a.reshape(()), inv_b.reshape(())
+        mm_dtype = out_dtype
+    else:
+        # Rowwise _scaled_mm needs both scales as vectors and a bf16 output (cuBLASLt/CUTLASS constraint).
+        inv_a, inv_b = _as_col_vec(inv_a, m), _as_row_vec(inv_b, n)
+        mm_dtype = torch.bfloat16
+    out = torch._scaled_mm(
+        _row_major(a_fp8),
+        _col_major(b_fp8),
+        scale_a=inv_a,
+        scale_b=inv_b,
+        out_dtype=mm_dtype,
+        use_fast_accum=fast_accum,
+    )
+    return out if out.dtype == out_dtype else out.to(out_dtype)
+
+
+def health_stats(x_hp: torch.Tensor, x_fp8: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float32 [saturated_frac, underflow_frac, amax] on a strided row sample; stays on device."""
+    step = max(1, x_hp.shape[0] // _HEALTH_SAMPLE_ROWS)
+    xs_hp, xs_fp8 = x_hp.detach()[::step], x_fp8[::step].float()
+    fp8_max = float(torch.finfo(dtype).max)
+    saturated = (xs_fp8.abs() >= fp8_max).float().mean()
+    underflow = ((xs_hp != 0) & (xs_fp8 == 0)).float().mean()
+    amax = x_hp.detach().abs().amax().float()
+    return torch.stack([saturated, underflow, amax])
+
+
+class _Fp8LinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_MK, w_NK, recipe: Recipe, backend: Fp8Backend, use_scaled_mm: bool):
+        e4m3, pow2 = backend.e4m3, recipe.pow2_scales
+        if recipe.granularity == "tensorwise":
+            x_fp8, sx = quant.quantize_tensorwise(x_MK, e4m3, pow2)
+            w_fp8, sw = quant.quantize_tensorwise(w_NK, e4m3, pow2)
+            # One scale serves either layout: keep the fp8 copies for backward (half the bytes of x_hp).
+            ctx.save_for_backward(x_fp8, sx, w_fp8, sw)
+            sw_1N = sw
+        else:
+            # Backward contracts over other dims, so it needs other scales: cast both layouts now, from one
+            # read, and keep the fp8 column-scaled copies (x_fp8_t_KM, w_fp8_t_KN) instead of x_hp and w_hp.
+            if recipe.grad_weight_hp:
+                x_fp8, sx = quant.quantize_rowwise(x_MK, e4m3, -1, pow2)
+                x_saved, sx_saved = x_MK, sx
+            else:
+                x_fp8, sx, x_saved, sx_saved = quant.quantize_rowwise_and_colwise(x_MK, e4m3, pow2)
+            w_fp8, sw_N1, w_fp8_t_KN, sw_1K = quant.quantize_rowwise_and_colwise(w_NK, e4m3, pow2)
+            ctx.save_for_backward(x_saved, sx_saved, w_fp8_t_KN, sw_1K)
+            sw_1N = sw_N1.reshape(1, -1)
+        y_MN = scaled_mm(x_fp8, w_fp8.t(), sx, sw_1N, x_MK.dtype, use_scaled_mm, fast_accum=True)
+        stats = health_stats(x_MK, x_fp8, e4m3)
+        ctx.recipe, ctx.backend, ctx.use_scaled_mm, ctx.w_dtype = recipe, backend, use_scaled_mm, w_NK.dtype
+        ctx.mark_non_differentiable(stats)
+        return y_MN, stats
+
+    @staticmethod
+    def backward(ctx, gy_MN, _grad_stats):
+        recipe: Recipe = ctx.recipe
+        backend: Fp8Backend = ctx.backend
+        use, pow2 = ctx.use_scaled_mm, recipe.pow2_scales
+        gy_MN = gy_MN.contiguous()
+        out_dtype = gy_MN.dtype
+        gy_dtype = backend.e5m2 if recipe.grad_output_e5m2 else backend.e4m3
+        if recipe.granularity == "tensorwise":
+            x_fp8, sx, w_fp8, sw = ctx.saved_tensors
+            gy_fp8, sg = quant.quantize_tensorwise(gy_MN, gy_dtype, pow2)
+            gx_MK = scaled_mm(gy_fp8, w_fp8, sg, sw, out_dtype, use)
+            gw_NK = scaled_mm(gy_fp8.t(), x_fp8, sg, sx, out_dtype, use)
+            return gx_MK, gw_NK.to(ctx.w_dtype), None, None, None
+        x_saved, sx_saved, w_fp8_t_KN, sw_1K = ctx.saved_tensors
+        if recipe.grad_weight_hp:
+            gy_fp8, sg_M1 = quant.quantize_rowwise(gy_MN, gy_dtype, -1, pow2)
+            gw_NK = gy_MN.t() @ x_saved.to(out_dtype)
+        else:
+            gy_fp8, sg_M1, gy_fp8_t_NM, sg_1N = quant.quantize_rowwise_and_colwise(gy_MN, gy_dtype, pow2)
+            gw_NK = scaled_mm(gy_fp8_t_NM, x_saved.t(), sg_1N.reshape(-1, 1), sx_saved, out_dtype, use)
+        gx_MK = scaled_mm(gy_fp8, w_fp8_t_KN.t(), sg_M1, sw_1K, out_dtype, use)
+        return gx_MK, gw_NK.to(ctx.w_dtype), None, None, None
+
+
+class Float8Linear(nn.Linear):
+    """nn.Linear whose matmuls run in FP8 while `fp8_enabled`; parameters stay in their own dtype.
+
+    `fp8_enabled=False` (set_precision "bf16") computes exactly nn.Linear's F.linear. `emulate`: None picks
+    by backend (CPU/old GPUs emulate), True forces the float32 emulation, False forces torch._scaled_mm
+    (also on CPU, where torch implements it: used to test that both paths agree).
+    """
+
+    def __init__(self, in_features, out_features, bias=True, device=None, dtype=None, recipe="tensorwise"):
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.recipe: Recipe = get_recipe(recipe)
+        self.fp8_enabled: bool = True
+        self.emulate: bool | None = None
+        # Non-persistent: checkpoints of converted and plain models have identical keys.
+        self.register_buffer("fp8_health_stats", torch.zeros(3, device=device), persistent=False)
+
+    @classmethod
+    def from_float(cls, mod: nn.Linear, recipe: str | Recipe = "tensorwise") -> "Float8Linear":
+        """Wrap an nn.Linear, sharing its Parameter objects (optimizer state stays attached)."""
+        with torch.device("meta"):
+            new = cls(mod.in_features, mod.out_features, bias=mod.bias is not None, recipe=recipe)
+        new.weight = mod.weight
+        new.bias = mod.bias
+        new.fp8_health_stats = torch.zeros(3, device=mod.weight.device)
+        new.train(mod.training)
+        return new
+
+    def extra_repr(self) -> str:
+        mode = self.recipe.name if self.fp8_enabled else "high precision"
+        return f"{super().extra_repr()}, fp8={mode}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.fp8_enabled:
+            return F.linear(x, self.weight, self.bias)
+        w = self.weight
+        if torch.is_autocast_enabled(x.device.type):
+            dt = torch.get_autocast_dtype(x.device.type)
+            x, w = x.to(dt), w.to(dt)
+        elif w.dtype != x.dtype:
+            w = w.to(x.dtype)
+        backend = get_backend(x.device)
+        use_scaled_mm = (not backend.emulate) if self.emulate is None else (not self.emulate)
+        x_MK = x.reshape(-1, self.in_features)
+        y_MN, stats = _Fp8LinearFn.apply(x_MK, w, self.recipe, backend, use_scaled_mm)
+        with torch.no_grad():
+            self.fp8_health_stats.copy_(stats)
+        y = y_MN.reshape(*x.shape[:-1], self.out_features)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y
