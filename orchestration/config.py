@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -108,8 +107,6 @@ class CheckpointConfig:
     every_steps: int = 40
     keep_last: int = 3
     keep_good: int = 2
-    # A checkpoint is marked good once the monitors passed this many steps after it.
-    good_after_steps: int = 10
     resume: bool = True
     report_to_ray: bool = True
 
@@ -226,7 +223,6 @@ def validate(job: JobConfig) -> None:
     _require(k.every_steps >= 1, "checkpoint.every_steps", "must be >= 1")
     _require(k.keep_last >= 1, "checkpoint.keep_last", "must be >= 1")
     _require(k.keep_good >= 1, "checkpoint.keep_good", "must be >= 1")
-    _require(k.good_after_steps >= 0, "checkpoint.good_after_steps", "must be >= 0")
 
     lg = job.logging
     _require(lg.wandb_mode in ("offline", "online", "disabled"), "logging.wandb_mode",
@@ -251,10 +247,6 @@ def validate(job: JobConfig) -> None:
             validate_faults()
         except ValueError as exc:
             raise ConfigError(f"faults: {exc}") from None
-
-
-def python_stdlib_dir() -> Path:
-    return Path(sysconfig.get_paths()["stdlib"])
 
 
 def to_dict(job: JobConfig) -> dict[str, Any]:

@@ -9,12 +9,17 @@ machine (the Python standard library's sources by default).
 from __future__ import annotations
 
 import hashlib
+import sysconfig
 from pathlib import Path
 
 import numpy as np
 import torch
 
 VOCAB_SIZE = 256  # byte-level
+
+
+def python_stdlib_dir() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
 
 
 def collect_text_files(source: Path, glob: str, max_files: int) -> list[Path]:

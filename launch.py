@@ -1,0 +1,49 @@
+"""elastic-fp8 entry point: compose the Hydra config, validate it, plan, train on Ray, summarise.
+
+    python launch.py                                  # the default job (debug MoE, fp8, 2 local workers)
+    python launch.py model=deepseek_moe16b precision=fp8 dry_run=true
+    python launch.py --help                           # groups and options
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import hydra
+from omegaconf import DictConfig
+
+from orchestration.config import ConfigError, load_job_config
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="config")
+def main(cfg: DictConfig) -> None:
+    try:
+        job = load_job_config(cfg)
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+    from orchestration.plan import build_job_plan, print_plan
+
+    plan = build_job_plan(job)
+    if job.dry_run:
+        print_plan(plan)
+        print("PLAN " + json.dumps(plan), flush=True)
+        return
+    if not plan["fits"]:
+        print_plan(plan)
+        print("error: the model does not fit the cluster (nothing was allocated):", file=sys.stderr)
+        for reason in plan["reasons"]:
+            print(f"  - {reason}", file=sys.stderr)
+        sys.exit(3)
+
+    from orchestration.trainer import run_job
+
+    summary = run_job(job)
+    if summary["status"] not in ("completed",):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

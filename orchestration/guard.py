@@ -1,0 +1,192 @@
+"""The worker loop's side of divergence handling: detectors -> one agreement -> policy -> action, every step.
+
+Pure pieces live in monitor.py (detectors), agreement.py (the one collective) and policy.py (the state machine);
+this module applies their decisions to a Trainer: drop the step's update, switch precision with
+fp8.set_precision, roll back in-process to the newest good checkpoint, and write every decision as events with its
+evidence (on every rank, so a test can see that all ranks acted at the same step).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from orchestration.agreement import agree
+from orchestration.elastic import merge_ranges
+from orchestration.faults import FaultInjector
+from orchestration.monitor import StepMonitor
+from orchestration.policy import DivergencePolicy, FallbackToBF16, RetryFP8, Rollback, SkipStep, Stop
+
+if TYPE_CHECKING:
+    from orchestration.worker import Trainer
+
+
+class StepGuard:
+    def __init__(self, trainer: "Trainer"):
+        self.trainer = trainer
+        job = trainer.job
+        self.enabled = job.monitor.enabled
+        self.fp8_run = trainer.recipe is not None
+        self.monitor = StepMonitor(job.monitor)
+        self.policy = DivergencePolicy(job.monitor, precision="fp8" if self.fp8_run else "bf16")
+        self.faults = FaultInjector(job.faults, rank=trainer.rank, marker_dir=trainer.run_dir.path / "faults")
+        self.last_bad_step: int | None = None
+        self.wandb = None
+        self.ray_metrics = None
+        self.check_seconds = 0.0
+        if trainer.rank == 0:
+            self._start_loggers()
+
+    # -- per step -------------------------------------------------------------------------------------------
+    def shadow_losses(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Recompute this rank's first micro-batch in FP8 and in BF16 (no grad) when the shadow check is due."""
+        t = self.trainer
+        if not (self.enabled and self.fp8_run and self.monitor.shadow_due(t.state.step, self.policy.precision == "fp8")):
+            return None
+        import fp8
+
+        start, end = t.plan.sample_slice(t.rank, 0)
+        inputs, targets = t.dataset.batch(t.state.cursor + start, t.state.cursor + end)
+        inputs, targets = inputs.to(t.device), targets.to(t.device)
+        losses = []
+        with torch.no_grad():
+            for precision in ("fp8", "bf16"):
+                fp8.set_precision(t.model, precision)
+                losses.append(t.compute_loss(inputs, targets)[0])
+        fp8.set_precision(t.model, "fp8")
+        return losses[0], losses[1]
+
+    def check(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> str:
+        """Returns 'proceed' | 'skip' | 'rolled_back' | 'stop'. Identical on every rank (one agreed verdict)."""
+        if not self.enabled:
+            return "proceed"
+        t0 = time.perf_counter()
+        t = self.trainer
+        step = t.state.step
+        health = None
+        if self.fp8_run and self.policy.precision == "fp8":
+            import fp8
+
+            health = fp8.fp8_health(t.model)
+            health = self.faults.maybe_corrupt_fp8_health(health, step)
+        shadow = self.shadow_losses()
+        verdict = self.monitor.local_verdict(loss, grad_norm, health, shadow)
+        report = self.monitor.evaluate(agree(verdict), step)
+        decision = self.policy.decide(report, step)
+        self.check_seconds += time.perf_counter() - t0
+        if decision.kind == "proceed":
+            return "proceed"
+
+        for record in decision.events():
+            name = record.pop("event")
+            record.pop("step", None)
+            t.event(name, all_ranks=True, **record)
+            self._log_event({"event": name, "step": step, **record})
+        if decision.evidence:
+            self.last_bad_step = step
+        if isinstance(decision, Stop):
+            return "stop"
+        if isinstance(decision, RetryFP8):
+            self._set_precision("fp8", decision.scope)
+            return "proceed"
+        if isinstance(decision, FallbackToBF16):
+            self._set_precision("bf16", decision.scope)
+            return "skip"
+        if isinstance(decision, SkipStep):
+            t.event("step_skipped", all_ranks=True, reason=",".join(f.detector for f in decision.evidence))
+            return "skip"
+        if isinstance(decision, Rollback):
+            self._rollback(decision)
+            return "rolled_back"
+        raise AssertionError(f"unhandled decision {decision!r}")
+
+    def _set_precision(self, precision: str, scope: tuple[str, ...] | None) -> None:
+        import fp8
+
+        t = self.trainer
+        fp8.set_precision(t.model, precision, scope=list(scope) if scope else None)
+        if scope is None:
+            t.state.precision = precision
+
+    def _rollback(self, decision: Rollback) -> None:
+        """In-process: reload the newest good checkpoint (resharded if the world size changed), skip the data."""
+        t = self.trainer
+        info = t.ckpt.latest(good_only=True)
+        if info is None:
+            raise RuntimeError("rollback requested but no good checkpoint exists (the step-0 one was removed?)")
+        bad_end = t.state.cursor + t.job.train.global_batch_size  # the bad step's samples are dropped too
+        policy_state = self.policy.state_dict()  # the policy is not rolled back: it bounds the episode
+        monitor_state = self.monitor.state_dict()
+        extra = t.ckpt.load(info, t.model, t.optimizer, t.scheduler)
+        t.restore_extra(extra)
+        self.policy.load_state_dict(policy_state)
+        self.monitor.load_state_dict(monitor_state)
+        self.policy.on_rollback(t.state.step)
+        new_cursor = bad_end + decision.skip_samples_window
+        skipped = [t.state.cursor, new_cursor]
+        t.state.skipped_ranges = merge_ranges(t.state.skipped_ranges + [skipped])
+        t.state.cursor = new_cursor
+        t.state.lr_scale = decision.lr_scale
+        # The precision in force is the policy's, not the checkpoint's (a fallback stays in effect after it).
+        if self.fp8_run:
+            self._set_precision(self.policy.precision, None)
+        t.optimizer.zero_grad(set_to_none=True)
+        t.pending_good = [s for s in t.pending_good if s <= t.state.step]
+        t.event("rollback", all_ranks=True, to_step=t.state.step, from_step=decision.bad_step,
+                skipped_samples=skipped[1] - skipped[0], skipped_range=skipped, checkpoint=str(info.path),
+                lr_scale=decision.lr_scale)
+        self._log_event({"event": "rollback", "step": decision.bad_step, "to_step": t.state.step})
+
+    # -- checkpointable state -------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {"policy": self.policy.state_dict(), "monitor": self.monitor.state_dict(),
+                "last_bad_step": self.last_bad_step}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.policy.load_state_dict(state["policy"])
+        self.monitor.load_state_dict(state["monitor"])
+        self.last_bad_step = state.get("last_bad_step")
+        if self.fp8_run:
+            self._set_precision(self.policy.precision, None)
+
+    # -- loggers (rank 0) -----------------------------------------------------------------------------------
+    def _start_loggers(self) -> None:
+        t = self.trainer
+        job = t.job
+        tags = {"model": job.model.name, "precision": job.precision.name, "run": t.run_dir.path.name}
+        if job.logging.ray_metrics:
+            try:
+                from orchestration.ray_metrics import TrainingMetrics
+
+                self.ray_metrics = TrainingMetrics(tags)
+            except Exception as exc:  # outside Ray (torchrun, tests) there is no metrics agent
+                print(f"[rank 0] Ray metrics disabled: {exc}", flush=True)
+        if job.logging.wandb and job.logging.wandb_mode != "disabled":
+            from orchestration.config import redact_secrets, to_dict
+            from orchestration.wandb_logger import WandbRun
+
+            recipe = t.recipe or "bf16"
+            self.wandb = WandbRun(t.run_dir.path, redact_secrets(to_dict(job)), project=job.logging.project,
+                                  group=job.logging.group or f"{job.model.name}",
+                                  tags=[job.model.name, job.precision.name, recipe, *job.logging.tags],
+                                  mode=job.logging.wandb_mode)
+
+    def _log_event(self, record: dict[str, Any]) -> None:
+        if self.wandb is not None:
+            self.wandb.log_event(record)
+        if self.ray_metrics is not None and record["event"] in ("divergence_detected", "rollback",
+                                                                 "precision_changed", "step_skipped"):
+            self.ray_metrics.count(record["event"])
+
+    def on_metrics(self, record: dict[str, Any]) -> None:
+        record = {**record, **{f"policy_{k}": v for k, v in self.policy.counters().items() if k != "precision"}}
+        if self.wandb is not None:
+            self.wandb.log_metrics(record["step"], record)
+        if self.ray_metrics is not None:
+            self.ray_metrics.update(record)
+
+    def finish(self, status: str) -> None:
+        if self.wandb is not None:
+            self.wandb.finish({"status": status, **self.policy.counters()})

@@ -1,0 +1,220 @@
+"""Driver side: start or join Ray, build the Ray Train TorchTrainer, show progress, write the summary."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from orchestration.config import REPO_ROOT, JobConfig, redact_secrets, to_dict
+from orchestration.events import METRICS_FILE, SUMMARY_FILE, RunDir, read_jsonl, summarize
+
+
+def default_run_name(job: JobConfig) -> str:
+    return f"{job.model.name}-{job.precision.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def resolve_run_root(job: JobConfig) -> Path:
+    """Where run directories live. Cloud URIs are for Ray's own storage; our run dir stays on a local/NFS path."""
+    if job.run_root:
+        return Path(job.run_root)
+    if job.cluster.storage_path and "://" not in job.cluster.storage_path:
+        return Path(job.cluster.storage_path)
+    return REPO_ROOT / "runs"
+
+
+def ray_storage_path(job: JobConfig, run_root: Path) -> str:
+    return job.cluster.storage_path if job.cluster.storage_path else str(run_root / "_ray")
+
+
+def worker_env(job: JobConfig) -> dict[str, str]:
+    from orchestration.env_presets import resolve_worker_env
+
+    env = resolve_worker_env(job.cluster.env_preset, dict(job.cluster.env_vars))
+    if job.logging.wandb_mode:
+        env.setdefault("WANDB_MODE", job.logging.wandb_mode)
+    return env
+
+
+def driver_env(job: JobConfig) -> dict[str, str]:
+    """Ray Train knobs read by the controller and the worker group (ENV.md: report latency, start timeout)."""
+    return {
+        "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": str(job.cluster.health_check_interval_s),
+        "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": str(job.cluster.worker_group_start_timeout_s),
+        "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled"),
+    }
+
+
+@dataclass
+class RayPlan:
+    """What launch.py hands to Ray Train; built without Ray so dry runs and tests can check it."""
+
+    num_workers: int | tuple[int, int]
+    use_gpu: bool
+    resources_per_worker: dict[str, float]
+    storage_path: str
+    name: str
+    max_failures: int
+    backend: str
+    address: str | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def ray_plan(job: JobConfig, run_name: str, run_root: Path) -> RayPlan:
+    c = job.cluster
+    elastic = c.min_workers != c.max_workers
+    use_gpu = c.gpus_per_worker > 0 and c.device != "cpu"
+    resources = {"CPU": c.cpus_per_worker}
+    if use_gpu:
+        resources["GPU"] = c.gpus_per_worker
+    return RayPlan(num_workers=(c.min_workers, c.max_workers) if elastic else c.min_workers, use_gpu=use_gpu,
+                   resources_per_worker=resources, storage_path=ray_storage_path(job, run_root), name=run_name,
+                   max_failures=c.max_failures, backend="nccl" if use_gpu else "gloo",
+                   address=c.address or os.environ.get("RAY_ADDRESS"))
+
+
+class ProgressPrinter:
+    """Tails metrics.jsonl and prints one line per interval: readable, never floods the log."""
+
+    def __init__(self, run_dir: Path, every_s: float, total_steps: int):
+        self.path = run_dir / METRICS_FILE
+        self.every_s = every_s
+        self.total_steps = total_steps
+        self._stop = threading.Event()
+        self._last_step = -1
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+        self._print_latest()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.every_s):
+            self._print_latest()
+
+    def _print_latest(self) -> None:
+        records = read_jsonl(self.path)
+        if not records or records[-1]["step"] == self._last_step:
+            return
+        m = records[-1]
+        self._last_step = m["step"]
+        loss = f"{m['loss']:.4f}" if m.get("loss") is not None else "nan"
+        print(f"[progress] step {m['step']:>6}/{self.total_steps}  loss {loss}  "
+              f"tok/s {m.get('tokens_per_s') or 0:,.0f}  world {m.get('world_size')}  "
+              f"precision {m.get('precision')}", flush=True)
+
+
+def start_ray(job: JobConfig, plan: RayPlan) -> bool:
+    """Join plan.address, or start an embedded local cluster. Returns True when we started it (we stop it)."""
+    import ray
+
+    env = driver_env(job)
+    os.environ.update(env)
+    runtime_env = dict(job.cluster.runtime_env)
+    runtime_env.setdefault("env_vars", {}).update(env)
+    if plan.address:
+        ctx = ray.init(address=plan.address, runtime_env=runtime_env, log_to_driver=True)
+        started = False
+    else:
+        cpus = max(job.cluster.max_workers * job.cluster.cpus_per_worker + 1, os.cpu_count() or 1)
+        ctx = ray.init(num_cpus=int(cpus), runtime_env=runtime_env, include_dashboard=True,
+                       dashboard_host="127.0.0.1", log_to_driver=True)
+        started = True
+    url = getattr(ctx, "dashboard_url", None)
+    if url:
+        print(f"Ray dashboard: http://{url}", flush=True)
+    return started
+
+
+def run_job(job: JobConfig) -> dict[str, Any]:
+    """The whole job on Ray; returns summary.json's content. Ctrl-C stops workers and the embedded cluster."""
+    run_name = job.run_name or default_run_name(job)
+    run_root = resolve_run_root(job)
+    run_dir = RunDir(run_root / run_name)
+    config = redact_secrets(to_dict(job))
+    config["run_name"] = run_name
+    run_dir.write_config(config)
+    plan = ray_plan(job, run_name, run_root)
+    print(f"Run directory: {run_dir.path}", flush=True)
+    t_start = time.time()
+    run_dir.event("run_start", step=0, run_name=run_name, model=job.model.name, precision=job.precision.name,
+                  ray=plan.to_dict())
+
+    import ray
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from orchestration.worker import train_loop
+
+    started = start_ray(job, plan)
+    progress = ProgressPrinter(run_dir.path, job.logging.progress_every_s, job.train.steps)
+    status = "failed"
+    try:
+        trainer = TorchTrainer(
+            train_loop,
+            train_loop_config={"job": to_dict(job), "run_dir": str(run_dir.path), "run_name": run_name,
+                               "env": worker_env(job)},
+            scaling_config=ScalingConfig(num_workers=plan.num_workers, use_gpu=plan.use_gpu,
+                                         resources_per_worker=plan.resources_per_worker),
+            torch_config=TorchConfig(backend=plan.backend),
+            run_config=RunConfig(name=run_name, storage_path=plan.storage_path,
+                                 failure_config=FailureConfig(max_failures=plan.max_failures),
+                                 checkpoint_config=CheckpointConfig(num_to_keep=2)),
+        )
+        progress.start()
+        trainer.fit()
+        final = run_dir.path / "final_state.json"
+        status = "completed"
+        if final.exists():
+            import json
+
+            status = json.loads(final.read_text()).get("status", "completed")
+    except KeyboardInterrupt:
+        status = "interrupted"
+        print("Interrupted: stopping workers and the Ray cluster.", flush=True)
+    except Exception as exc:  # a failed fit (max_failures exhausted) still gets a summary
+        status = "failed"
+        print(f"Training failed: {type(exc).__name__}: {exc}", flush=True)
+    finally:
+        progress.stop()
+        run_dir.event("run_end", step=_last_step(run_dir.path), status=status)
+        summary = summarize(run_dir.path, status, wall_time_s=round(time.time() - t_start, 2))
+        summary["run_dir"] = str(run_dir.path)
+        run_dir.write_json(SUMMARY_FILE, summary)
+        if started:
+            ray.shutdown()
+    print_summary(summary)
+    print(f"Run directory: {run_dir.path}", flush=True)
+    return summary
+
+
+def _last_step(path: Path) -> int:
+    metrics = read_jsonl(path / METRICS_FILE)
+    return metrics[-1]["step"] if metrics else 0
+
+
+def print_summary(summary: dict[str, Any]) -> None:
+    rows = [("status", summary["status"]), ("final step", summary["final_step"]),
+            ("first loss", _fmt(summary["first_loss"])), ("final loss", _fmt(summary["final_loss"])),
+            ("tokens/s (mean)", _fmt(summary["tokens_per_s"], ",.0f")),
+            ("world sizes seen", summary["world_sizes_seen"]), ("restarts", summary["restarts"]),
+            ("rollbacks", summary["rollbacks"]), ("fallbacks to bf16", summary["fallbacks"]),
+            ("samples consumed", summary["samples_consumed"]), ("wall time (s)", summary["wall_time_s"])]
+    width = max(len(k) for k, _ in rows)
+    print("=" * (width + 24))
+    for key, value in rows:
+        print(f"{key:<{width}}  {value}")
+    print("=" * (width + 24), flush=True)
+
+
+def _fmt(value: Any, spec: str = ".4f") -> str:
+    return format(value, spec) if isinstance(value, (int, float)) else str(value)

@@ -1,0 +1,357 @@
+"""The per-worker training loop: a plain function, run by Ray Train workers (or torchrun, or one process in tests).
+
+Per step: grad-accumulated forward/backward over this rank's slice of the global batch, fault hooks, on-device
+divergence detectors, ONE all-reduce that agrees on every rank's verdict, the policy's decision (proceed, skip,
+fall back to BF16, retry FP8, roll back, stop) taken by all ranks at the same step before optimizer.step(), then
+periodic checkpoints that are marked good once the monitors passed the steps after them.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from orchestration.config import JobConfig, from_dict
+from orchestration.data import ByteTextDataset, collect_text_files, python_stdlib_dir
+from orchestration.distributed import all_reduce_grads_if_unsharded, init_distributed, parallelize
+from orchestration.elastic import BatchPlan, count_in_ranges, merge_ranges, plan_batch
+from orchestration.events import EVENTS_FILE, FINAL_STATE_FILE, RunDir, read_jsonl
+from orchestration.guard import StepGuard
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class TrainState:
+    """Everything besides model/optimizer/scheduler that a resume must restore exactly."""
+
+    step: int = 0  # optimizer steps taken (the next step to run)
+    cursor: int = 0  # next global sample index
+    consumed_ranges: list[list[int]] = field(default_factory=list)  # samples whose update was kept
+    skipped_ranges: list[list[int]] = field(default_factory=list)  # samples deliberately dropped (skip, rollback)
+    precision: str = "fp8"
+    lr_scale: float = 1.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "cursor": self.cursor, "consumed_ranges": self.consumed_ranges,
+                "skipped_ranges": self.skipped_ranges, "precision": self.precision, "lr_scale": self.lr_scale}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "TrainState":
+        return cls(**{k: data[k] for k in ("step", "cursor", "consumed_ranges", "skipped_ranges", "precision",
+                                            "lr_scale") if k in data})
+
+
+def lr_at(step: int, job: JobConfig) -> float:
+    """Linear warmup then cosine to min_lr_ratio, a function of the global step only (continues across restarts)."""
+    t = job.train
+    if t.warmup_steps > 0 and step < t.warmup_steps:
+        return (step + 1) / t.warmup_steps
+    progress = min(1.0, (step - t.warmup_steps) / max(1, t.steps - t.warmup_steps))
+    return t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def _in_ray() -> bool:
+    try:
+        import ray.train
+
+        ray.train.get_context().get_world_size()
+        return bool(os.environ.get("RAY_TRAIN_WORKER", "1")) and _ray_session_active()
+    except Exception:
+        return False
+
+
+def _ray_session_active() -> bool:
+    try:
+        import ray
+
+        return ray.is_initialized()
+    except Exception:
+        return False
+
+
+def build_dataset(job: JobConfig) -> ByteTextDataset:
+    source = python_stdlib_dir() if job.data.source == "python_stdlib" else Path(job.data.source)
+    files = collect_text_files(source, job.data.glob, job.data.max_files)
+    return ByteTextDataset(files, job.data.seq_len, job.data.seed)
+
+
+def build_training_model(job: JobConfig, world_size: int, device: torch.device):
+    """Model -> FP8 conversion -> FSDP2 -> materialize. Returns (model, fp8_recipe or None)."""
+    from models.registry import build_model
+
+    # Small models are built and initialised in full on CPU, then sharded: every world size then starts from the
+    # same weights. Large ones are built on meta and initialised shard by shard on the device.
+    model = build_model(job.model.name, device="cpu", overrides=dict(job.model.overrides))
+    model.init_weights(seed=job.train.seed)
+    recipe = None
+    if job.precision.name == "fp8":
+        import fp8
+
+        recipe = job.precision.recipe if job.precision.recipe != "auto" else fp8.recommended_recipe(device)
+        fp8.convert_to_fp8(model, recipe)
+    model = parallelize(model, world_size, job.train.sharding, job.precision.fsdp_param_dtype,
+                        job.precision.fsdp_reduce_dtype, job.model.activation_checkpointing)
+    model.to(device)
+    return model, recipe
+
+
+class Trainer:
+    """Owns one worker's model, optimizer, data and guards for the length of one worker-group lifetime."""
+
+    def __init__(self, config: dict[str, Any]):
+        t_setup = time.time()
+        self.job = from_dict(config["job"])
+        job = self.job
+        self.info = init_distributed(job.cluster.device)
+        self.rank, self.world_size, self.device = self.info.rank, self.info.world_size, self.info.device
+        self.run_dir = RunDir(config["run_dir"], self.rank)
+        self.group_id = config.get("group_id") or f"{int(t_setup)}"
+        self.plan: BatchPlan = plan_batch(job.train.global_batch_size, job.train.micro_batch_size, self.world_size)
+        self.dataset = build_dataset(job)
+        torch.manual_seed(job.train.seed)
+        self.model, self.recipe = build_training_model(job, self.world_size, self.device)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=job.train.lr,
+                                           betas=(job.train.beta1, job.train.beta2),
+                                           weight_decay=job.train.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_at(s, job))
+        self.state = TrainState(precision="fp8" if self.recipe else "bf16")
+        self.compute_dtype = _DTYPES[job.precision.compute_dtype]
+        self.tokens_per_step = job.train.global_batch_size * job.data.seq_len
+
+        from orchestration.checkpoint import CheckpointManager
+
+        self.ckpt = CheckpointManager(self.run_dir.checkpoints, keep_last=job.checkpoint.keep_last,
+                                      keep_good=job.checkpoint.keep_good, rank=self.rank,
+                                      world_size=self.world_size, event_sink=self._event_sink)
+        self.guard = StepGuard(self)
+        self.pending_good: list[int] = []  # checkpoints waiting for their good_after_steps clean steps
+        self.setup_s = time.time() - t_setup
+
+    # -- events ---------------------------------------------------------------------------------------------
+    def _event_sink(self, event: str, fields: dict[str, Any]) -> None:
+        if self.rank == 0:
+            self.run_dir.event(event, fields.pop("step", self.state.step), **fields)
+
+    def event(self, name: str, all_ranks: bool = False, **fields: Any) -> None:
+        if all_ranks:
+            self.run_dir.event(name, self.state.step, rank=self.rank, **fields)
+        elif self.rank == 0:
+            self.run_dir.event(name, self.state.step, **fields)
+
+    # -- start / resume -------------------------------------------------------------------------------------
+    def start(self) -> None:
+        job = self.job
+        previous = [e for e in read_jsonl(self.run_dir.path / EVENTS_FILE)]
+        info = self.ckpt.latest() if job.checkpoint.resume else None
+        t_load = time.time()
+        if info is not None:
+            extra = self.ckpt.load(info, self.model, self.optimizer, self.scheduler)
+            self.restore_extra(extra)
+        load_s = time.time() - t_load
+        self.event("worker_group_start", world_size=self.world_size, grad_accum=self.plan.grad_accum,
+                   micro_batch_size=self.plan.micro_batch_size, backend=self.info.backend,
+                   device=str(self.device), group_id=self.group_id, precision=self.state.precision,
+                   recipe=self.recipe)
+        if info is not None:
+            last_group = [e for e in previous if e["event"] == "worker_group_start"]
+            last_seen = max((e["time"] for e in previous), default=time.time())
+            unfinished = bool(last_group) and not any(
+                e["event"] == "run_end" and e["time"] >= last_group[-1]["time"] for e in previous)
+            if unfinished:
+                self.event("worker_lost", previous_world_size=last_group[-1]["world_size"],
+                           world_size=self.world_size, last_event_time=last_seen)
+            self.event("resume", from_step=self.state.step, world_size=self.world_size,
+                       checkpoint=str(info.path), downtime_s=round(time.time() - last_seen, 3),
+                       setup_s=round(self.setup_s, 3), checkpoint_load_s=round(load_s, 3))
+        else:
+            # A step-0 checkpoint, good by definition: a rollback always has somewhere to go.
+            self.save_checkpoint(good=True)
+
+    def restore_extra(self, extra: dict[str, Any]) -> None:
+        self.state = TrainState.from_dict(extra["train_state"])
+        if self.recipe is not None:
+            import fp8
+
+            if "precision_state" in extra:
+                fp8.load_precision_state(self.model, extra["precision_state"])
+        if "guard" in extra:
+            self.guard.load_state_dict(extra["guard"])
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.job.train.lr * lr_at(self.state.step, self.job) * self.state.lr_scale
+
+    def extra_state(self) -> dict[str, Any]:
+        extra: dict[str, Any] = {"train_state": self.state.to_dict(), "plan": self.plan.to_dict(),
+                                 "guard": self.guard.state_dict(), "data_fingerprint": self.dataset.fingerprint}
+        if self.recipe is not None:
+            import fp8
+
+            extra["precision_state"] = fp8.precision_state(self.model)
+        return extra
+
+    def save_checkpoint(self, good: bool = False) -> Path:
+        t0 = time.time()
+        path = self.ckpt.save(self.state.step, self.model, self.optimizer, self.scheduler, self.extra_state())
+        if good:
+            self.ckpt.mark_good(self.state.step)
+        else:
+            self.pending_good.append(self.state.step)
+        self.event("checkpoint_saved", path=str(path), good=good, seconds=round(time.time() - t0, 3))
+        self.report_to_ray(path)
+        return path
+
+    def report_to_ray(self, path: Path | None) -> None:
+        if not (_in_ray() and self.job.checkpoint.report_to_ray):
+            return
+        import ray.train
+
+        checkpoint = ray.train.Checkpoint.from_directory(str(path)) if (path and self.rank == 0) else None
+        ray.train.report({"step": self.state.step, "precision": self.state.precision}, checkpoint=checkpoint)
+
+    # -- one step -------------------------------------------------------------------------------------------
+    def compute_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(LM loss, weighted MoE aux loss) of one micro-batch, under the configured autocast."""
+        use_autocast = self.compute_dtype != torch.float32
+        with torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=use_autocast):
+            logits = self.model(inputs)
+            lm_loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+            aux = self.model.aux_loss()
+        return lm_loss, aux
+
+    def forward_backward(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Accumulate gradients over this rank's micro-batches; returns (mean loss, aux loss) on device."""
+        plan, base = self.plan, self.state.cursor
+        loss_sum = torch.zeros((), device=self.device)
+        aux_sum = torch.zeros((), device=self.device)
+        for micro in range(plan.grad_accum):
+            start, end = plan.sample_slice(self.rank, micro)
+            inputs, targets = self.dataset.batch(base + start, base + end)
+            inputs, targets = inputs.to(self.device), targets.to(self.device)
+            lm_loss, aux = self.compute_loss(inputs, targets)
+            lm_loss = self.guard.faults.maybe_corrupt_loss(lm_loss, self.state.step, self.rank)
+            ((lm_loss + aux) / plan.grad_accum).backward()
+            loss_sum += lm_loss.detach()
+            aux_sum += aux.detach()
+        all_reduce_grads_if_unsharded(self.model, self.world_size, self.job.train.sharding)
+        return loss_sum / plan.grad_accum, aux_sum / plan.grad_accum
+
+    def run(self) -> str:
+        job = self.job
+        status = "completed"
+        t_last_log, tokens_since_log = time.time(), 0
+        while self.state.step < job.train.steps:
+            t0 = time.time()
+            self.guard.faults.maybe_crash(self.state.step, self.rank)
+            loss, aux = self.forward_backward()
+            self.guard.faults.maybe_corrupt_grads(self.model, self.state.step, self.rank)
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), job.train.grad_clip)
+            if hasattr(grad_norm, "full_tensor"):
+                grad_norm = grad_norm.full_tensor()
+            action = self.guard.check(loss, grad_norm)
+            if action == "stop":
+                status = "stopped_divergence"
+                break
+            if action == "rolled_back":
+                continue
+            step_range = [self.state.cursor, self.state.cursor + job.train.global_batch_size]
+            if action == "proceed":
+                self.optimizer.step()
+                self.state.consumed_ranges = merge_ranges(self.state.consumed_ranges + [step_range])
+            else:  # skipped: the bad step never updates the weights
+                self.state.skipped_ranges = merge_ranges(self.state.skipped_ranges + [step_range])
+            self.optimizer.zero_grad(set_to_none=True)
+            self.state.step += 1
+            self.state.cursor += job.train.global_batch_size
+            for group in self.optimizer.param_groups:
+                group["lr"] = job.train.lr * lr_at(self.state.step, job) * self.state.lr_scale
+            self.scheduler.last_epoch = self.state.step
+            tokens_since_log += self.tokens_per_step
+            if self.state.step % job.train.log_every == 0 or self.state.step == job.train.steps:
+                now = time.time()
+                self.log_metrics(loss, aux, grad_norm, tokens_since_log / max(now - t_last_log, 1e-9), now - t0)
+                t_last_log, tokens_since_log = now, 0
+            self.maybe_mark_good()
+            if self.state.step % job.checkpoint.every_steps == 0 and self.state.step < job.train.steps:
+                self.save_checkpoint()
+        if status == "completed":
+            self.save_checkpoint()
+        return status
+
+    def maybe_mark_good(self) -> None:
+        """A checkpoint is good once monitor.good_after_steps steps after it passed the monitors (DESIGN.md)."""
+        last_bad = self.guard.last_bad_step
+        for step in list(self.pending_good):
+            if last_bad is not None and last_bad >= step:
+                self.pending_good.remove(step)  # trouble after it: never mark it good
+            elif self.state.step - step >= self.job.monitor.good_after_steps:
+                self.ckpt.mark_good(step)
+                self.pending_good.remove(step)
+                self.event("checkpoint_good", checkpoint_step=step)
+
+    def log_metrics(self, loss: torch.Tensor, aux: torch.Tensor, grad_norm: torch.Tensor, tokens_per_s: float,
+                    step_time_s: float) -> None:
+        values = torch.stack([loss.float(), aux.float(), grad_norm.float()])
+        if self.world_size > 1:
+            torch.distributed.all_reduce(values)
+            values /= self.world_size
+        loss_v, aux_v, gn_v = values.tolist()
+        record = {"step": self.state.step, "loss": loss_v, "aux_loss": aux_v,
+                  "lr": self.optimizer.param_groups[0]["lr"], "grad_norm": gn_v, "tokens_per_s": tokens_per_s,
+                  "step_time_s": step_time_s, "world_size": self.world_size, "precision": self.state.precision,
+                  "samples_consumed": count_in_ranges(self.state.consumed_ranges), "mfu": self.mfu(tokens_per_s),
+                  "time": time.time()}
+        if self.rank == 0:
+            self.run_dir.metrics(record)
+            self.guard.on_metrics(record)
+
+    def mfu(self, tokens_per_s: float) -> float | None:
+        if self.device.type != "cuda":
+            return None
+        from orchestration.mfu import compute_mfu, peak_flops_per_s
+
+        peak = peak_flops_per_s(torch.cuda.get_device_name(self.device), self.state.precision)
+        return compute_mfu(self.flops_per_token, tokens_per_s / self.world_size, peak) if peak else None
+
+    @property
+    def flops_per_token(self) -> float:
+        if not hasattr(self, "_flops_per_token"):
+            from models.planning import plan_model
+            from models.registry import get_flavor
+
+            plan = plan_model(get_flavor(self.job.model.name), world_size=self.world_size,
+                              seq_len=self.job.data.seq_len, micro_batch=self.plan.micro_batch_size,
+                              overrides=dict(self.job.model.overrides))
+            self._flops_per_token = plan.flops_per_token
+        return self._flops_per_token
+
+    def finish(self, status: str) -> None:
+        if self.rank == 0:
+            final = self.state.to_dict()
+            final["samples_consumed"] = count_in_ranges(self.state.consumed_ranges)
+            final["status"] = status
+            self.run_dir.write_json(FINAL_STATE_FILE, final)
+        self.guard.finish(status)
+        if _in_ray():
+            import ray.train
+
+            ray.train.report({"step": self.state.step, "status": status, "done": True})
+
+
+def train_loop(config: dict[str, Any]) -> None:
+    """Ray Train's train_loop_per_worker (also callable directly for one process or under torchrun)."""
+    for key, value in config.get("env", {}).items():
+        os.environ.setdefault(key, str(value))
+    torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+    trainer = Trainer(config)
+    trainer.start()
+    status = trainer.run()
+    trainer.finish(status)
+
+

@@ -1,0 +1,46 @@
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def isolated_env(tmp_path):
+    """Environment for launching jobs: W&B, Ray and caches inside tmp_path, no auth tokens."""
+    env = dict(os.environ)
+    env.update({
+        "WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path / "wandb"), "WANDB_CACHE_DIR": str(tmp_path / "wandb_cache"),
+        "WANDB_CONFIG_DIR": str(tmp_path / "wandb_config"), "WANDB_DATA_DIR": str(tmp_path / "wandb_data"),
+        "RAY_AUTH_MODE": "disabled", "PYTHONUNBUFFERED": "1", "RAY_USAGE_STATS_ENABLED": "0",
+    })
+    return env
+
+
+def launch(env: dict, *overrides: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """Run launch.py in a subprocess (its own Ray cluster, cleaned up by launch.py itself)."""
+    proc = subprocess.run([sys.executable, str(REPO / "launch.py"), *overrides], capture_output=True, text=True,
+                          timeout=timeout, cwd=REPO, env=env)
+    return proc
+
+
+def ray_processes_left() -> list[str]:
+    out = subprocess.run(["pgrep", "-af", "raylet|gcs_server"], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if line.strip()]
+
+
+@pytest.fixture(autouse=False)
+def no_ray_leftovers():
+    yield
+    leftovers = ray_processes_left()
+    if leftovers:
+        subprocess.run(["ray", "stop", "--force"], capture_output=True)
+    assert not leftovers, f"Ray processes left behind: {leftovers}"
+
+
+def which_ray() -> str:
+    return shutil.which("ray") or str(Path(sys.executable).parent / "ray")

@@ -1,0 +1,66 @@
+"""The default job end to end on a real local Ray cluster, and resume by run name. Slow: a few minutes."""
+
+import json
+
+import pytest
+import yaml
+
+from orchestration.events import read_jsonl
+from tests.conftest import launch
+
+pytestmark = pytest.mark.slow
+
+REQUIRED_METRICS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "world_size", "precision", "mfu"}
+
+
+def test_default_job_end_to_end(tmp_path, isolated_env, no_ray_leftovers):
+    proc = launch(isolated_env, f"run_root={tmp_path / 'runs'}", "run_name=default")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_dir = tmp_path / "runs" / "default"
+    assert f"Run directory: {run_dir}" in proc.stdout
+    assert "[progress]" in proc.stdout and proc.stdout.count("[progress]") < 60  # visible, not flooding
+
+    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert config["model"]["name"] == "debug_moe" and config["precision"]["name"] == "fp8"
+
+    events = read_jsonl(run_dir / "events.jsonl")
+    names = [e["event"] for e in events]
+    for name in ("run_start", "worker_group_start", "checkpoint_saved", "run_end"):
+        assert name in names, name
+    assert all({"time", "event", "step"} <= set(e) for e in events)
+    start = next(e for e in events if e["event"] == "worker_group_start")
+    assert start["world_size"] == 2 and start["grad_accum"] == 2  # 16 sequences / (2 workers x micro 4)
+
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    assert metrics and all(REQUIRED_METRICS <= set(m) for m in metrics)
+    steps = [m["step"] for m in metrics]
+    assert steps == sorted(set(steps)) and steps[-1] == config["train"]["steps"]
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed"
+    assert summary["final_step"] == config["train"]["steps"]
+    # Byte-level loss starts near ln(256) = 5.55; the debug MoE must learn real structure, not just byte frequencies.
+    assert summary["first_loss"] > 4.0
+    assert summary["final_loss"] < summary["first_loss"] - 1.5, summary
+    assert summary["world_sizes_seen"] == [2]
+    assert summary["samples_consumed"] == config["train"]["steps"] * config["train"]["global_batch_size"]
+    assert summary["consumed_ranges"] == [[0, summary["samples_consumed"]]]
+    assert "final loss" in proc.stdout  # the summary table
+    assert list((run_dir / "wandb").glob("offline-run-*/run-*.wandb")), "W&B offline run missing"
+
+
+def test_resume_same_run_name_repeats_no_step(tmp_path, isolated_env, no_ray_leftovers):
+    common = [f"run_root={tmp_path / 'runs'}", "run_name=resumed", "model=debug_dense", "checkpoint.every_steps=10",
+              "train.log_every=1", "logging.wandb=false", "train.warmup_steps=2"]
+    first = launch(isolated_env, *common, "train.steps=20")
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    second = launch(isolated_env, *common, "train.steps=30")
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    run_dir = tmp_path / "runs" / "resumed"
+    events = read_jsonl(run_dir / "events.jsonl")
+    resumes = [e for e in events if e["event"] == "resume"]
+    assert resumes and resumes[-1]["from_step"] == 20 and resumes[-1]["world_size"] == 2
+    steps = [m["step"] for m in read_jsonl(run_dir / "metrics.jsonl")]
+    assert steps == list(range(1, 31)), steps  # every step once, none repeated
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["final_step"] == 30 and summary["consumed_ranges"] == [[0, 30 * 16]]
