@@ -1,0 +1,209 @@
+"""Fault injection from config (conf/faults): corrupt the loss, the gradients or an activation, or end the process,
+at a given step on a given rank. Used by tests and demos; never by code edits (DESIGN.md).
+
+The worker loop calls the `maybe_*` methods at their place in every step; they do nothing unless the plan says
+this (step, rank) is hit:
+
+    plan = FaultPlan(FaultConfig(kind="loss_spike", rank=1, step=30))
+    plan.maybe_crash(step, rank)                       # top of the step: kill_worker / crash
+    loss = plan.maybe_inject_loss(loss, step, rank)     # before backward: loss_spike (scales the grads too)
+    plan.maybe_inject_grads(model, step, rank)          # after backward, before the grad norm: nan_grad
+    handle = plan.attach_activation_fault(layer, rank, lambda: current_step)   # once: fp8_overflow
+
+Each hit step fires once: a step replayed after a rollback is not hit again (the data that "caused" the fault
+was skipped, as in the real thing). Markers in `marker_dir` make that survive a process restart, which is what
+kill_worker/crash need: Ray Train restarts the worker, which replays the step that killed it; the marker, written
+and fsynced before the process dies, keeps the fault from firing forever.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+FAULT_KINDS = ("none", "nan_grad", "loss_spike", "fp8_overflow", "kill_worker", "crash")
+PROCESS_FAULTS = ("kill_worker", "crash")
+DEFAULT_MAGNITUDE = {"loss_spike": 100.0, "fp8_overflow": 1e6}
+
+
+@dataclass
+class FaultConfig:
+    """Which fault to inject, where and when (conf/faults)."""
+
+    kind: str = "none"
+    """none | nan_grad | loss_spike | fp8_overflow | kill_worker | crash.
+    nan_grad: one gradient element of this rank's shard becomes NaN (after backward).
+    loss_spike: the loss (and so every gradient) is multiplied by `magnitude`.
+    fp8_overflow: one element of the input of the hooked layer becomes `magnitude` x its amax, an outlier that
+    crushes the FP8 dynamic range (underflow, amax growth) or saturates with delayed scaling.
+    kill_worker: the process SIGKILLs itself (like a lost node). crash: raises InjectedCrash (a Python failure)."""
+    rank: int = 0
+    """Rank that sees the fault; -1 = every rank."""
+    step: int = 0
+    """First step hit."""
+    num_steps: int = 1
+    """Consecutive steps hit from `step` on (tensor faults; process faults fire at `step` only)."""
+    magnitude: float = 0.0
+    """Scale of loss_spike / fp8_overflow; 0 = the kind's default (loss x100, outlier 1e6 x amax)."""
+    marker_dir: str | None = None
+    """Absolute directory for fired markers (required by kill_worker and crash; optional for the others)."""
+
+    def validate(self) -> None:
+        if self.kind not in FAULT_KINDS:
+            raise ValueError(f"faults.kind={self.kind!r}: must be one of {', '.join(FAULT_KINDS)}")
+        if self.rank < -1:
+            raise ValueError(f"faults.rank={self.rank}: must be a rank >= 0, or -1 for every rank")
+        if self.step < 0:
+            raise ValueError(f"faults.step={self.step}: must be >= 0")
+        if self.num_steps < 1:
+            raise ValueError(f"faults.num_steps={self.num_steps}: must be >= 1")
+        if self.magnitude < 0:
+            raise ValueError(f"faults.magnitude={self.magnitude}: must be >= 0 (0 = default for the kind)")
+        if self.kind in PROCESS_FAULTS and not self.marker_dir:
+            raise ValueError(f"faults.kind={self.kind} needs faults.marker_dir (an absolute directory, e.g. under "
+                             "the run directory): the restarted worker must see that the fault already fired")
+        if self.marker_dir and not os.path.isabs(self.marker_dir):
+            raise ValueError(f"faults.marker_dir={self.marker_dir!r}: must be absolute (Ray workers run in "
+                             "/tmp/ray/session_*)")
+
+    @property
+    def effective_magnitude(self) -> float:
+        return self.magnitude or DEFAULT_MAGNITUDE.get(self.kind, 0.0)
+
+
+class InjectedCrash(RuntimeError):
+    """Raised by the `crash` fault."""
+
+
+class FaultPlan:
+    """The configured fault, and which of its steps already fired (in memory and, with marker_dir, on disk)."""
+
+    def __init__(self, config: FaultConfig | None = None) -> None:
+        self.config = config or FaultConfig()
+        self.config.validate()
+        self._done: set[int] = set()
+        self._firing_step: int | None = None
+
+    # ------------------------------------------------------------------------------------------- bookkeeping
+    def marker_path(self, step: int, rank: int) -> Path | None:
+        if not self.config.marker_dir:
+            return None
+        return Path(self.config.marker_dir) / f"fault_{self.config.kind}_rank{rank}_step{step}.fired"
+
+    def _hits(self, kind: str | tuple[str, ...], step: int, rank: int) -> bool:
+        cfg = self.config
+        kinds = (kind,) if isinstance(kind, str) else kind
+        if cfg.kind not in kinds or (cfg.rank != -1 and cfg.rank != rank):
+            return False
+        last = cfg.step if cfg.kind in PROCESS_FAULTS else cfg.step + cfg.num_steps - 1
+        return cfg.step <= step <= last
+
+    def _fire(self, kind: str, step: int, rank: int) -> bool:
+        """True if the fault fires now. A step fires on every call while it is the current step (micro-batches,
+        several hooked forwards) and never again once another step was seen (replay after a rollback)."""
+        self._advance(step)
+        if not self._hits(kind, step, rank) or step in self._done:
+            return False
+        if self._firing_step == step:
+            return True
+        marker = self.marker_path(step, rank)
+        if marker is not None:
+            if marker.exists():
+                self._done.add(step)
+                return False
+            _write_marker(marker, f"{self.config.kind} rank={rank} step={step} pid={os.getpid()}\n")
+        self._firing_step = step
+        return True
+
+    def _advance(self, step: int) -> None:
+        # Seeing a step other than the one firing means that step is over: it must not fire when replayed.
+        if self._firing_step is not None and step != self._firing_step:
+            self._done.add(self._firing_step)
+            self._firing_step = None
+
+    def fired(self, step: int, rank: int) -> bool:
+        """Whether the fault already fired at (step, rank), in this process or (with markers) an earlier one."""
+        marker = self.marker_path(step, rank)
+        return step in self._done or step == self._firing_step or (marker is not None and marker.exists())
+
+    # ---------------------------------------------------------------------------------------- tensor faults
+    def maybe_inject_loss(self, loss: torch.Tensor, step: int, rank: int) -> torch.Tensor:
+        """loss_spike: the loss times `magnitude` (differentiable, so the gradients spike as well)."""
+        if not self._fire("loss_spike", step, rank):
+            return loss
+        return loss * self.config.effective_magnitude
+
+    def maybe_inject_grads(self, model: nn.Module | Iterable[nn.Parameter], step: int, rank: int) -> bool:
+        """nan_grad: set the first element of the first non-empty local gradient to NaN. True if injected.
+
+        Call after backward (and after FSDP's reduce-scatter), before the grad norm. DTensor gradients are
+        corrupted in this rank's local shard, as a bad device would.
+        """
+        self._advance(step)
+        if not self._hits("nan_grad", step, rank):
+            return False
+        params = model.parameters() if isinstance(model, nn.Module) else model
+        for p in params:
+            if p.grad is None:
+                continue
+            with torch.no_grad():
+                grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                if grad.numel() == 0:
+                    continue
+                if not self._fire("nan_grad", step, rank):
+                    return False
+                grad.view(-1)[0] = float("nan")
+                return True
+        return False
+
+    def maybe_inject_activation(self, x: torch.Tensor, step: int, rank: int) -> torch.Tensor:
+        """fp8_overflow: x with its first element replaced by magnitude * amax(x) (out of place, no host sync)."""
+        if not self._fire("fp8_overflow", step, rank):
+            return x
+        flat = x.reshape(-1)
+        amax = flat.detach().abs().max().float()
+        outlier = torch.where(amax > 0, amax, torch.ones_like(amax)) * self.config.effective_magnitude
+        index = torch.zeros(1, dtype=torch.long, device=x.device)
+        return flat.index_fill(0, index, outlier.to(x.dtype)).view_as(x)
+
+    def attach_activation_fault(self, module: nn.Module, rank: int, get_step: Callable[[], int]):
+        """Forward pre-hook on `module` (e.g. an FP8 linear) that runs maybe_inject_activation on its first input.
+        Returns the hook handle (call .remove() to detach). Attach only for kind fp8_overflow."""
+
+        def pre_hook(_module: nn.Module, args: tuple):
+            if not args or not isinstance(args[0], torch.Tensor):
+                return None
+            return (self.maybe_inject_activation(args[0], get_step(), rank),) + tuple(args[1:])
+
+        return module.register_forward_pre_hook(pre_hook)
+
+    # --------------------------------------------------------------------------------------- process faults
+    def maybe_crash(self, step: int, rank: int) -> None:
+        """kill_worker: SIGKILL this process; crash: raise InjectedCrash. Once per (rank, step), across restarts."""
+        if self._hits(PROCESS_FAULTS, step, rank) and self._fire(self.config.kind, step, rank):
+            if self.config.kind == "kill_worker":
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise InjectedCrash(f"injected crash at step {step} on rank {rank} (faults.kind=crash)")
+
+
+def _write_marker(path: Path, text: str) -> None:
+    # Written atomically and fsynced: the process may be killed right after, and a torn or missing marker would
+    # make the restarted worker fire the fault again.
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    with open(tmp, "w", encoding="ascii") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
