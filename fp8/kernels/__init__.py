@@ -1,0 +1,178 @@
+"""FP8 quantize kernels: the casts around the FP8 GEMMs, Triton on GPUs and pure PyTorch elsewhere.
+
+Public functions (torch tensors in and out, any device):
+- quantize_tensorwise(x_hp, fp8_dtype, amax=None) -> (x_fp8, scale [] fp32)
+- quantize_rowwise(x_hp_MN, fp8_dtype, pow2=True) -> (x_fp8_MN, scale_M1)
+- quantize_rowwise_and_colwise(x_hp_MN, fp8_dtype, pow2=True) -> (x_fp8_MN, scale_M1, x_fp8_t_NM, scale_1N)
+- quantize_jagged_per_expert(x_hp_MK, offs_E, fp8_dtype, pow2=True, transpose_out=True) -> (x_fp8, scale_EK)
+
+Scale convention (all functions): x_fp8 = saturate(x_hp * scale), x_hp ~= x_fp8 / scale, so torch._scaled_mm's
+scale arguments are `scale.reciprocal()` (exact for pow2 scales). Layouts are documented on each function and in
+reference.py, which holds the pure-PyTorch definition of every result.
+
+Backend choice, per call: use_triton=None (default) runs the Triton kernels (through the torch.library custom ops
+"elastic_fp8::*", so torch.compile traces them) on CUDA/ROCm tensors and the reference on any other device;
+use_triton=True forces the kernels (on CPU only with TRITON_INTERPRET=1 set before this package is imported);
+use_triton=False forces the reference. `set_default_use_triton` changes the default for the process.
+
+Shape legend: M rows (tokens), N or K columns (features), E expert groups; suffix _t = stored transposed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import ops
+from . import quantize as _q
+from .reference import (
+    EPS,
+    FP8_DTYPES,
+    amax_to_scale,
+    check_fp8_dtype,
+    fp8_max,
+    pow2_floor,
+    quantize_jagged_per_expert_ref,
+    quantize_rowwise_and_colwise_ref,
+    quantize_rowwise_ref,
+    quantize_tensorwise_ref,
+    saturated_cast,
+)
+
+HAS_TRITON = _q.HAS_TRITON
+
+__all__ = [
+    "EPS",
+    "FP8_DTYPES",
+    "HAS_TRITON",
+    "amax_to_scale",
+    "fp8_max",
+    "pow2_floor",
+    "quantize_jagged_per_expert",
+    "quantize_jagged_per_expert_ref",
+    "quantize_rowwise",
+    "quantize_rowwise_and_colwise",
+    "quantize_rowwise_and_colwise_ref",
+    "quantize_rowwise_ref",
+    "quantize_tensorwise",
+    "quantize_tensorwise_ref",
+    "saturated_cast",
+    "set_default_use_triton",
+    "will_use_triton",
+]
+
+_DEFAULT_USE_TRITON: bool | None = None
+
+
+def set_default_use_triton(flag: bool | None) -> None:
+    """Process-wide default for use_triton=None calls: None = auto (Triton on CUDA/ROCm), True, or False."""
+    global _DEFAULT_USE_TRITON
+    _DEFAULT_USE_TRITON = flag
+
+
+def will_use_triton(x: torch.Tensor, use_triton: bool | None = None) -> bool:
+    """Whether a call on x with this use_triton runs the Triton kernels (raises if forced where it cannot)."""
+    flag = _DEFAULT_USE_TRITON if use_triton is None else use_triton
+    if flag is None:
+        return _q.HAS_TRITON and x.is_cuda
+    if flag:
+        if not _q.triton_usable(x):
+            raise ValueError(
+                f"use_triton=True but Triton cannot run on device {x.device} here: it needs a CUDA/ROCm tensor with "
+                "triton installed, or TRITON_INTERPRET=1 set before fp8.kernels is imported (CPU interpreter)"
+            )
+        return True
+    return False
+
+
+def _check_2d(x_hp: torch.Tensor, name: str) -> None:
+    if x_hp.dim() != 2:
+        raise ValueError(f"{name} expects a 2D tensor [M, N], got shape {tuple(x_hp.shape)}; reshape first")
+    if not x_hp.is_floating_point() or x_hp.dtype in FP8_DTYPES:
+        raise ValueError(f"{name} expects a high-precision float tensor (bf16/fp16/fp32), got {x_hp.dtype}")
+
+
+def quantize_tensorwise(
+    x_hp: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    amax: torch.Tensor | None = None,
+    *,
+    use_triton: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One scale for the whole tensor: scale = fp8_max / max(amax, EPS), 0-d fp32; x_fp8 has x_hp's shape.
+
+    amax=None computes max |x| first (Triton: a reduction pass, then the cast pass computes the scale in-kernel);
+    a given amax (delayed scaling, or reduced elsewhere, e.g. across ranks) skips the reduction: one pass.
+    """
+    check_fp8_dtype(fp8_dtype)
+    if not x_hp.is_floating_point() or x_hp.dtype in FP8_DTYPES:
+        raise ValueError(f"quantize_tensorwise expects a high-precision float tensor, got {x_hp.dtype}")
+    if amax is not None and amax.numel() != 1:
+        raise ValueError(f"amax must hold one value, got shape {tuple(amax.shape)}")
+    if will_use_triton(x_hp, use_triton):
+        return ops.quantize_tensorwise_op(x_hp, fp8_dtype, amax)
+    return quantize_tensorwise_ref(x_hp, fp8_dtype, amax)
+
+
+def quantize_rowwise(
+    x_hp_MN: torch.Tensor, fp8_dtype: torch.dtype, pow2: bool = True, *, use_triton: bool | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One scale per row, in one read of x. Returns (x_fp8_MN row-major [M, N], scale_M1 fp32 [M, 1])."""
+    check_fp8_dtype(fp8_dtype)
+    _check_2d(x_hp_MN, "quantize_rowwise")
+    if will_use_triton(x_hp_MN, use_triton):
+        return ops.quantize_rowwise_op(x_hp_MN, fp8_dtype, pow2)
+    return quantize_rowwise_ref(x_hp_MN, fp8_dtype, pow2)
+
+
+def quantize_rowwise_and_colwise(
+    x_hp_MN: torch.Tensor, fp8_dtype: torch.dtype, pow2: bool = True, *, use_triton: bool | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Row-scaled and column-scaled fp8 copies of x for the three GEMMs of a linear layer.
+
+    Returns (x_fp8_MN, scale_M1, x_fp8_t_NM, scale_1N):
+    - x_fp8_MN [M, N] row-major, scaled per row (scale_M1 [M, 1]): the left operand of out = x @ w^T, or of
+      grad_x = grad_y @ w.
+    - x_fp8_t_NM [N, M] contiguous, i.e. the column-scaled x (scale_1N [1, N]) stored transposed; x_fp8_t_NM.t()
+      is that [M, N] tensor in column-major layout. For grad_w[N, K] = grad_y^T @ x in torch._scaled_mm:
+      a = grad_y's x_fp8_t_NM, scale_a = grad_y's scale_1N.reciprocal().t() ([N, 1]),
+      b = x's x_fp8_t_KM.t() (column-major [M, K]), scale_b = x's scale_1K.reciprocal() ([1, K]).
+    Triton: one pass reads x for both amaxes, one pass reads it again and writes both outputs (column scales
+    need every row, so this is the least traffic for whole-column scales).
+    """
+    check_fp8_dtype(fp8_dtype)
+    _check_2d(x_hp_MN, "quantize_rowwise_and_colwise")
+    if will_use_triton(x_hp_MN, use_triton):
+        return ops.quantize_rowwise_and_colwise_op(x_hp_MN, fp8_dtype, pow2)
+    return quantize_rowwise_and_colwise_ref(x_hp_MN, fp8_dtype, pow2)
+
+
+def quantize_jagged_per_expert(
+    x_hp_MK: torch.Tensor,
+    offs_E: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    pow2: bool = True,
+    *,
+    transpose_out: bool = True,
+    use_triton: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-expert column scales for the grad-weight grouped GEMM (2D x 2D grouped along M).
+
+    x_hp_MK: rows grouped by expert; offs_E: int32 [E] cumulative group ends (torch._grouped_mm semantics),
+    non-decreasing, offs_E[-1] <= M (not checked on the device path: that would sync the host).
+    Returns (x_fp8, scale_EK fp32 [E, K]) with x_fp8[m, k] = sat(x[m, k] * scale_EK[e(m), k]); rows at or past
+    offs_E[-1] are zeros; an empty group gets the finite EPS-floor scale.
+    transpose_out=True (default): x_fp8_t_KM [K, M] contiguous, whose .t() is the column-major [M, K] operand that
+    torch._scaled_grouped_mm takes (as b = x, or as a = grad_y^T read row-major); False: x_fp8_MK [M, K] row-major.
+    """
+    check_fp8_dtype(fp8_dtype)
+    _check_2d(x_hp_MK, "quantize_jagged_per_expert")
+    if offs_E.dim() != 1 or offs_E.dtype != torch.int32:
+        raise ValueError(
+            f"offs must be a 1D int32 tensor of cumulative group ends, got {offs_E.dtype} of shape "
+            f"{tuple(offs_E.shape)}; build it with torch.cumsum(counts, 0, dtype=torch.int32)"
+        )
+    if offs_E.device != x_hp_MK.device:
+        raise ValueError(f"offs is on {offs_E.device} but x is on {x_hp_MK.device}; move offs to x's device")
+    if will_use_triton(x_hp_MK, use_triton):
+        return ops.quantize_jagged_per_expert_op(x_hp_MK, offs_E.contiguous(), fp8_dtype, pow2, transpose_out)
+    return quantize_jagged_per_expert_ref(x_hp_MK, offs_E, fp8_dtype, pow2, transpose_out)

@@ -1,0 +1,453 @@
+"""Triton kernels for FP8 quantization around the GEMMs, and their launchers.
+
+Each kernel matches a reference in `reference.py` (same scale formula, same saturating round-to-nearest-even cast).
+The launchers take and return torch tensors; `ops.py` wraps them as torch.library custom ops.
+
+Kernels (all memory-bound: the work is one or two reads of x and one write per fp8 output):
+- tensorwise: `_amax_kernel` (read x, one atomic per block) then `_cast_tensorwise_kernel` (read x, write fp8;
+  the scale is computed in-kernel from the amax, so no scale kernel). With a given amax only the cast runs.
+- rowwise: `_rowwise_kernel`, one read of x: a program holds BM whole rows in registers when N fits one tile,
+  else it loops over N twice (the second loop mostly hits L2).
+- rowwise + colwise: `_row_col_amax_kernel` (one read, row amax exact per program, column amax via int32 atomics)
+  then `_row_col_cast_kernel` (one read, writes the row-scaled fp8 row-major and the column-scaled fp8 transposed).
+  Column scales need every row, so two reads of x is the floor for full-column scales.
+- jagged per expert: `_jagged_colwise_kernel`, one program per (expert, column block) loops over the expert's rows
+  twice (amax, then cast); the second loop mostly hits L2 (a program's slice is rows_e x BK x 2 bytes).
+
+Why no triton.autotune: the autotuner re-runs a kernel many times on the first call of each key (the tensorwise
+amax kernel accumulates with atomics, so it would need reset hooks), and the interpreter would benchmark too.
+The launchers pick block sizes with small heuristics measured on the H200 (benchmarks/fp8_kernels.py sweeps the
+candidates); the autotune key would be (N, or K) plus the input dtype, since the tile shape depends only on the
+row length and element size, not on M (M only changes the grid).
+
+Interpreter (TRITON_INTERPRET=1, CPU tensors): its fp32 -> fp8 cast rounds wrongly (drops the carry into the next
+binade), so under the interpreter the kernels first round to the fp8 grid with integer arithmetic
+(`_round_to_fp8_grid`, EXACT_ROUND=True) and the cast only sees representable values. On a GPU the hardware cast
+(cvt.rn.satfinite) already rounds to nearest even and EXACT_ROUND is False.
+
+Shape legend: M rows, N (or K) columns, E expert groups; BM/BN/BK tile sizes.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+
+from .reference import EPS, amax_to_scale, check_fp8_dtype, fp8_max
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # CPU-only installs: the references run instead
+    triton = None
+    tl = None
+    HAS_TRITON = False
+
+
+def interpreting() -> bool:
+    """True when the kernels below were built by the Triton interpreter (TRITON_INTERPRET=1 at import)."""
+    return INTERPRETED
+
+
+_MANTISSA_BITS = {
+    torch.float8_e4m3fn: 3,
+    torch.float8_e5m2: 2,
+    torch.float8_e4m3fnuz: 3,
+    torch.float8_e5m2fnuz: 2,
+}
+
+
+@dataclass(frozen=True)
+class Fp8Grid:
+    """Constants of an fp8 format for the in-kernel rounding and saturation."""
+
+    max_value: float  # largest finite value
+    mbits: int  # mantissa bits
+    min_normal: float  # smallest normal value
+    sub_magic: float  # 2**(emin - mbits + 23): x + magic - magic rounds to the subnormal grid in fp32
+
+    @staticmethod
+    def of(fp8_dtype: torch.dtype) -> "Fp8Grid":
+        check_fp8_dtype(fp8_dtype)
+        fi = torch.finfo(fp8_dtype)
+        mbits = _MANTISSA_BITS[fp8_dtype]  # not from finfo: torch 2.13 reports eps 0.125 for e5m2fnuz (2 bits)
+        emin = round(math.log2(fi.smallest_normal))
+        return Fp8Grid(fp8_max(fp8_dtype), mbits, float(fi.smallest_normal), float(2.0 ** (emin - mbits + 23)))
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _scale_from_amax(amax, FP8_MAX: tl.constexpr, EPS_: tl.constexpr, POW2: tl.constexpr):
+        # Same formula as reference.amax_to_scale: IEEE division (div_rn; plain `/` may lower to an approximate
+        # division on NVIDIA), then clear the mantissa for power-of-two scales.
+        amax = tl.maximum(amax.to(tl.float32), EPS_)
+        scale = tl.math.div_rn(tl.zeros_like(amax) + FP8_MAX, amax)
+        if POW2:
+            scale = (scale.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+        return scale
+
+    @triton.jit
+    def _round_to_fp8_grid(v, MBITS: tl.constexpr, MIN_NORMAL: tl.constexpr, SUB_MAGIC: tl.constexpr):
+        # Round fp32 v (already saturated) to the nearest-even fp8 value, exactly, for the interpreter.
+        # Normal range: round the fp32 bit pattern at bit (23 - MBITS); a carry moves into the exponent correctly.
+        SHIFT: tl.constexpr = 23 - MBITS
+        bits = v.to(tl.int32, bitcast=True)
+        mag = bits & 0x7FFFFFFF
+        sign = bits ^ mag
+        lsb = (mag >> SHIFT) & 1
+        mag = (mag + ((1 << (SHIFT - 1)) - 1) + lsb) & ~((1 << SHIFT) - 1)
+        normal = (sign | mag).to(tl.float32, bitcast=True)
+        # Subnormal range: the grid is uniform, fp32 addition of a magic constant rounds to nearest even.
+        a = tl.abs(v)
+        sub = (a + SUB_MAGIC) - SUB_MAGIC
+        sub = tl.where(v < 0, -sub, sub)
+        r = tl.where(a < MIN_NORMAL, sub, normal)
+        # +0 instead of -0: the fnuz formats have no -0 (its bit pattern is their NaN).
+        return tl.where(r == 0.0, 0.0, r)
+
+    @triton.jit
+    def _saturate(v, FP8_MAX: tl.constexpr):
+        # propagate_nan=ALL: a NaN must stay NaN, never saturate to +-FP8_MAX (that would hide a divergence).
+        v = tl.minimum(v, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+        return tl.maximum(v, -FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+
+    @triton.jit
+    def _to_fp8(v, out_dtype: tl.constexpr, FP8_MAX: tl.constexpr, EXACT_ROUND: tl.constexpr,
+                MBITS: tl.constexpr, MIN_NORMAL: tl.constexpr, SUB_MAGIC: tl.constexpr):
+        v = _saturate(v, FP8_MAX)
+        if EXACT_ROUND:
+            v = _round_to_fp8_grid(v, MBITS, MIN_NORMAL, SUB_MAGIC)
+        return v.to(out_dtype)
+
+    # ---------------------------------------------------------------- tensorwise
+
+    @triton.jit
+    def _amax_kernel(x_ptr, amax_bits_ptr, numel, BLOCK: tl.constexpr):
+        pid = tl.program_id(0).to(tl.int64)
+        offs = pid * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + offs, mask=offs < numel, other=0.0).to(tl.float32)
+        amax = tl.max(tl.abs(x), axis=0)
+        # amax >= 0, so its int32 bit pattern orders like the float: one native integer atomic per block.
+        tl.atomic_max(amax_bits_ptr, amax.to(tl.int32, bitcast=True))
+
+    @triton.jit
+    def _cast_tensorwise_kernel(x_ptr, out_ptr, amax_ptr, scale_ptr, numel,
+                                FP8_MAX: tl.constexpr, EPS_: tl.constexpr, BLOCK: tl.constexpr,
+                                EXACT_ROUND: tl.constexpr, MBITS: tl.constexpr, MIN_NORMAL: tl.constexpr,
+                                SUB_MAGIC: tl.constexpr):
+        pid = tl.program_id(0)
+        scale = _scale_from_amax(tl.load(amax_ptr), FP8_MAX, EPS_, False)
+        if pid == 0:
+            tl.store(scale_ptr, scale)
+        offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < numel
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        y = _to_fp8(x * scale, out_ptr.dtype.element_ty, FP8_MAX, EXACT_ROUND, MBITS, MIN_NORMAL, SUB_MAGIC)
+        tl.store(out_ptr + offs, y, mask=mask)
+
+    # ---------------------------------------------------------------- rowwise
+
+    @triton.jit
+    def _rowwise_kernel(x_ptr, out_ptr, scale_ptr, M, N, stride_xm, stride_xn,
+                        FP8_MAX: tl.constexpr, EPS_: tl.constexpr, POW2: tl.constexpr,
+                        BM: tl.constexpr, BN: tl.constexpr, ONE_TILE: tl.constexpr,
+                        EXACT_ROUND: tl.constexpr, MBITS: tl.constexpr, MIN_NORMAL: tl.constexpr,
+                        SUB_MAGIC: tl.constexpr):
+        pid = tl.program_id(0)
+        offs_m = pid * BM + tl.arange(0, BM)
+        mask_m = offs_m < M
+        x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
+        out_rows = out_ptr + offs_m.to(tl.int64)[:, None] * N
+        out_dtype = out_ptr.dtype.element_ty
+        if ONE_TILE:
+            # The whole row block stays in registers: exactly one read of x.
+            offs_n = tl.arange(0, BN)
+            mask = mask_m[:, None] & (offs_n < N)[None, :]
+            x = tl.load(x_rows + offs_n[None, :] * stride_xn, mask=mask, other=0.0).to(tl.float32)
+            scale = _scale_from_amax(tl.max(tl.abs(x), axis=1), FP8_MAX, EPS_, POW2)
+            y = _to_fp8(x * scale[:, None], out_dtype, FP8_MAX, EXACT_ROUND, MBITS, MIN_NORMAL, SUB_MAGIC)
+            tl.store(out_rows + offs_n[None, :], y, mask=mask)
+        else:
+            amax = tl.zeros([BM], dtype=tl.float32)
+            for n0 in range(0, N, BN):
+                offs_n = n0 + tl.arange(0, BN)
+                mask = mask_m[:, None] & (offs_n < N)[None, :]
+                x = tl.load(x_rows + offs_n[None, :] * stride_xn, mask=mask, other=0.0).to(tl.float32)
+                amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
+            scale = _scale_from_amax(amax, FP8_MAX, EPS_, POW2)
+            for n0 in range(0, N, BN):
+                offs_n = n0 + tl.arange(0, BN)
+                mask = mask_m[:, None] & (offs_n < N)[None, :]
+                x = tl.load(x_rows + offs_n[None, :] * stride_xn, mask=mask, other=0.0).to(tl.float32)
+                y = _to_fp8(x * scale[:, None], out_dtype, FP8_MAX, EXACT_ROUND, MBITS, MIN_NORMAL, SUB_MAGIC)
+                tl.store(out_rows + offs_n[None, :], y, mask=mask)
+        tl.store(scale_ptr + offs_m, scale, mask=mask_m)
+
+    # ---------------------------------------------------------------- rowwise + colwise (transposed)
+
+    @triton.jit
+    def _row_col_amax_kernel(x_ptr, row_amax_bits_ptr, col_amax_bits_ptr, M, N, stride_xm, stride_xn,
+                             BM: tl.constexpr, BN: tl.constexpr, N_PER_PROG: tl.constexpr):
+        # Program (pid_m, pid_s) covers rows [pid_m*BM, +BM) and columns [pid_s*N_PER_PROG, +N_PER_PROG).
+        # Row and column partial maxima go to int32 buffers with atomics (amax >= 0 orders like its bits).
+        pid_m = tl.program_id(0)
+        pid_s = tl.program_id(1)
+        offs_m = pid_m * BM + tl.arange(0, BM)
+        mask_m = offs_m < M
+        x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
+        row_amax = tl.zeros([BM], dtype=tl.float32)
+        for n0 in range(pid_s * N_PER_PROG, pid_s * N_PER_PROG + N_PER_PROG, BN):
+            offs_n = n0 + tl.arange(0, BN)
+            mask_n = offs_n < N
+            x = tl.load(x_rows + offs_n[None, :] * stride_xn, mask=mask_m[:, None] & mask_n[None, :], other=0.0)
+            ax = tl.abs(x.to(tl.float32))
+            row_amax = tl.maximum(row_amax, tl.max(ax, axis=1))
+            col_amax = tl.max(ax, axis=0)
+            tl.atomic_max(col_amax_bits_ptr + offs_n, col_amax.to(tl.int32, bitcast=True), mask=mask_n)
+        tl.atomic_max(row_amax_bits_ptr + offs_m, row_amax.to(tl.int32, bitcast=True), mask=mask_m)
+
+    @triton.jit
+    def _row_col_cast_kernel(x_ptr, row_out_ptr, col_out_t_ptr, row_amax_ptr, col_amax_ptr,
+                             row_scale_ptr, col_scale_ptr, M, N, stride_xm, stride_xn,
+                             FP8_MAX: tl.constexpr, EPS_: tl.constexpr, POW2: tl.constexpr,
+                             BM: tl.constexpr, BN: tl.constexpr,
+                             EXACT_ROUND: tl.constexpr, MBITS: tl.constexpr, MIN_NORMAL: tl.constexpr,
+                             SUB_MAGIC: tl.constexpr):
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        offs_m = pid_m * BM + tl.arange(0, BM)
+        offs_n = pid_n * BN + tl.arange(0, BN)
+        mask_m = offs_m < M
+        mask_n = offs_n < N
+        mask = mask_m[:, None] & mask_n[None, :]
+        # Scales are recomputed per tile from the amax buffers (BM + BN divisions, negligible next to the tile).
+        row_scale = _scale_from_amax(tl.load(row_amax_ptr + offs_m, mask=mask_m, other=0.0), FP8_MAX, EPS_, POW2)
+        col_scale = _scale_from_amax(tl.load(col_amax_ptr + offs_n, mask=mask_n, other=0.0), FP8_MAX, EPS_, POW2)
+        if pid_n == 0:
+            tl.store(row_scale_ptr + offs_m, row_scale, mask=mask_m)
+        if pid_m == 0:
+            tl.store(col_scale_ptr + offs_n, col_scale, mask=mask_n)
+        x = tl.load(x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_n[None, :] * stride_xn,
+                    mask=mask, other=0.0).to(tl.float32)
+        out_dtype = row_out_ptr.dtype.element_ty
+        y_row = _to_fp8(x * row_scale[:, None], out_dtype, FP8_MAX, EXACT_ROUND, MBITS, MIN_NORMAL, SUB_MAGIC)
+        tl.store(row_out_ptr + offs_m.to(tl.int64)[:, None] * N + offs_n[None, :], y_row, mask=mask)
+        y_col = _to_fp8(x * col_scale[None, :], out_dtype, FP8_MAX, EXACT_ROUND, MBITS, MIN_NORMAL, SUB_MAGIC)
+        # Transposed store [BN, BM] into the [N, M] row-major output: runs of BM contiguous bytes per column.
+        tl.store(col_out_t_ptr + offs_n.to(tl.int64)[:, None] * M + offs_m[None, :], tl.trans(y_col),
+                 mask=mask_n[:, None] & mask_m[None, :])
+
+    # ---------------------------------------------------------------- jagged per-expert column scales
+
+    @triton.jit
+    def _jagged_colwise_kernel(x_ptr, offs_ptr, out_ptr, scale_ptr, M, K, stride_xm, stride_xk, E,
+                               FP8_MAX: tl.constexpr, EPS_: tl.constexpr, POW2: tl.constexpr,
+                               BM: tl.constexpr, BK: tl.constexpr, TRANSPOSE_OUT: tl.constexpr,
+                               EXACT_ROUND: tl.constexpr, MBITS: tl.constexpr, MIN_NORMAL: tl.constexpr,
+                               SUB_MAGIC: tl.constexpr):
+        pid_k = tl.program_id(0)
+        e = tl.program_id(1)
+        offs_k = pid_k * BK + tl.arange(0, BK)
+        mask_k = offs_k < K
+        start = tl.load(offs_ptr + e - 1, mask=e > 0, other=0).to(tl.int32)
+        end = tl.load(offs_ptr + e).to(tl.int32)
+        x_cols = x_ptr + offs_k[None, :] * stride_xk
+        amax = tl.zeros([BK], dtype=tl.float32)
+        for m0 in range(start, end, BM):
+            offs_m = m0 + tl.arange(0, BM)
+            mask = (offs_m < end)[:, None] & mask_k[None, :]
+            x = tl.load(x_cols + offs_m.to(tl.int64)[:, None] * stride_xm, mask=mask, other=0.0)
+            amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), axis=0))
+        # Empty group: amax stays 0, EPS keeps the scale finite.
+        scale = _scale_from_amax(amax, FP8_MAX, EPS_, POW2)
+        tl.store(scale_ptr + e.to(tl.int64) * K + offs_k, scale, mask=mask_k)
+        out_dtype = out_ptr.dtype.element_ty
+        for m0 in range(start, end, BM):
+            offs_m = m0 + tl.arange(0, BM)
+            mask_m = offs_m < end
+            mask = mask_m[:, None] & mask_k[None, :]
+            x = tl.load(x_cols + offs_m.to(tl.int64)[:, None] * stride_xm, mask=mask, other=0.0).to(tl.float32)
+            y = _to_fp8(x * scale[None, :], out_dtype, FP8_MAX, EXACT_ROUND, MBITS, MIN_NORMAL, SUB_MAGIC)
+            if TRANSPOSE_OUT:
+                tl.store(out_ptr + offs_k.to(tl.int64)[:, None] * M + offs_m[None, :], tl.trans(y),
+                         mask=mask_k[:, None] & mask_m[None, :])
+            else:
+                tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * K + offs_k[None, :], y, mask=mask)
+        if e == E - 1:
+            # Rows past the last group belong to no expert: write zeros so the output is fully defined.
+            for m0 in range(end, M, BM):
+                offs_m = m0 + tl.arange(0, BM)
+                mask_m = offs_m < M
+                y = tl.zeros([BM, BK], dtype=tl.float32).to(out_dtype)
+                if TRANSPOSE_OUT:
+                    tl.store(out_ptr + offs_k.to(tl.int64)[:, None] * M + offs_m[None, :], tl.trans(y),
+                             mask=mask_k[:, None] & mask_m[None, :])
+                else:
+                    tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * K + offs_k[None, :], y,
+                             mask=mask_m[:, None] & mask_k[None, :])
+
+    INTERPRETED = not isinstance(_amax_kernel, triton.runtime.JITFunction)
+else:
+    INTERPRETED = False
+
+
+# -------------------------------------------------------------------- launchers
+
+
+def _grid_consts(fp8_dtype: torch.dtype) -> dict:
+    g = Fp8Grid.of(fp8_dtype)
+    return dict(FP8_MAX=g.max_value, EPS_=EPS, EXACT_ROUND=INTERPRETED, MBITS=g.mbits,
+                MIN_NORMAL=g.min_normal, SUB_MAGIC=g.sub_magic)
+
+
+def triton_usable(x: torch.Tensor) -> bool:
+    """Triton runs on CUDA/ROCm tensors, and on CPU tensors only under the interpreter."""
+    return HAS_TRITON and (x.is_cuda or (INTERPRETED and x.device.type == "cpu"))
+
+
+def _require(x: torch.Tensor) -> None:
+    if not triton_usable(x):
+        raise ValueError(
+            f"Triton quantize kernels need a CUDA/ROCm tensor (got device {x.device}) or TRITON_INTERPRET=1 set "
+            "before fp8.kernels is imported; pass use_triton=False to run the PyTorch reference instead"
+        )
+
+
+# Tile heuristics (the would-be autotune key: row length N/K and element size; see module docstring).
+TENSORWISE_BLOCK = 8192  # elements per program: 16 KB of bf16, 8 warps -> 32 elements a thread
+ROWWISE_MAX_TILE = 16384  # elements a program holds in registers (BM * BN) on the one-tile path
+ROW_COL_AMAX_TILE = (64, 128)  # (BM, BN) of the amax pass
+ROW_COL_CAST_TILE = (64, 128)  # (BM, BN) of the cast pass
+JAGGED_TILE = (64, 64)  # (BM, BK): BK bf16 columns = 128 B contiguous reads; BM fp8 = 64 B transposed runs
+TENSORWISE_WARPS = 8
+ROWWISE_WARPS = 8
+ROW_COL_WARPS = 8
+JAGGED_WARPS = 4
+
+
+def tensorwise_amax(x_hp: torch.Tensor) -> torch.Tensor:
+    """max |x| as a 0-d fp32 tensor, on device (no host sync)."""
+    _require(x_hp)
+    x_flat = x_hp.contiguous().view(-1)
+    amax_bits = torch.zeros(1, dtype=torch.int32, device=x_hp.device)
+    numel = x_flat.numel()
+    grid = (max(1, triton.cdiv(numel, TENSORWISE_BLOCK)),)
+    _amax_kernel[grid](x_flat, amax_bits, numel, BLOCK=TENSORWISE_BLOCK, num_warps=TENSORWISE_WARPS)
+    return amax_bits.view(torch.float32).reshape(())
+
+
+def quantize_tensorwise_triton(
+    x_hp: torch.Tensor, fp8_dtype: torch.dtype, amax: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    _require(x_hp)
+    if amax is None:
+        amax = tensorwise_amax(x_hp)
+    amax = amax.reshape(1).to(device=x_hp.device, dtype=torch.float32)
+    x_flat = x_hp.contiguous().view(-1)
+    out = torch.empty(x_hp.shape, dtype=fp8_dtype, device=x_hp.device)
+    scale = torch.empty((), dtype=torch.float32, device=x_hp.device)
+    numel = x_flat.numel()
+    grid = (max(1, triton.cdiv(numel, TENSORWISE_BLOCK)),)
+    _cast_tensorwise_kernel[grid](x_flat, out.view(-1), amax, scale, numel, BLOCK=TENSORWISE_BLOCK,
+                                  num_warps=TENSORWISE_WARPS, **_grid_consts(fp8_dtype))
+    return out, scale
+
+
+def rowwise_tile(N: int, max_tile: int = ROWWISE_MAX_TILE) -> tuple[int, int, bool]:
+    """(BM, BN, one_tile) for rows of N elements: whole rows in registers when a row fits max_tile."""
+    BN = triton.next_power_of_2(max(N, 1))
+    if BN <= max_tile:
+        return max(1, min(max_tile // BN, 64)), BN, True
+    return 1, max_tile, False
+
+
+def quantize_rowwise_triton(
+    x_hp_MN: torch.Tensor, fp8_dtype: torch.dtype, pow2: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    _require(x_hp_MN)
+    M, N = x_hp_MN.shape
+    out_MN = torch.empty((M, N), dtype=fp8_dtype, device=x_hp_MN.device)
+    scale_M1 = torch.empty((M, 1), dtype=torch.float32, device=x_hp_MN.device)
+    if M == 0:
+        return out_MN, scale_M1
+    BM, BN, one_tile = rowwise_tile(N)
+    grid = (triton.cdiv(M, BM),)
+    _rowwise_kernel[grid](x_hp_MN, out_MN, scale_M1, M, N, x_hp_MN.stride(0), x_hp_MN.stride(1), POW2=pow2,
+                          BM=BM, BN=BN, ONE_TILE=one_tile, num_warps=ROWWISE_WARPS, **_grid_consts(fp8_dtype))
+    return out_MN, scale_M1
+
+
+def row_col_amax_triton(x_hp_MN: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row amax [M] and column amax [N] (fp32) in one read of x."""
+    _require(x_hp_MN)
+    M, N = x_hp_MN.shape
+    row_bits = torch.zeros(M, dtype=torch.int32, device=x_hp_MN.device)
+    col_bits = torch.zeros(N, dtype=torch.int32, device=x_hp_MN.device)
+    if M and N:
+        BM, BN = ROW_COL_AMAX_TILE
+        # Enough programs to fill the GPU (about 8 per SM on an H200) while each covers many columns, which
+        # keeps the column atomics at N * ceil(M / BM).
+        row_blocks = triton.cdiv(M, BM)
+        splits = max(1, min(triton.cdiv(N, BN), triton.cdiv(1024, row_blocks)))
+        n_per_prog = triton.cdiv(triton.cdiv(N, splits), BN) * BN
+        grid = (row_blocks, triton.cdiv(N, n_per_prog))
+        _row_col_amax_kernel[grid](x_hp_MN, row_bits, col_bits, M, N, x_hp_MN.stride(0), x_hp_MN.stride(1),
+                                   BM=BM, BN=BN, N_PER_PROG=n_per_prog, num_warps=ROW_COL_WARPS)
+    return row_bits.view(torch.float32), col_bits.view(torch.float32)
+
+
+def quantize_rowwise_and_colwise_triton(
+    x_hp_MN: torch.Tensor, fp8_dtype: torch.dtype, pow2: bool = True
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    _require(x_hp_MN)
+    M, N = x_hp_MN.shape
+    dev = x_hp_MN.device
+    row_out_MN = torch.empty((M, N), dtype=fp8_dtype, device=dev)
+    col_out_t_NM = torch.empty((N, M), dtype=fp8_dtype, device=dev)
+    scale_M1 = torch.empty((M, 1), dtype=torch.float32, device=dev)
+    scale_1N = torch.empty((1, N), dtype=torch.float32, device=dev)
+    row_amax_M, col_amax_N = row_col_amax_triton(x_hp_MN)
+    if M == 0 or N == 0:
+        # Degenerate shapes: nothing to cast; the scales of the rows/columns that exist come from the EPS floor.
+        zeros_M1 = torch.zeros((M, 1), dtype=torch.float32, device=dev)
+        zeros_1N = torch.zeros((1, N), dtype=torch.float32, device=dev)
+        return row_out_MN, amax_to_scale(zeros_M1, fp8_dtype, pow2), col_out_t_NM, amax_to_scale(zeros_1N, fp8_dtype, pow2)
+    BM, BN = ROW_COL_CAST_TILE
+    grid = (triton.cdiv(M, BM), triton.cdiv(N, BN))
+    _row_col_cast_kernel[grid](x_hp_MN, row_out_MN, col_out_t_NM, row_amax_M, col_amax_N, scale_M1, scale_1N,
+                               M, N, x_hp_MN.stride(0), x_hp_MN.stride(1), POW2=pow2, BM=BM, BN=BN,
+                               num_warps=ROW_COL_WARPS, **_grid_consts(fp8_dtype))
+    return row_out_MN, scale_M1, col_out_t_NM, scale_1N
+
+
+def quantize_jagged_per_expert_triton(
+    x_hp_MK: torch.Tensor,
+    offs_E: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    pow2: bool = True,
+    transpose_out: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    _require(x_hp_MK)
+    M, K = x_hp_MK.shape
+    E = offs_E.shape[0]
+    dev = x_hp_MK.device
+    out = torch.empty((K, M) if transpose_out else (M, K), dtype=fp8_dtype, device=dev)
+    scale_EK = torch.empty((E, K), dtype=torch.float32, device=dev)
+    if E == 0 or K == 0:
+        return out.zero_(), scale_EK
+    BM, BK = JAGGED_TILE
+    grid = (triton.cdiv(K, BK), E)
+    _jagged_colwise_kernel[grid](x_hp_MK, offs_E, out, scale_EK, M, K, x_hp_MK.stride(0), x_hp_MK.stride(1), E,
+                                 POW2=pow2, BM=BM, BK=BK, TRANSPOSE_OUT=transpose_out, num_warps=JAGGED_WARPS,
+                                 **_grid_consts(fp8_dtype))
+    return out, scale_EK
+
+
+def env_interpret_requested() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"

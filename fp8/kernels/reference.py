@@ -1,0 +1,161 @@
+"""Pure-PyTorch references for the FP8 quantize kernels (any device, torch.compile friendly).
+
+These define the numerics; the Triton kernels in `quantize.py` must match them bit for bit on a GPU
+(one fp8 step at most where a compiler reorders nothing but the cast, see tests/test_fp8_kernels.py).
+
+Conventions shared by every function here and in the kernels:
+- `scale` multiplies: x_fp8 = saturate(x_hp * scale), dequant x_hp ~= x_fp8 / scale. torch._scaled_mm wants the
+  dequant multiplier, i.e. `scale.reciprocal()` (exact when the scale is a power of two).
+- scale = fp8_max / max(amax, EPS) in fp32. EPS keeps all-zero rows, columns and empty expert groups finite.
+- pow2=True rounds the scale down to a power of two by clearing its mantissa bits, so |x| * scale <= fp8_max still
+  holds and the dequant is exact in any precision (DeepSeek-V3 / torchao rowwise recipe).
+- The cast saturates: values are clamped to [-fp8_max, fp8_max] before the round-to-nearest-even cast.
+- NaN in the input gives NaN scales here (amax propagates NaN); the Triton kernels keep NaN in the data but may
+  produce a finite scale. Neither path hides a NaN in the quantized data.
+
+Shape legend: M rows (tokens), N (or K) columns (features), E expert groups.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Same floor as torchao's float8 code: 448 / 1e-12 = 4.5e14 stays far below the fp32 max.
+EPS = 1e-12
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
+
+
+def check_fp8_dtype(fp8_dtype: torch.dtype) -> None:
+    if fp8_dtype not in FP8_DTYPES:
+        raise ValueError(f"fp8_dtype must be one of {FP8_DTYPES}, got {fp8_dtype}")
+
+
+def fp8_max(fp8_dtype: torch.dtype) -> float:
+    """Largest finite value: e4m3fn 448, e5m2 57344, e4m3fnuz 240, e5m2fnuz 57344."""
+    check_fp8_dtype(fp8_dtype)
+    return float(torch.finfo(fp8_dtype).max)
+
+
+def pow2_floor(scale: torch.Tensor) -> torch.Tensor:
+    """Round positive fp32 scales down to a power of two by clearing the mantissa bits (exact, no log2)."""
+    bits = scale.contiguous().view(torch.int32) & 0x7F800000
+    return bits.view(torch.float32).view(scale.shape)
+
+
+def amax_to_scale(amax: torch.Tensor, fp8_dtype: torch.dtype, pow2: bool = False) -> torch.Tensor:
+    """fp32 scale = fp8_max / max(amax, EPS), optionally rounded down to a power of two."""
+    scale = fp8_max(fp8_dtype) / amax.float().clamp(min=EPS)
+    return pow2_floor(scale) if pow2 else scale
+
+
+def saturated_cast(x_hp: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """saturate(x * scale) cast to fp8 with round-to-nearest-even; scale broadcasts against x."""
+    limit = fp8_max(fp8_dtype)
+    return (x_hp.float() * scale).clamp(-limit, limit).to(fp8_dtype)
+
+
+def abs_amax(x_hp: torch.Tensor, dim: int | None = None, keepdim: bool = False) -> torch.Tensor:
+    """max |x| in fp32 over `dim` (all dims when None); 0 over an empty dim instead of torch's error."""
+    abs_x = x_hp.abs()  # amax is exact in the input dtype: upcast only the result
+    if dim is None:
+        return abs_x.amax().float() if abs_x.numel() else abs_x.new_zeros((), dtype=torch.float32)
+    if abs_x.shape[dim] == 0:
+        shape = list(abs_x.shape)
+        if keepdim:
+            shape[dim] = 1
+        else:
+            del shape[dim]
+        return abs_x.new_zeros(shape, dtype=torch.float32)
+    return abs_x.amax(dim=dim, keepdim=keepdim).float()
+
+
+def _check_2d(x_hp: torch.Tensor, name: str) -> None:
+    if x_hp.dim() != 2:
+        raise ValueError(f"{name} expects a 2D tensor [M, N], got shape {tuple(x_hp.shape)}; reshape first")
+    if not x_hp.is_floating_point() or x_hp.dtype in FP8_DTYPES:
+        raise ValueError(f"{name} expects a high-precision float tensor (bf16/fp16/fp32), got {x_hp.dtype}")
+
+
+def quantize_tensorwise_ref(
+    x_hp: torch.Tensor, fp8_dtype: torch.dtype, amax: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One scale for the whole tensor. Returns (x_fp8 same shape as x_hp, scale 0-d fp32)."""
+    check_fp8_dtype(fp8_dtype)
+    if amax is None:
+        amax = abs_amax(x_hp)
+    scale = amax_to_scale(amax.reshape(()), fp8_dtype)
+    return saturated_cast(x_hp, scale, fp8_dtype), scale
+
+
+def quantize_rowwise_ref(
+    x_hp_MN: torch.Tensor, fp8_dtype: torch.dtype, pow2: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One scale per row. Returns (x_fp8_MN row-major, scale_M1 fp32 [M, 1])."""
+    check_fp8_dtype(fp8_dtype)
+    _check_2d(x_hp_MN, "quantize_rowwise")
+    amax_M1 = abs_amax(x_hp_MN, dim=1, keepdim=True)
+    scale_M1 = amax_to_scale(amax_M1, fp8_dtype, pow2)
+    return saturated_cast(x_hp_MN, scale_M1, fp8_dtype), scale_M1
+
+
+def quantize_rowwise_and_colwise_ref(
+    x_hp_MN: torch.Tensor, fp8_dtype: torch.dtype, pow2: bool = True
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Row-scaled and column-scaled copies of x for the forward and backward GEMMs.
+
+    Returns (x_fp8_MN, scale_M1, x_fp8_t_NM, scale_1N):
+    - x_fp8_MN: row-major [M, N], x_fp8_MN[m, n] = sat(x[m, n] * scale_M1[m]).
+    - x_fp8_t_NM: [N, M] contiguous (row-major), x_fp8_t_NM[n, m] = sat(x[m, n] * scale_1N[n]). Its `.t()` is the
+      colwise-scaled x as an [M, N] column-major tensor. For grad_w = grad_y^T @ x with torch._scaled_mm:
+      a = grad_y's x_fp8_t_NM (row-major [N, M]), b = x's x_fp8_t.t() (column-major [M, K]),
+      scale_a = grad_y's scale_1N.reciprocal().t() ([N, 1]), scale_b = x's scale_1K.reciprocal() ([1, K]).
+    """
+    check_fp8_dtype(fp8_dtype)
+    _check_2d(x_hp_MN, "quantize_rowwise_and_colwise")
+    scale_M1 = amax_to_scale(abs_amax(x_hp_MN, dim=1, keepdim=True), fp8_dtype, pow2)
+    scale_1N = amax_to_scale(abs_amax(x_hp_MN, dim=0, keepdim=True), fp8_dtype, pow2)
+    x_fp8_MN = saturated_cast(x_hp_MN, scale_M1, fp8_dtype)
+    x_fp8_t_NM = saturated_cast(x_hp_MN, scale_1N, fp8_dtype).t().contiguous()
+    return x_fp8_MN, scale_M1, x_fp8_t_NM, scale_1N
+
+
+def expert_of_row(offs_E: torch.Tensor, M: int) -> torch.Tensor:
+    """Group index of each row for int32 cumulative end offsets (torch._grouped_mm semantics).
+
+    Row m belongs to group e when offs[e-1] <= m < offs[e]; rows at or past offs[-1] get index E (no group).
+    """
+    rows_M = torch.arange(M, device=offs_E.device, dtype=offs_E.dtype)
+    return torch.searchsorted(offs_E, rows_M, right=True)
+
+
+def quantize_jagged_per_expert_ref(
+    x_hp_MK: torch.Tensor,
+    offs_E: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    pow2: bool = True,
+    transpose_out: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-expert column scales for the grad-weight grouped GEMM (rows of x are tokens sorted by expert).
+
+    scale_EK[e, k] = fp8_max / amax(|x[offs[e-1]:offs[e], k]|) (EPS-clamped, so empty groups are finite).
+    Returns (x_fp8, scale_EK fp32 [E, K]); x_fp8[m, k] = sat(x[m, k] * scale_EK[e(m), k]), and rows at or past
+    offs[-1] are zeros. transpose_out=True returns x_fp8_t_KM [K, M] contiguous (its .t() is the column-major
+    [M, K] operand torch._scaled_grouped_mm wants for a 2D x 2D grouped GEMM along M); False gives [M, K] row-major.
+    """
+    check_fp8_dtype(fp8_dtype)
+    _check_2d(x_hp_MK, "quantize_jagged_per_expert")
+    if offs_E.dim() != 1 or offs_E.dtype != torch.int32:
+        raise ValueError(f"offs must be a 1D int32 tensor of cumulative group ends, got {offs_E.dtype} {offs_E.shape}")
+    M, K = x_hp_MK.shape
+    E = offs_E.shape[0]
+    group_M = expert_of_row(offs_E, M).long()
+    amax_E1K = torch.zeros(E + 1, K, device=x_hp_MK.device, dtype=torch.float32)
+    amax_E1K.scatter_reduce_(0, group_M[:, None].expand(M, K), x_hp_MK.abs().float(), "amax", include_self=True)
+    scale_EK = amax_to_scale(amax_E1K[:E], fp8_dtype, pow2)
+    # Row E of the padded table is zero: rows past offs[-1] quantize to zeros.
+    scale_E1K = torch.cat([scale_EK, scale_EK.new_zeros(1, K)])
+    x_fp8_MK = saturated_cast(x_hp_MK, scale_E1K[group_M], fp8_dtype)
+    if transpose_out:
+        return x_fp8_MK.t().contiguous(), scale_EK
+    return x_fp8_MK, scale_EK
