@@ -449,6 +449,9 @@ class CheckpointManager:
         except (TypeError, ValueError) as e:
             raise ValueError(f"extra_state must be JSON-serialisable (convert tensors with .item()/.tolist()): "
                              f"{e}") from e
+        if not _dist_on() and self.world_size != 1:
+            raise ValueError(f"save with world_size {self.world_size} needs an initialized process group (every "
+                             f"rank writes its shard); initialize torch.distributed or use world_size=1")
         self._require_root()
 
         # Everything that can fail on bad input runs before the first collective, identically on every rank.
@@ -650,6 +653,8 @@ class CheckpointManager:
                 reasons = [r for r in _gather_to_all(reason)]
                 bad = [(r, why) for r, why in enumerate(reasons) if why is not None]
                 reason = "; ".join(f"rank {r}: {why}" for r, why in bad) if bad else None
+            if reason is not None and not use_group and not path.exists():
+                continue  # deleted by rank 0's retention since we listed it: gone, not corrupt
             if reason is not None:
                 if not use_group or self.rank == 0:
                     self._emit("checkpoint_corrupt", {"step": step, "path": str(path), "reason": reason})

@@ -1,0 +1,483 @@
+"""Tests of orchestration/checkpoint.py: DCP round trips (FSDP2 on gloo, plain), RNG, corruption, retention.
+
+Legend: sd = state dict; full sd = unsharded tensors gathered on rank 0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import socket
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from orchestration.checkpoint import (
+    MANIFEST,
+    CheckpointError,
+    CheckpointInfo,
+    CheckpointManager,
+    derive_rng_seed,
+    ray_checkpoint_dir,
+)
+
+# ---------------------------------------------------------------------------------------------------------------
+# Tiny model and training helpers (shared by the spawned workers and the local tests)
+
+
+class TinyNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        # 5 output rows over 2 ranks: FSDP2 shards unevenly (3 + 2), the harder resharding case
+        self.layers = nn.ModuleList([nn.Linear(6, 5), nn.Linear(5, 3)])
+        self.register_buffer("scale", torch.tensor([1.5, 2.0, 0.5]))
+
+    def forward(self, x_BD: torch.Tensor) -> torch.Tensor:
+        return self.layers[1](torch.tanh(self.layers[0](x_BD))) * self.scale
+
+
+def halving(step: int) -> float:
+    return 0.5**step
+
+
+def build(seed: int) -> tuple[TinyNet, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+    torch.manual_seed(seed)
+    model = TinyNet()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, halving)
+    return model, opt, sched
+
+
+def train_steps(model, opt, sched, n: int, *, rank: int = 0, world: int = 1, offset: int = 0) -> None:
+    gen = torch.Generator().manual_seed(1234)
+    for i in range(n):
+        x_BD = torch.randn(4 * world, 6, generator=gen)[4 * rank: 4 * (rank + 1)] + 0.1 * (i + offset)
+        loss = (model(x_BD) ** 2).mean()
+        loss.backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+
+
+def full_state(model, opt) -> dict:
+    """Unsharded model + optimizer state keyed by FQN (collective for FSDP2; rank 0 gets the tensors)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    full = dist.is_initialized()
+    model_sd, optim_sd = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=full,
+                                                                              cpu_offload=full))
+    if full and dist.get_rank() != 0:
+        return {}  # cpu_offload leaves the full tensors on rank 0 only
+    return {"model": {k: v.detach().clone() for k, v in model_sd.items()},
+            "optim_state": {k: {n: t.clone() for n, t in s.items()} for k, s in optim_sd["state"].items()},
+            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optim_sd["param_groups"]]}
+
+
+def assert_states_bit_identical(got: dict, want: dict) -> None:
+    assert got["model"].keys() == want["model"].keys()
+    for k in want["model"]:
+        assert got["model"][k].dtype == want["model"][k].dtype
+        assert torch.equal(got["model"][k], want["model"][k]), k
+    assert got["optim_state"].keys() == want["optim_state"].keys()
+    for k, s in want["optim_state"].items():
+        assert s.keys() == got["optim_state"][k].keys()
+        for n, t in s.items():
+            assert torch.equal(got["optim_state"][k][n], t), (k, n)
+    assert got["param_groups"] == want["param_groups"]
+
+
+def draw_rngs() -> tuple:
+    return torch.rand(3), random.random(), float(np.random.rand())
+
+
+def same_draws(a: tuple, b: tuple) -> bool:
+    return torch.equal(a[0], b[0]) and a[1] == b[1] and a[2] == b[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Two ranks, gloo, FSDP2
+
+
+def _worker(rank: int, world: int, port: int, root_a: str, root_b: str, out: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        out_dir = Path(out)
+        model, opt, sched = build(seed=99)  # a different init than the checkpoint: loading must overwrite it
+        mesh = init_device_mesh("cpu", (world,))
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, halving)
+
+        # 1 -> 2 ranks: a checkpoint written by a single plain process loads into the FSDP2 shards
+        mgr_a = CheckpointManager(root_a, create=False)
+        info_a = mgr_a.latest(collective=True)
+        extra_a = mgr_a.load(info_a, model, opt, sched)
+        full_a = full_state(model, opt)
+        if rank == 0:
+            torch.save({"state": full_a, "extra": extra_a, "sched": sched.state_dict(), "rng": mgr_a.last_load_rng},
+                       out_dir / "a_loaded.pt")
+
+        # train on, save from 2 ranks
+        train_steps(model, opt, sched, 2, rank=rank, world=world, offset=1)
+        events: list = []
+        mgr_b = CheckpointManager(root_b, event_sink=lambda n, p: events.append((n, p)))
+        torch.manual_seed(100 + rank)
+        random.seed(200 + rank)
+        np.random.seed(300 + rank)
+        path = mgr_b.save(3, model, opt, sched, {"data": {"next_index": 24}, "rank_written": "rank 0"})
+        draws_after_save = draw_rngs()
+        ref_b = full_state(model, opt)
+        sched_b = sched.state_dict()
+
+        # a newer checkpoint whose damage only rank 1 sees: in a collective `latest` rank 1 hashes the odd-indexed
+        # files, so a flipped byte there must make both ranks fall back to step 3 together
+        path4 = mgr_b.save(4, model, opt, sched, {"data": {"next_index": 32}})
+        if rank == 0:
+            odd_file = sorted(json.loads((path4 / MANIFEST).read_text())["files"])[1]
+            _flip_byte(path4 / odd_file)
+        dist.barrier()
+
+        # diverge (params, optimizer, scheduler, RNG), then come back from the checkpoint at the same world size
+        train_steps(model, opt, sched, 1, rank=rank, world=world, offset=7)
+        torch.manual_seed(5)
+        random.seed(5)
+        np.random.seed(5)
+        info_b = mgr_b.latest(collective=True)
+        extra_b = mgr_b.load(info_b, model, opt, sched)
+        draws_after_load = draw_rngs()
+        reloaded_b = full_state(model, opt)
+        torch.save({"after_save": draws_after_save, "after_load": draws_after_load, "rng": mgr_b.last_load_rng,
+                    "path": str(path), "events": events}, out_dir / f"rng_{rank}.pt")
+        if rank == 0:
+            torch.save({"ref": ref_b, "reloaded": reloaded_b, "extra": extra_b, "sched_ref": sched_b,
+                        "sched_reloaded": sched.state_dict(), "info_step": info_b.step,
+                        "info_world": info_b.world_size}, out_dir / "b.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(tmp_path_factory):
+    base = tmp_path_factory.mktemp("fsdp")
+    root_a, root_b, out = base / "a", base / "b", base / "out"
+    out.mkdir()
+    # checkpoint A: one plain process, world size 1
+    model, opt, sched = build(seed=0)
+    train_steps(model, opt, sched, 1)
+    CheckpointManager(root_a, rank=0, world_size=1).save(1, model, opt, sched, {"data": {"next_index": 4}})
+    ref_a = full_state(model, opt)
+    mp.spawn(_worker, args=(2, free_port(), str(root_a), str(root_b), str(out)), nprocs=2, join=True)
+    return {"ref_a": ref_a, "sched_a": sched.state_dict(), "root_b": root_b, "out": out}
+
+
+def test_fsdp2_one_rank_checkpoint_reshards_into_two(fsdp_run):
+    got = torch.load(fsdp_run["out"] / "a_loaded.pt", weights_only=True)
+    assert_states_bit_identical(got["state"], fsdp_run["ref_a"])
+    assert got["extra"] == {"data": {"next_index": 4}}
+    assert got["sched"] == fsdp_run["sched_a"]
+    assert got["rng"] == "derived"  # world size 1 -> 2
+
+
+def test_fsdp2_two_rank_save_reload_same_world_size(fsdp_run):
+    b = torch.load(fsdp_run["out"] / "b.pt", weights_only=True)
+    assert (b["info_step"], b["info_world"]) == (3, 2)
+    assert_states_bit_identical(b["reloaded"], b["ref"])
+    assert b["sched_reloaded"] == b["sched_ref"] and b["sched_ref"]["last_epoch"] == 3
+    assert b["extra"] == {"data": {"next_index": 24}, "rank_written": "rank 0"}
+    # the model really moved between the two checkpoints, so the equality above is not vacuous
+    a = torch.load(fsdp_run["out"] / "a_loaded.pt", weights_only=True)
+    assert not torch.equal(a["state"]["model"]["layers.0.weight"], b["ref"]["model"]["layers.0.weight"])
+
+
+def test_fsdp2_rng_restored_per_rank(fsdp_run):
+    r0 = torch.load(fsdp_run["out"] / "rng_0.pt", weights_only=True)
+    r1 = torch.load(fsdp_run["out"] / "rng_1.pt", weights_only=True)
+    for r in (r0, r1):
+        assert r["rng"] == "restored"
+        assert same_draws(r["after_save"], r["after_load"])
+    assert not same_draws(r0["after_save"], r1["after_save"])  # each rank got its own state back
+    assert [n for n, _ in r0["events"]] == ["checkpoint_saved", "checkpoint_saved", "checkpoint_corrupt",
+                                            "checkpoint_loaded"]
+    assert r1["events"] == []  # collective latest reports from rank 0 only
+    corrupt = r0["events"][2][1]
+    assert corrupt["step"] == 4 and corrupt["reason"].startswith("rank 1: sha256 mismatch")
+
+
+def test_fsdp2_two_rank_checkpoint_loads_into_one_plain_rank(fsdp_run):
+    b = torch.load(fsdp_run["out"] / "b.pt", weights_only=True)
+    root_b = fsdp_run["root_b"]
+    manifest = json.loads((root_b / "step_000003" / MANIFEST).read_text())
+    assert manifest["world_size"] == 2 and manifest["good"] is False
+    assert {"rng/rank_00000.pt", "rng/rank_00001.pt"} <= manifest["files"].keys()
+    assert sum(f.endswith(".distcp") for f in manifest["files"]) == 2  # both ranks wrote a shard
+
+    model, opt, sched = build(seed=7)
+    mgr = CheckpointManager(root_b, rank=0, world_size=1, seed=11)
+    info = mgr.latest()
+    extra = mgr.load(info, model, opt, sched)
+    assert_states_bit_identical(full_state(model, opt), b["ref"])
+    assert sched.state_dict() == b["sched_ref"]
+    assert extra["data"]["next_index"] == 24
+    # world size 2 -> 1: RNG comes from the documented derivation, not from rank 0's saved state
+    assert mgr.last_load_rng == "derived"
+    got = draw_rngs()
+    torch.manual_seed(derive_rng_seed(11, 3, 0))
+    random.seed(derive_rng_seed(11, 3, 0))
+    np.random.seed(derive_rng_seed(11, 3, 0) % 2**32)
+    assert same_draws(got, draw_rngs())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Single process, no process group
+
+
+def _saved(root: Path, steps, **kw) -> tuple[CheckpointManager, list, tuple]:
+    events: list = []
+    mgr = CheckpointManager(root, rank=0, world_size=1, event_sink=lambda n, p: events.append((n, p)), **kw)
+    model, opt, sched = build(seed=0)
+    for step in steps:
+        train_steps(model, opt, sched, 1, offset=step)
+        mgr.save(step, model, opt, sched, {"data": {"next_index": 4 * step}})
+    return mgr, events, (model, opt, sched)
+
+
+def test_plain_round_trip_with_scheduler_and_extra_state(tmp_path):
+    model, opt, sched = build(seed=0)
+    train_steps(model, opt, sched, 3)
+    extra = {"data": {"next_index": 96, "consumed": [[0, 96]]}, "precision": {"mode": "fp8", "scope": None},
+             "policy": {"bad_steps": 0, "ema": 1.25}, "plan": {"world_size": 1, "grad_accum": 4}}
+    mgr = CheckpointManager(tmp_path / "ck", rank=0, world_size=1)
+    path = mgr.save(3, model, opt, sched, extra)
+    assert path == tmp_path / "ck" / "step_000003" and not list((tmp_path / "ck").glob(".tmp-*"))
+
+    model2, opt2, sched2 = build(seed=1)
+    assert not torch.equal(model2.layers[0].weight, model.layers[0].weight)
+    got_extra = mgr.load(mgr.latest(), model2, opt2, sched2)
+    assert got_extra == extra
+    assert_states_bit_identical(full_state(model2, opt2), full_state(model, opt))
+    assert torch.equal(model2.scale, model.scale)
+    assert sched2.state_dict() == sched.state_dict() and sched2.get_last_lr() == [0.05 * 0.5**3]
+    # one more identical step on both gives identical parameters: nothing of the training state was lost
+    train_steps(model, opt, sched, 1, offset=3)
+    train_steps(model2, opt2, sched2, 1, offset=3)
+    for p1, p2 in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(p1, p2)
+
+
+def test_model_only_and_missing_scheduler_errors(tmp_path):
+    model, _, _ = build(seed=0)
+    mgr = CheckpointManager(tmp_path, rank=0, world_size=1)
+    mgr.save(0, model)  # model only
+    model2, opt2, sched2 = build(seed=3)
+    with pytest.raises(CheckpointError, match="without a scheduler"):
+        mgr.load(mgr.latest(), model2, opt2, sched2)
+    with pytest.raises(CheckpointError, match="no optimizer state"):
+        mgr.load(mgr.latest(), model2, opt2)
+    assert mgr.load(mgr.latest(), model2) == {}
+    assert torch.equal(model2.layers[1].weight, model.layers[1].weight)
+
+
+def test_only_tensors_go_through_dcp_and_own_files_load_weights_only(tmp_path):
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    mgr, _, _ = _saved(tmp_path, [1])
+    path = mgr.latest().path
+    metadata = FileSystemReader(str(path / "dcp")).read_metadata()
+    kinds = {type(m).__name__ for m in metadata.state_dict_metadata.values()}
+    assert kinds == {TensorStorageMetadata.__name__}  # no pickled bytes items that DCP would load unsafely
+    assert "model.layers.0.weight" in metadata.state_dict_metadata
+    for rel in ("state_meta.pt", "scheduler.pt", "rng/rank_00000.pt"):
+        torch.load(path / rel, weights_only=True)
+
+
+def test_rng_restore_same_world_size(tmp_path):
+    model, opt, sched = build(seed=0)
+    mgr = CheckpointManager(tmp_path, rank=0, world_size=1)
+    torch.manual_seed(42)
+    random.seed(43)
+    np.random.seed(44)
+    mgr.save(5, model, opt, sched)
+    want = draw_rngs()
+    torch.manual_seed(0)
+    random.seed(0)
+    np.random.seed(0)
+    mgr.load(mgr.latest(), model, opt, sched)
+    assert mgr.last_load_rng == "restored"
+    assert same_draws(draw_rngs(), want)
+
+
+def test_derive_rng_seed_is_pure_and_distinct():
+    assert derive_rng_seed(0, 10, 1) == derive_rng_seed(0, 10, 1)
+    seeds = {derive_rng_seed(s, st, r) for s in (0, 1) for st in (10, 11) for r in (0, 1, 2)}
+    assert len(seeds) == 12 and all(0 <= x < 2**63 for x in seeds)
+
+
+def _flip_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+CORRUPTIONS = {
+    "flipped_byte_in_shard": (lambda d: _flip_byte(next((d / "dcp").glob("*.distcp"))), "sha256 mismatch"),
+    "flipped_byte_in_metadata": (lambda d: _flip_byte(d / "dcp" / ".metadata"), "sha256 mismatch in dcp/.metadata"),
+    "missing_rng_file": (lambda d: (d / "rng" / "rank_00000.pt").unlink(), "file missing: rng/rank_00000.pt"),
+    "truncated_extra_state": (lambda d: (d / "extra_state.json").write_text("{"), "size mismatch in extra_state"),
+    "missing_manifest": (lambda d: (d / MANIFEST).unlink(), "manifest.json missing"),
+    "garbage_manifest": (lambda d: (d / MANIFEST).write_text("{not json"), "unreadable manifest.json"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(CORRUPTIONS))
+def test_corrupt_checkpoint_is_skipped_with_event(tmp_path, kind):
+    corrupt, reason = CORRUPTIONS[kind]
+    mgr, events, _ = _saved(tmp_path, [1, 2])
+    bad = tmp_path / "step_000002"
+    corrupt(bad)
+    events.clear()
+    info = mgr.latest()
+    assert info is not None and info.step == 1 and info.path == tmp_path / "step_000001"
+    assert [n for n, _ in events] == ["checkpoint_corrupt"]
+    payload = events[0][1]
+    assert payload["step"] == 2 and payload["path"] == str(bad) and reason in payload["reason"]
+    assert bad.is_dir()  # finding and loading never delete
+    model, opt, sched = build(seed=5)
+    assert mgr.load(info, model, opt, sched) == {"data": {"next_index": 4}}
+    assert bad.is_dir()
+    with pytest.raises(CheckpointError, match=f"checkpoint {bad}"):
+        mgr.verify(bad)
+
+
+def test_partial_dir_with_only_some_files_and_no_valid_checkpoint(tmp_path):
+    events: list = []
+    mgr = CheckpointManager(tmp_path, rank=0, world_size=1, event_sink=lambda n, p: events.append(n))
+    (tmp_path / "step_000004" / "dcp").mkdir(parents=True)  # e.g. a copy that stopped half way
+    assert mgr.latest() is None and events == ["checkpoint_corrupt"]
+    assert mgr.latest(good_only=True) is None
+
+
+def test_tmp_dirs_are_ignored_and_cleaned_by_rank0(tmp_path):
+    _saved(tmp_path, [1])
+    leftover = tmp_path / ".tmp-step_000002"
+    (leftover / "dcp").mkdir(parents=True)
+    (leftover / MANIFEST).write_text("{}")
+    other = CheckpointManager(tmp_path, rank=1, world_size=2)  # not rank 0: must not clean
+    assert leftover.is_dir() and other.latest().step == 1
+    mgr = CheckpointManager(tmp_path, rank=0, world_size=1)
+    assert not leftover.exists() and mgr.latest().step == 1
+
+
+def test_good_marks_and_good_only(tmp_path):
+    mgr, events, _ = _saved(tmp_path, [1, 2, 3], keep_last=5)
+    assert mgr.latest(good_only=True) is None
+    mgr.mark_good(2)
+    manifest = json.loads((tmp_path / "step_000002" / MANIFEST).read_text())
+    assert manifest["good"] is True and "good_time" in manifest
+    assert mgr.latest().step == 3 and mgr.latest(good_only=True).step == 2
+    assert mgr.verify(tmp_path / "step_000002").good  # the good mark does not break the checksums
+    assert ("checkpoint_good", {"step": 2, "path": str(tmp_path / "step_000002")}) in events
+    CheckpointManager(tmp_path, rank=1, world_size=2).mark_good(3)  # non-zero ranks do not write
+    assert mgr.latest(good_only=True).step == 2
+    with pytest.raises(CheckpointError, match="cannot mark step 9 good"):
+        mgr.mark_good(9)
+
+
+def test_retention_keeps_last_n_and_newest_good(tmp_path):
+    mgr, events, state = _saved(tmp_path, [1, 2], keep_last=2, keep_good=1)
+    mgr.mark_good(2)
+    model, opt, sched = state
+    for step in (3, 4, 5):
+        mgr.save(step, model, opt, sched)
+    # step 2 is older than the last two but is the newest good one
+    assert [s for s, _ in mgr.finalized()] == [5, 4, 2]
+    deleted = [p["step"] for n, p in events if n == "checkpoint_deleted"]
+    assert deleted == [1, 3]
+    mgr.mark_good(4)  # keep_good=1: the older good one (2) may go now
+    assert [s for s, _ in mgr.finalized()] == [5, 4]
+    assert not list(tmp_path.glob(".tmp-*"))
+
+
+def test_retention_keep_good_two(tmp_path):
+    mgr, _, (model, opt, sched) = _saved(tmp_path, [], keep_last=1, keep_good=2)
+    for step in (1, 2, 3):
+        mgr.save(step, model, opt, sched)
+        mgr.mark_good(step)
+    mgr.save(4, model, opt, sched)
+    assert mgr.retention_plan() == ([2, 3, 4], [])
+    assert [s for s, _ in mgr.finalized()] == [4, 3, 2]
+
+
+def test_resave_same_step_replaces_and_discard_newer(tmp_path):
+    mgr, events, (model, opt, sched) = _saved(tmp_path, [1, 2, 3], keep_last=5)
+    mgr.save(3, model, opt, sched, {"again": True})
+    info = mgr.latest()
+    assert info.step == 3 and json.loads((info.path / "extra_state.json").read_text()) == {"again": True}
+    assert mgr.discard_newer_than(1) == [tmp_path / "step_000003", tmp_path / "step_000002"]
+    assert mgr.latest().step == 1 and not list(tmp_path.glob(".tmp-*"))
+
+
+def test_ray_checkpoint_dir(tmp_path):
+    mgr, _, _ = _saved(tmp_path, [1])
+    info = mgr.latest()
+    assert ray_checkpoint_dir(info) == str(info.path.resolve()) == ray_checkpoint_dir(str(info.path))
+    (tmp_path / ".tmp-step_000002").mkdir()
+    with pytest.raises(ValueError, match="unfinished temporary"):
+        ray_checkpoint_dir(tmp_path / ".tmp-step_000002")
+    with pytest.raises(ValueError, match="no manifest.json"):
+        ray_checkpoint_dir(tmp_path)
+
+
+def test_clear_errors(tmp_path):
+    with pytest.raises(ValueError, match="does not exist; create it or pass create=True"):
+        CheckpointManager(tmp_path / "nope", create=False)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="not a directory"):
+        CheckpointManager(tmp_path / "file")
+    with pytest.raises(ValueError, match="keep_last"):
+        CheckpointManager(tmp_path, keep_last=0)
+    with pytest.raises(ValueError, match="keep_good"):
+        CheckpointManager(tmp_path, keep_good=0)
+    with pytest.raises(ValueError, match="checksum"):
+        CheckpointManager(tmp_path, checksum="crc99")
+    mgr = CheckpointManager(tmp_path / "ck", rank=0, world_size=1)
+    model, opt, sched = build(seed=0)
+    with pytest.raises(ValueError, match="JSON-serialisable"):
+        mgr.save(1, model, opt, sched, {"loss": torch.tensor(1.0)})
+    with pytest.raises(ValueError, match="step must be an int"):
+        mgr.save(-1, model, opt, sched)
+    with pytest.raises(ValueError, match="needs an initialized process group"):
+        CheckpointManager(tmp_path / "ck", rank=0, world_size=2).save(1, model, opt, sched)
+    assert list((tmp_path / "ck").iterdir()) == []  # nothing half-written by the refused saves
+    with pytest.raises(CheckpointError, match="manifest.json missing"):
+        mgr.load(tmp_path, model, opt, sched)
+    (tmp_path / "ck").rmdir()
+    with pytest.raises(CheckpointError, match="root .* does not exist"):
+        mgr.latest()
+
+
+def test_blake2b_checksum_and_info_fields(tmp_path):
+    mgr, _, _ = _saved(tmp_path, [7], checksum="blake2b")
+    info = mgr.latest()
+    assert isinstance(info, CheckpointInfo)
+    assert (info.step, info.world_size, info.good) == (7, 1, False) and info.manifest["checksum"] == "blake2b"
+    assert all(len(f["digest"]) == 128 for f in info.manifest["files"].values())
