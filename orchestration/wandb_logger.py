@@ -1,0 +1,511 @@
+"""Weights & Biases logging for one training run: offline by default, one W&B run per run directory.
+
+- Mode: `resolve_mode` (offline unless WANDB_MODE or, with mode="auto", a WANDB_API_KEY says online).
+- One W&B run per training run: its id lives in run_dir/wandb_run_id, created once and reused by every restart
+  or resize (wandb.init(id=..., resume="allow")). Offline, each restart writes one more
+  run_dir/wandb/offline-run-<time>-<id>/ directory; `wandb sync --id <id> run_dir/wandb/offline-run-*` uploads
+  them in start order as one run.
+- Steps: W&B's own step counter must grow monotonically, but ours goes back after a rollback. So every row
+  carries our step as the metric "step" and all charts use it as their x axis (define_metric step_metric);
+  W&B's internal _step just counts rows.
+- Secrets (keys containing key/token/password/secret) never reach W&B; nothing is written outside run_dir unless
+  the user set WANDB_CACHE_DIR / WANDB_DATA_DIR / WANDB_CONFIG_DIR themselves.
+- Observability never kills training: if wandb fails to start, the run logs a warning and becomes a no-op.
+
+`read_offline_history` / `read_offline_run` read the offline .wandb files back (for tests and the report). wandb
+0.31 ships no Python reader for them (the writer is the Go wandb-core), so we parse the record log here: a
+LevelDB-style log of 32 KiB blocks holding chunked records, each chunk a 7-byte header (crc32, length, type)
+and a payload; the records are `wandb.proto.wandb_internal_pb2.Record` protobufs.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import secrets
+import string
+import struct
+import time
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Mapping
+
+log = logging.getLogger(__name__)
+
+RUN_ID_FILE = "wandb_run_id"
+SECRET_MARKERS = ("key", "token", "password", "secret")
+MODES = ("online", "offline", "disabled")
+# Events worth a W&B alert (online only: offline alerts would fire hours later at sync time).
+ALERT_EVENTS = ("divergence_detected", "rollback", "worker_lost")
+# Statuses that mark the W&B run as finished cleanly (others give exit code 1, shown as "failed").
+OK_STATUSES = (None, "completed")
+EVENT_TABLE_COLUMNS = ["time", "event", "step", "rank", "details"]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Pure helpers
+
+
+def is_secret_key(key: str) -> bool:
+    k = str(key).lower()
+    return any(marker in k for marker in SECRET_MARKERS)
+
+
+def scrub_secrets(value: Any) -> Any:
+    """A copy of a nested dict/list config with every secret-looking key removed (not masked: removed)."""
+    if isinstance(value, Mapping):
+        return {k: scrub_secrets(v) for k, v in value.items() if not is_secret_key(k)}
+    if isinstance(value, (list, tuple)):
+        return [scrub_secrets(v) for v in value]
+    return value
+
+
+def resolve_mode(mode: str = "offline", enabled: bool = True, environ: Mapping[str, str] | None = None) -> str:
+    """The W&B mode to run in: "online" | "offline" | "disabled".
+
+    Order: disabled by config wins; then WANDB_MODE from the environment (the user's explicit choice at launch);
+    then the configured mode, where "auto" means online when WANDB_API_KEY is set and offline otherwise.
+    """
+    env = os.environ if environ is None else environ
+    if not enabled or mode == "disabled":
+        return "disabled"
+    env_mode = env.get("WANDB_MODE", "").strip().lower()
+    if env_mode:
+        env_mode = {"dryrun": "offline", "run": "online"}.get(env_mode, env_mode)
+        if env_mode not in MODES:
+            raise ValueError(f"WANDB_MODE={env['WANDB_MODE']!r} is not one of {MODES} (or dryrun/run); "
+                             f"unset it or set one of these")
+        return env_mode
+    if mode == "auto":
+        return "online" if env.get("WANDB_API_KEY") else "offline"
+    if mode not in MODES:
+        raise ValueError(f"W&B mode {mode!r} is not one of {MODES + ('auto',)}")
+    return mode
+
+
+def precision_code(precision: Any) -> float | None:
+    """Precision as a number for charts: fp8 1.0, bf16 0.0, anything mixed/partial 0.5, None unknown."""
+    if precision is None:
+        return None
+    p = str(precision).lower()
+    if p == "fp8":
+        return 1.0
+    if p in ("bf16", "bfloat16"):
+        return 0.0
+    return 0.5
+
+
+def metrics_row(step: int, metrics: Mapping[str, Any]) -> dict[str, Any]:
+    """The W&B history row for one metrics.jsonl record.
+
+    Numbers pass through (None dropped, NaN/inf kept: a NaN loss is exactly what one wants to see); bools become
+    0/1; "precision" becomes the numeric "precision_fp8" (precision_code); other strings are dropped (W&B cannot
+    chart them and they are in metrics.jsonl).
+    """
+    row: dict[str, Any] = {"step": int(step)}
+    for key, value in metrics.items():
+        if key == "step" or value is None:
+            continue
+        if key == "precision":
+            code = precision_code(value)
+            if code is not None:
+                row["precision_fp8"] = code
+            continue
+        if isinstance(value, bool):
+            row[key] = int(value)
+        elif isinstance(value, (int, float)):
+            row[key] = value
+        elif hasattr(value, "item"):  # a 0-d tensor / numpy scalar that slipped through
+            row[key] = value.item()
+    return row
+
+
+def event_table_row(event: Mapping[str, Any]) -> list[Any]:
+    details = {k: v for k, v in event.items() if k not in ("time", "event", "step", "rank")}
+    return [event.get("time"), event.get("event"), event.get("step"), event.get("rank"),
+            json.dumps(details, sort_keys=True, default=str)]
+
+
+def is_fallback(event: Mapping[str, Any]) -> bool:
+    return event.get("event") == "precision_changed" and str(event.get("to")).lower() == "bf16"
+
+
+def event_counter(event: Mapping[str, Any]) -> str | None:
+    """Name of the running count (logged as events/<name>) an event increments, or None."""
+    if is_fallback(event):
+        return "fallbacks"
+    return {"divergence_detected": "divergences", "rollback": "rollbacks", "worker_lost": "workers_lost",
+            "resume": "restarts", "checkpoint_saved": "checkpoints"}.get(str(event.get("event")))
+
+
+def count_events(events: Iterable[Mapping[str, Any]]) -> dict[str, int]:
+    """Running counts over events.jsonl records. Agreed decisions are written by every rank: count rank 0's
+    copy (or rank-less records) once; divergence verdicts are per rank and all count."""
+    counts: dict[str, int] = {}
+    for e in events:
+        name = event_counter(e)
+        if name is None or (name != "divergences" and e.get("rank", 0) not in (0, None)):
+            continue
+        counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
+def alert_for(event: Mapping[str, Any]) -> tuple[str, str] | None:
+    """(title, text) of the W&B alert an event deserves, or None."""
+    name = event.get("event")
+    step = event.get("step")
+    if is_fallback(event):
+        scope = event.get("scope") or "whole model"
+        return "FP8 -> BF16 fallback", f"step {step}: precision {event.get('from')} -> bf16 ({scope})"
+    if name not in ALERT_EVENTS:
+        return None
+    details = ", ".join(f"{k}={v}" for k, v in event.items() if k not in ("time", "event", "step"))
+    return name.replace("_", " "), f"step {step}: {details}"
+
+
+def read_or_create_run_id(run_dir: Path) -> str:
+    """The W&B run id of this run directory: created once (atomically, first writer wins), then reused."""
+    path = Path(run_dir) / RUN_ID_FILE
+    if path.exists():
+        run_id = path.read_text().strip()
+        if run_id:
+            return run_id
+    # W&B ids are short [a-z0-9] strings; 8 characters from 36 as wandb itself generates them.
+    candidate = "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
+    tmp = path.with_name(f"{RUN_ID_FILE}.{os.getpid()}.tmp")
+    tmp.write_text(candidate + "\n")
+    try:
+        # link() fails if the file exists: two processes racing both end up with the first one's id.
+        os.link(tmp, path)
+    except FileExistsError:
+        pass
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path.read_text().strip()
+
+
+def tags_from_config(config: Mapping[str, Any]) -> list[str]:
+    """W&B tags that make a sweep comparable side by side: model, precision, recipe, plus configured tags."""
+    tags: list[str] = []
+    model = config.get("model")
+    if isinstance(model, Mapping) and model.get("name"):
+        tags.append(f"model:{model['name']}")
+    precision = config.get("precision")
+    if isinstance(precision, Mapping):
+        if precision.get("name"):
+            tags.append(f"precision:{precision['name']}")
+        if precision.get("recipe") and precision.get("name") != "bf16":
+            tags.append(f"recipe:{precision['recipe']}")
+    logging_cfg = config.get("logging")
+    if isinstance(logging_cfg, Mapping):
+        tags.extend(str(t) for t in (logging_cfg.get("tags") or []))
+    return list(dict.fromkeys(tags))  # order kept, duplicates dropped
+
+
+def group_from_config(config: Mapping[str, Any]) -> str | None:
+    """The W&B group: logging.group if set, else the model name (runs of one model compare side by side)."""
+    logging_cfg = config.get("logging")
+    if isinstance(logging_cfg, Mapping) and logging_cfg.get("group"):
+        return str(logging_cfg["group"])
+    model = config.get("model")
+    if isinstance(model, Mapping) and model.get("name"):
+        return str(model["name"])
+    return None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The run
+
+
+class WandbRun:
+    """One W&B run for one training run directory; call from rank 0 only.
+
+    Use: `wb = WandbRun(run_dir, config, project=..., group=..., tags=...)`, then `wb.log_metrics(step, record)`
+    for every metrics.jsonl record, `wb.log_event(event)` for every events.jsonl record, `wb.finish(summary)`.
+    """
+
+    def __init__(self, run_dir: Path, config: dict, *, project: str, group: str | None, tags: list[str],
+                 mode: str = "offline", enabled: bool = True, name: str | None = None,
+                 system_metrics: bool = True):
+        self.run_dir = Path(run_dir)
+        self.mode = resolve_mode(mode, enabled)
+        self.run = None
+        self.run_id: str | None = None
+        self._events: list[dict[str, Any]] = []
+        self._finished = False
+        self._t0 = time.time()
+        self._counts = count_events(e for e in self._read_events() if e.get("time", self._t0) < self._t0)
+        if self.mode == "disabled":
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.run_id = read_or_create_run_id(self.run_dir)
+        self._keep_files_in_run_dir()
+        if self.mode == "offline":
+            self._avoid_same_second_dir()
+        try:
+            import wandb
+
+            settings = wandb.Settings(
+                silent=True,
+                console="off",  # Ray owns the workers' stdout; wrapping it twice garbles the logs
+                x_disable_stats=not system_metrics,
+                save_code=False,
+                disable_git=True,
+            )
+            self.run = wandb.init(
+                project=project, group=group, tags=list(tags), name=name or self.run_dir.name,
+                config=scrub_secrets(config), id=self.run_id, resume="allow", dir=str(self.run_dir),
+                mode=self.mode, reinit="create_new", settings=settings,
+            )
+            # Our step (not W&B's row counter) is the x axis: it goes back after a rollback.
+            self.run.define_metric("step")
+            self.run.define_metric("*", step_metric="step")
+        except Exception as exc:  # a logging failure must not stop training
+            log.warning("W&B disabled for this run: wandb.init failed: %s", exc)
+            self.run = None
+            return
+        where = self.run.url if self.mode == "online" else str(self.run_dir / "wandb")
+        log.info("W&B run %s (%s): %s", self.run_id, self.mode, where)
+
+    @property
+    def active(self) -> bool:
+        return self.run is not None and not self._finished
+
+    def _keep_files_in_run_dir(self) -> None:
+        # wandb otherwise writes ~/.cache/wandb, ~/.local/share/wandb and ~/.config/wandb; a user's own setting wins.
+        base = self.run_dir / "wandb"
+        for var, sub in (("WANDB_CACHE_DIR", ".cache"), ("WANDB_DATA_DIR", ".data"),
+                         ("WANDB_CONFIG_DIR", ".config")):
+            if not os.environ.get(var):
+                os.environ[var] = str(base / sub)
+
+    def _avoid_same_second_dir(self) -> None:
+        # Offline directories are named offline-run-<YYYYmmdd_HHMMSS>-<id>: a restart within the same second
+        # would write into the previous segment's directory and overwrite its history.
+        base = self.run_dir / "wandb"
+        for _ in range(3):
+            now_local = datetime.datetime.now().strftime("%Y%m%d_%H%M%S")
+            now_utc = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d_%H%M%S")
+            if not any((base / f"offline-run-{t}-{self.run_id}").exists() for t in (now_local, now_utc)):
+                return
+            time.sleep(1.0 - (time.time() % 1.0) + 0.01)
+
+    def log_metrics(self, step: int, metrics: Mapping[str, Any]) -> None:
+        """One metrics.jsonl record as a W&B history row (see `metrics_row` for the mapping)."""
+        if not self.active:
+            return
+        self.run.log(metrics_row(step, metrics))
+
+    def log_event(self, event: Mapping[str, Any]) -> None:
+        """One events.jsonl record: a running count in the history, an alert when online, a row of the table."""
+        if not self.active:
+            return
+        event = dict(event)
+        self._events.append(event)
+        counter = event_counter(event)
+        # Events from before this process started were counted from events.jsonl at init.
+        already_counted = isinstance(event.get("time"), (int, float)) and event["time"] < self._t0
+        if counter is not None:
+            if not already_counted:
+                self._counts[counter] = self._counts.get(counter, 0) + 1
+            if self._counts.get(counter):
+                self.run.log({"step": int(event.get("step") or 0), f"events/{counter}": self._counts[counter]})
+        alert = alert_for(event)
+        if alert is not None and self.mode == "online" and not already_counted:
+            import wandb
+
+            try:
+                self.run.alert(title=alert[0][:63], text=alert[1], level=wandb.AlertLevel.WARN, wait_duration=0)
+            except Exception as exc:  # alerts are a convenience; never fail the step for one
+                log.warning("W&B alert failed: %s", exc)
+
+    def _read_events(self) -> list[dict[str, Any]]:
+        from orchestration.events import EVENTS_FILE, read_jsonl
+
+        return read_jsonl(self.run_dir / EVENTS_FILE)
+
+    def _event_rows(self) -> list[list[Any]]:
+        # events.jsonl holds every segment's events (this process only saw its own): prefer it when present.
+        events = self._read_events() or self._events
+        return [event_table_row(e) for e in events]
+
+    def finish(self, summary: Mapping[str, Any] | None = None) -> None:
+        """Log the events table and the summary, then close the run (exit code 1 unless status is completed)."""
+        if not self.active:
+            return
+        import wandb
+
+        summary = dict(summary or {})
+        try:
+            rows = self._event_rows()
+            if rows:
+                self.run.log({"events": wandb.Table(columns=EVENT_TABLE_COLUMNS, data=rows)})
+            clean = scrub_secrets(summary)
+            self.run.summary.update({k: v for k, v in clean.items() if v is not None})
+        finally:
+            self._finished = True
+            sync_file = self._sync_file()
+            self.run.finish(exit_code=0 if summary.get("status") in OK_STATUSES else 1)
+            if sync_file is not None:
+                wait_until_flushed(sync_file)
+
+    def _sync_file(self) -> Path | None:
+        try:
+            return Path(self.run.settings.sync_file)
+        except Exception:  # attribute moved in another wandb version: skip the wait
+            return None
+
+    def __enter__(self) -> "WandbRun":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if self.active:
+            self.finish({"status": "failed" if exc is not None else None})
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Reading offline runs back
+
+_LOG_BLOCK = 32 * 1024
+_LOG_CHUNK_HEADER = struct.Struct("<IHB")  # crc32, payload length, chunk type
+_LOG_FILE_HEADER = struct.Struct("<4sHB")  # b":W&B", magic 0xBEE1, version 0
+_FULL, _FIRST, _MIDDLE, _LAST = 1, 2, 3, 4
+
+
+def iter_record_payloads(path: Path) -> Iterator[bytes]:
+    """Raw record payloads of one .wandb file; stops quietly at a torn tail (a killed writer)."""
+    data = Path(path).read_bytes()
+    ident, magic, version = _LOG_FILE_HEADER.unpack_from(data, 0)
+    if ident != b":W&B" or magic != 0xBEE1 or version != 0:
+        raise ValueError(f"{path} is not a W&B transaction log (header {ident!r}, {magic:#x}, {version})")
+    pos = _LOG_FILE_HEADER.size
+    pending = b""
+    while pos + _LOG_CHUNK_HEADER.size <= len(data):
+        left_in_block = _LOG_BLOCK - pos % _LOG_BLOCK
+        if left_in_block < _LOG_CHUNK_HEADER.size:  # block trailer padding
+            pos += left_in_block
+            continue
+        crc, length, kind = _LOG_CHUNK_HEADER.unpack_from(data, pos)
+        payload = data[pos + _LOG_CHUNK_HEADER.size: pos + _LOG_CHUNK_HEADER.size + length]
+        if kind == 0 or len(payload) < length:
+            return
+        # The checksum covers the type byte then the payload (plain zlib crc32 chained).
+        if zlib.crc32(payload, zlib.crc32(bytes([kind]))) & 0xFFFFFFFF != crc:
+            return
+        pos += _LOG_CHUNK_HEADER.size + length
+        if kind == _FULL:
+            yield payload
+        elif kind == _FIRST:
+            pending = payload
+        elif kind == _MIDDLE:
+            pending += payload
+        elif kind == _LAST:
+            yield pending + payload
+            pending = b""
+
+
+def wait_until_flushed(path: Path, timeout_s: float = 15.0) -> bool:
+    """Wait until a .wandb file holds its run's exit record.
+
+    run.finish() can return before wandb-core's writer has flushed the file (seen under pytest in 0.31); the next
+    restart or a reader would then see a truncated segment. Bounded: False after timeout_s.
+    """
+    from wandb.proto import wandb_internal_pb2
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if Path(path).exists():
+            for payload in iter_record_payloads(path):
+                record = wandb_internal_pb2.Record()
+                record.ParseFromString(payload)
+                if record.WhichOneof("record_type") == "exit":
+                    return True
+        if time.monotonic() > deadline:
+            log.warning("W&B file %s not flushed after %.0f s", path, timeout_s)
+            return False
+        time.sleep(0.05)
+
+
+def _items_to_dict(items) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for item in items:
+        key = item.key or "/".join(item.nested_key)
+        try:
+            out[key] = json.loads(item.value_json)
+        except json.JSONDecodeError:
+            out[key] = item.value_json
+    return out
+
+
+@dataclass
+class OfflineRun:
+    """What the offline files of one run directory hold, all segments (restarts) together in start order."""
+
+    run_id: str
+    segments: list[Path]
+    history: list[dict[str, Any]] = field(default_factory=list)
+    config: dict[str, Any] = field(default_factory=dict)
+    summary: dict[str, Any] = field(default_factory=dict)
+    tags: list[str] = field(default_factory=list)
+    group: str = ""
+    project: str = ""
+    alerts: list[dict[str, str]] = field(default_factory=list)
+
+
+def offline_segments(run_dir: Path) -> list[Path]:
+    """The .wandb files of this run directory's W&B run, oldest first (one per start/restart)."""
+    run_dir = Path(run_dir)
+    id_file = run_dir / RUN_ID_FILE
+    if not id_file.exists():
+        raise ValueError(f"{run_dir} has no {RUN_ID_FILE}: W&B was never started for this run directory")
+    run_id = id_file.read_text().strip()
+    found = []
+    for d in (run_dir / "wandb").glob(f"*run-*-{run_id}"):
+        f = d / f"run-{run_id}.wandb"
+        if f.exists():
+            # directory names are <offline-run|run>-<YYYYmmdd_HHMMSS>-<id>: sort by the timestamp
+            found.append((d.name.split("-")[-2], f))
+    return [f for _, f in sorted(found)]
+
+
+def read_offline_run(run_dir: Path) -> OfflineRun:
+    from wandb.proto import wandb_internal_pb2
+
+    run_dir = Path(run_dir)
+    segments = offline_segments(run_dir)
+    out = OfflineRun(run_id=(run_dir / RUN_ID_FILE).read_text().strip(), segments=segments)
+    for path in segments:
+        for payload in iter_record_payloads(path):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(payload)
+            kind = record.WhichOneof("record_type")
+            if kind == "history":
+                out.history.append(_items_to_dict(record.history.item))
+            elif kind == "run":
+                out.config.update(_items_to_dict(record.run.config.update))
+                out.tags = list(record.run.tags)
+                out.group = record.run.run_group
+                out.project = record.run.project
+            elif kind == "config":
+                out.config.update(_items_to_dict(record.config.update))
+            elif kind == "summary":
+                out.summary.update(_items_to_dict(record.summary.update))
+            elif kind == "alert":
+                out.alerts.append({"title": record.alert.title, "text": record.alert.text})
+    # wandb stores config values as {"value": v}; unwrap for readers
+    out.config = {k: (v["value"] if isinstance(v, dict) and set(v) == {"value"} else v)
+                  for k, v in out.config.items() if not k.startswith("_")}
+    return out
+
+
+def read_offline_history(run_dir: Path) -> list[dict[str, Any]]:
+    """Every history row W&B wrote offline for this run directory, all restarts in order.
+
+    Rows include W&B's own keys (_step, _runtime, _timestamp) and event-count / table rows; filter on the
+    metric you want (e.g. rows with "loss").
+    """
+    return read_offline_run(run_dir).history
+
