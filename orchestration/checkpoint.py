@@ -443,7 +443,7 @@ class CheckpointManager:
             raise ValueError(f"step must be an int >= 0, got {step!r}")
         extra_state = {} if extra_state is None else extra_state
         if not isinstance(extra_state, dict):
-            raise ValueError(f"extra_state must be a dict, got {type(extra_state).__name__}")
+            raise TypeError(f"extra_state must be a dict, got {type(extra_state).__name__}")
         try:
             extra_json = json.dumps(extra_state, indent=1, sort_keys=True)
         except (TypeError, ValueError) as e:

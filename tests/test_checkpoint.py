@@ -434,6 +434,8 @@ def test_resave_same_step_replaces_and_discard_newer(tmp_path):
     assert info.step == 3 and json.loads((info.path / "extra_state.json").read_text()) == {"again": True}
     assert mgr.discard_newer_than(1) == [tmp_path / "step_000003", tmp_path / "step_000002"]
     assert mgr.latest().step == 1 and not list(tmp_path.glob(".tmp-*"))
+    assert [(p["step"], p["reason"]) for n, p in events if n == "checkpoint_deleted"] == [
+        (3, "rollback to step 1"), (2, "rollback to step 1")]
 
 
 def test_ray_checkpoint_dir(tmp_path):
