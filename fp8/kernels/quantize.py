@@ -258,32 +258,39 @@ if HAS_TRITON:
         start = tl.load(offs_ptr + e - 1, mask=e > 0, other=0).to(tl.int32)
         end = tl.load(offs_ptr + e).to(tl.int32)
         x_cols = x_ptr + offs_k[None, :] * stride_xk
+        # Loops start at a multiple of BM (rows before `start` masked off) so the compiler can prove alignment
+        # and vectorize the transposed stores; an unaligned start gives byte-wide stores.
+        m_lo = (start // BM) * BM
         amax = tl.zeros([BK], dtype=tl.float32)
-        for m0 in range(start, end, BM):
-            offs_m = m0 + tl.arange(0, BM)
-            mask = (offs_m < end)[:, None] & mask_k[None, :]
+        for m0 in range(m_lo, end, BM):
+            offs_m = tl.multiple_of(m0, BM) + tl.arange(0, BM)
+            mask = ((offs_m >= start) & (offs_m < end))[:, None] & mask_k[None, :]
             x = tl.load(x_cols + offs_m.to(tl.int64)[:, None] * stride_xm, mask=mask, other=0.0)
             amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), axis=0))
         # Empty group: amax stays 0, EPS keeps the scale finite.
         scale = _scale_from_amax(amax, FP8_MAX, EPS_, POW2)
         tl.store(scale_ptr + e.to(tl.int64) * K + offs_k, scale, mask=mask_k)
         out_dtype = out_ptr.dtype.element_ty
-        for m0 in range(start, end, BM):
-            offs_m = m0 + tl.arange(0, BM)
-            mask_m = offs_m < end
+        for m0 in range(m_lo, end, BM):
+            offs_m = tl.multiple_of(m0, BM) + tl.arange(0, BM)
+            mask_m = (offs_m >= start) & (offs_m < end)
             mask = mask_m[:, None] & mask_k[None, :]
             x = tl.load(x_cols + offs_m.to(tl.int64)[:, None] * stride_xm, mask=mask, other=0.0).to(tl.float32)
             y = _to_fp8(x * scale[None, :], out_dtype, FP8_MAX, EXACT_ROUND, MBITS, MIN_NORMAL, SUB_MAGIC)
             if TRANSPOSE_OUT:
-                tl.store(out_ptr + offs_k.to(tl.int64)[:, None] * M + offs_m[None, :], tl.trans(y),
-                         mask=mask_k[:, None] & mask_m[None, :])
+                out_t = out_ptr + offs_k.to(tl.int64)[:, None] * M + offs_m[None, :]
+                if (m0 >= start) & (m0 + BM <= end):
+                    # Interior tile: a row mask that varies inside a vector would force byte-wide stores.
+                    tl.store(out_t, tl.trans(y), mask=mask_k[:, None])
+                else:
+                    tl.store(out_t, tl.trans(y), mask=mask_k[:, None] & mask_m[None, :])
             else:
                 tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * K + offs_k[None, :], y, mask=mask)
         if e == E - 1:
             # Rows past the last group belong to no expert: write zeros so the output is fully defined.
-            for m0 in range(end, M, BM):
-                offs_m = m0 + tl.arange(0, BM)
-                mask_m = offs_m < M
+            for m0 in range((end // BM) * BM, M, BM):
+                offs_m = tl.multiple_of(m0, BM) + tl.arange(0, BM)
+                mask_m = (offs_m >= end) & (offs_m < M)
                 y = tl.zeros([BM, BK], dtype=tl.float32).to(out_dtype)
                 if TRANSPOSE_OUT:
                     tl.store(out_ptr + offs_k.to(tl.int64)[:, None] * M + offs_m[None, :], tl.trans(y),
