@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping
 
+from orchestration.ray_metrics import precision_code  # one mapping for W&B and Ray
+
 log = logging.getLogger(__name__)
 
 RUN_ID_FILE = "wandb_run_id"
@@ -84,18 +86,6 @@ def resolve_mode(mode: str = "offline", enabled: bool = True, environ: Mapping[s
     if mode not in MODES:
         raise ValueError(f"W&B mode {mode!r} is not one of {MODES + ('auto',)}")
     return mode
-
-
-def precision_code(precision: Any) -> float | None:
-    """Precision as a number for charts: fp8 1.0, bf16 0.0, anything mixed/partial 0.5, None unknown."""
-    if precision is None:
-        return None
-    p = str(precision).lower()
-    if p == "fp8":
-        return 1.0
-    if p in ("bf16", "bfloat16"):
-        return 0.0
-    return 0.5
 
 
 def metrics_row(step: int, metrics: Mapping[str, Any]) -> dict[str, Any]:
