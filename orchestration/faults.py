@@ -21,7 +21,8 @@ from __future__ import annotations
 import os
 import signal
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -52,7 +53,8 @@ class FaultConfig:
     magnitude: float = 0.0
     """Scale of loss_spike / fp8_overflow; 0 = the kind's default (loss x100, outlier 1e6 x amax)."""
     marker_dir: str | None = None
-    """Absolute directory for fired markers (required by kill_worker and crash; optional for the others)."""
+    """Absolute directory for fired markers; kill_worker and crash need one (FaultInjector defaults it to a
+    directory of the run), optional for the others."""
 
     def validate(self) -> None:
         if self.kind not in FAULT_KINDS:
@@ -65,9 +67,6 @@ class FaultConfig:
             raise ValueError(f"faults.num_steps={self.num_steps}: must be >= 1")
         if self.magnitude < 0:
             raise ValueError(f"faults.magnitude={self.magnitude}: must be >= 0 (0 = default for the kind)")
-        if self.kind in PROCESS_FAULTS and not self.marker_dir:
-            raise ValueError(f"faults.kind={self.kind} needs faults.marker_dir (an absolute directory, e.g. under "
-                             "the run directory): the restarted worker must see that the fault already fired")
         if self.marker_dir and not os.path.isabs(self.marker_dir):
             raise ValueError(f"faults.marker_dir={self.marker_dir!r}: must be absolute (Ray workers run in "
                              "/tmp/ray/session_*)")
@@ -87,6 +86,9 @@ class FaultPlan:
     def __init__(self, config: FaultConfig | None = None) -> None:
         self.config = config or FaultConfig()
         self.config.validate()
+        if self.config.kind in PROCESS_FAULTS and not self.config.marker_dir:
+            raise ValueError(f"faults.kind={self.config.kind} needs faults.marker_dir (an absolute directory, e.g. "
+                             "under the run directory): the restarted worker must see that the fault already fired")
         self._done: set[int] = set()
         self._firing_step: int | None = None
 
@@ -190,6 +192,49 @@ class FaultPlan:
             if self.config.kind == "kill_worker":
                 os.kill(os.getpid(), signal.SIGKILL)
             raise InjectedCrash(f"injected crash at step {step} on rank {rank} (faults.kind=crash)")
+
+
+class FaultInjector(FaultPlan):
+    """FaultPlan bound to one rank, with the marker directory supplied by the worker (e.g. <run_dir>/faults) when
+    the config leaves it empty. The `rank` arguments default to the bound rank."""
+
+    def __init__(self, config: FaultConfig | None, rank: int, marker_dir: str | os.PathLike | None = None) -> None:
+        config = config or FaultConfig()
+        if marker_dir is not None and not config.marker_dir:
+            config = replace(config, marker_dir=str(Path(marker_dir).resolve()))
+        super().__init__(config)
+        self.rank = rank
+
+    def _r(self, rank: int | None) -> int:
+        return self.rank if rank is None else rank
+
+    def maybe_corrupt_loss(self, loss: torch.Tensor, step: int, rank: int | None = None) -> torch.Tensor:
+        return self.maybe_inject_loss(loss, step, self._r(rank))
+
+    def maybe_corrupt_grads(self, model: nn.Module | Iterable[nn.Parameter], step: int,
+                            rank: int | None = None) -> bool:
+        return self.maybe_inject_grads(model, step, self._r(rank))
+
+    def maybe_corrupt_activation(self, x: torch.Tensor, step: int, rank: int | None = None) -> torch.Tensor:
+        return self.maybe_inject_activation(x, step, self._r(rank))
+
+    def maybe_crash(self, step: int, rank: int | None = None) -> None:
+        super().maybe_crash(step, self._r(rank))
+
+    def maybe_corrupt_fp8_health(self, health: Mapping[str, torch.Tensor] | None, step: int,
+                                 rank: int | None = None) -> dict[str, torch.Tensor] | None:
+        """fp8_overflow without touching the model: the health statistics an overflow would produce (every
+        sampled value clamped to the FP8 max, amax grown `magnitude` times). A simulated detector input; the
+        activation hook (attach_activation_fault) is the real-numerics variant."""
+        if health is None or not self._fire("fp8_overflow", step, self._r(rank)):
+            return None if health is None else dict(health)
+        out = dict(health)
+        if "saturated_frac" in out:
+            out["saturated_frac"] = torch.ones_like(out["saturated_frac"])
+        if "amax_max" in out:
+            amax = out["amax_max"]
+            out["amax_max"] = torch.where(amax > 0, amax, torch.ones_like(amax)) * self.config.effective_magnitude
+        return out
 
 
 def _write_marker(path: Path, text: str) -> None:
