@@ -16,7 +16,6 @@ Kinds:
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -92,19 +91,24 @@ def _detect(kind: str, index: int) -> Fp8Backend:
     return Fp8Backend("cuda", arch, torch.float8_e4m3fn, torch.float8_e5m2, False, True, cc[0] == 9)
 
 
-@functools.lru_cache(maxsize=None)
-def _cached(kind: str, index: int) -> Fp8Backend:
-    return _detect(kind, index)
+# A plain dict, not functools.lru_cache: torch.compile reads a dict with guards, but warns on and re-traces
+# lru_cache wrappers.
+_CACHE: dict[tuple[str, int], Fp8Backend] = {}
 
 
 def get_backend(device: torch.device | str | None = None) -> Fp8Backend:
     """FP8 capabilities of `device` (detected on first use, then cached)."""
-    return _cached(*_device_key(device))
+    key = _device_key(device)
+    backend = _CACHE.get(key)
+    if backend is None:
+        backend = _detect(*key)
+        _CACHE[key] = backend
+    return backend
 
 
 def clear_backend_cache() -> None:
     """For tests that mock device properties."""
-    _cached.cache_clear()
+    _CACHE.clear()
 
 
 def fp8_dtypes(device: torch.device | str | None = None) -> tuple[torch.dtype, torch.dtype]:

@@ -36,6 +36,10 @@ def _kernels():
 def _kernel_fn(x: torch.Tensor, name: str):
     if not x.is_cuda:
         return None
+    # Under torch.compile the references are traced instead, so inductor can fuse the casts with their
+    # neighbours (transposes, health statistics); FP8_KERNELS=always keeps the custom ops there too.
+    if torch.compiler.is_compiling() and os.environ.get(_USE_KERNELS_ENV) != "always":
+        return None
     mod = _kernels()
     return getattr(mod, name, None) if mod is not None else None
 

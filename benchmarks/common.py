@@ -1,0 +1,107 @@
+"""Shared helpers for the GPU benchmarks: timing, environment record, JSON output, time budgets.
+
+Timing follows the device method notes: warm up first, take medians of CUDA-event timings
+(triton.testing.do_bench), compare ratios measured in one run. On CPU (smoke runs) a host clock is used.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+def bench_ms(fn, warmup_ms: float = 50.0, rep_ms: float = 200.0) -> float:
+    """Median milliseconds of fn() (fn must enqueue all its device work)."""
+    if torch.cuda.is_available():
+        import triton.testing  # noqa: PLC0415 - GPU-only dependency
+
+        return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+    fn()
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def device_name() -> str:
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor() or "cpu"
+
+
+def env_info() -> dict:
+    info = {
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "hip": torch.version.hip,
+        "device": device_name(),
+        "python": sys.version.split()[0],
+        "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    try:
+        import triton  # noqa: PLC0415
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = None
+    try:
+        import torchao  # noqa: PLC0415
+
+        info["torchao"] = torchao.__version__
+    except Exception as e:  # torchao is optional: record why it is missing
+        info["torchao"] = f"unavailable: {type(e).__name__}: {e}"
+    return info
+
+
+def write_json(path: str | os.PathLike, obj) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(obj, indent=1, sort_keys=False, default=str) + "\n")
+
+
+def sqnr_db(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """Signal-to-quantization-noise ratio in dB of x against ref (computed in float64)."""
+    ref64, x64 = ref.detach().double(), x.detach().double()
+    noise = (x64 - ref64).norm()
+    if noise == 0:
+        return float("inf")
+    return float(20 * torch.log10(ref64.norm() / noise))
+
+
+class Budget:
+    """Wall-clock budget: benchmarks stop starting new cases once it is spent (and record the skips)."""
+
+    def __init__(self, seconds: float):
+        self.t0 = time.time()
+        self.seconds = seconds
+
+    def left(self) -> float:
+        return self.seconds - (time.time() - self.t0)
+
+    def elapsed(self) -> float:
+        return time.time() - self.t0
+
+
+def run_workers(script: str, args: list[str], n: int, timeout_s: float) -> list[int]:
+    """Start n copies of `script --worker i --nworkers n` in parallel (compile-cache warmers); wait."""
+    procs = [
+        subprocess.Popen([sys.executable, script, *args, "--worker", str(i), "--nworkers", str(n)])
+        for i in range(n)
+    ]
+    deadline = time.time() + timeout_s
+    codes = []
+    for p in procs:
+        try:
+            codes.append(p.wait(timeout=max(1.0, deadline - time.time())))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            codes.append(-9)
+    return codes
