@@ -20,8 +20,7 @@ from __future__ import annotations
 
 import os
 import signal
-from collections.abc import Callable, Iterable
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 

@@ -32,7 +32,14 @@ from typing import Any, ClassVar
 from orchestration.monitor import Finding, MonitorConfig, MonitorReport
 
 __all__ = [
-    "Decision", "Proceed", "SkipStep", "FallbackToBF16", "RetryFP8", "Rollback", "Stop", "DivergencePolicy",
+    "Decision",
+    "DivergencePolicy",
+    "FallbackToBF16",
+    "Proceed",
+    "RetryFP8",
+    "Rollback",
+    "SkipStep",
+    "Stop",
 ]
 
 MODE_FP8 = "fp8"

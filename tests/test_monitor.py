@@ -21,7 +21,7 @@ HEALTHY = {"saturated_frac": 0.0, "underflow_frac": 1e-4, "amax_max": 10.0}
 
 
 def run_step(mon, step, loss, grad_norm=None, health=None, shadow=None, layer_health=None):
-    t = lambda x: torch.tensor(x, dtype=torch.float32)  # noqa: E731
+    t = lambda x: torch.tensor(x, dtype=torch.float32)
     verdict_D = mon.local_verdict(
         t(loss), None if grad_norm is None else t(grad_norm),
         None if health is None else {k: t(v) for k, v in health.items()},

@@ -45,8 +45,8 @@ def drive(policy, script, start=0, stop=None):
 
 
 def cfg(**kw):
-    base = dict(cooldown_steps=10, escalation_window=5, relapse_window=20, max_relapses=2, max_rollbacks=2,
-                skip_window=100, max_skips_per_window=3)
+    base = {"cooldown_steps": 10, "escalation_window": 5, "relapse_window": 20, "max_relapses": 2,
+            "max_rollbacks": 2, "skip_window": 100, "max_skips_per_window": 3}
     base.update(kw)
     return MonitorConfig(**base)
 
@@ -88,7 +88,7 @@ def test_repeated_nan_falls_back_then_cooldown_then_retry_fp8():
                for e in fb.events())
     retry = out[15]
     assert retry.applies_update and retry.scope is None
-    assert [e for e in retry.events() if e["event"] == "precision_changed"][0]["to"] == "fp8"
+    assert next(e for e in retry.events() if e["event"] == "precision_changed")["to"] == "fp8"
     assert policy.precision == "fp8" and policy.counters()["fallbacks"] == 1
 
 
@@ -243,9 +243,9 @@ def test_state_dict_round_trip_mid_cooldown_gives_identical_future():
 def test_full_escalation_from_detectors_to_stop():
     """End to end on the real detectors: NaN once -> skip; spike twice -> fallback; spike in BF16 -> rollback;
     after the rollback a clean run retries FP8; a spike that never goes away exhausts the rollbacks -> stop."""
-    from orchestration.agreement import agree
     import torch
 
+    from orchestration.agreement import agree
     from orchestration.monitor import StepMonitor
 
     config = cfg(warmup_steps=10, cooldown_steps=10, max_rollbacks=1)

@@ -1,0 +1,124 @@
+"""agree(): bit-exact max + worst rank in one int64 all-reduce; identity without torch.distributed; 2 real gloo
+processes reach the same decision at the same step when only one rank sees the trouble."""
+
+import json
+import os
+import socket
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from orchestration.agreement import RANK_MASK, AgreedVerdict, DivergenceGuard, agree, decode_keys, encode_keys
+
+SPECIAL = [0.0, -0.0, 1.0, -1.0, 1e-45, -1e-45, 1e-30, 3.4e38, -3.4e38, float("inf"), float("-inf"), 2.5, -2.5]
+
+
+def test_keys_round_trip_bit_exact_and_keep_the_order():
+    g = torch.Generator().manual_seed(0)
+    random = (torch.randn(2000, generator=g) * torch.exp(torch.randn(2000, generator=g) * 20)).tolist()
+    values_N = torch.tensor(SPECIAL + random, dtype=torch.float32)
+    for rank in (0, 1, 7, RANK_MASK):
+        back_N, ranks_N = decode_keys(encode_keys(values_N, rank))
+        assert torch.equal(back_N.view(torch.int32), values_N.view(torch.int32))  # bit-exact, -0.0 included
+        assert ranks_N.tolist() == [rank] * len(values_N)
+    keys_N = encode_keys(values_N, 3)
+    order_v = torch.argsort(values_N, stable=True)
+    assert torch.equal(values_N[torch.argsort(keys_N, stable=True)], values_N[order_v])
+    distinct_N = torch.tensor(SPECIAL[2:] + random, dtype=torch.float32).unique()  # sorted, strictly increasing
+    keys_d = encode_keys(distinct_N, 0)
+    assert bool((keys_d[1:] > keys_d[:-1]).all())
+
+
+def test_nan_becomes_inf_and_bad_rank_rejected():
+    back, _ = decode_keys(encode_keys(torch.tensor([float("nan"), 1.0]), 0))
+    assert back.tolist() == [float("inf"), 1.0]
+    with pytest.raises(ValueError, match="RANK_BITS"):
+        encode_keys(torch.zeros(2), RANK_MASK + 1)
+
+
+def test_max_of_keys_gives_max_value_and_lowest_rank_on_ties():
+    # What all_reduce(MAX) does, done by hand over 4 "ranks".
+    per_rank_RD = torch.tensor([[0.0, 2.0, -1.0, 5.0],
+                                [1.0, 2.0, -3.0, 5.0],
+                                [0.0, 7.0, -2.0, 5.0],
+                                [1.0, 1.0, -1.0, 4.0]])
+    keys_RD = torch.stack([encode_keys(per_rank_RD[r], r) for r in range(4)])
+    values_D, ranks_D = decode_keys(keys_RD.max(dim=0).values)
+    assert values_D.tolist() == [1.0, 7.0, -1.0, 5.0]
+    assert ranks_D.tolist() == [1, 2, 0, 0]  # ties -> lowest rank
+
+
+def test_identity_without_process_group():
+    assert not dist.is_initialized()
+    agreed = agree(torch.tensor([0.0, 1.0, float("-inf"), 2.5]))
+    assert agreed == AgreedVerdict(values=(0.0, 1.0, float("-inf"), 2.5), ranks=(0, 0, 0, 0), world_size=1)
+    with pytest.raises(ValueError, match="1-D"):
+        agree(torch.zeros(2, 2))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    """Each rank runs the same detector + policy; only rank 1 sees a NaN at step 25 and a spike at step 40."""
+    from orchestration.monitor import MonitorConfig, StepMonitor
+    from orchestration.policy import DivergencePolicy
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    try:
+        config = MonitorConfig(warmup_steps=10)
+        guard = DivergenceGuard(StepMonitor(config), DivergencePolicy(config))
+        log = []
+        for step in range(50):
+            loss = 2.0 + 0.01 * rank + 0.005 * (step % 4)  # ranks see different losses
+            if rank == 1 and step == 25:
+                loss = float("nan")
+            if rank == 1 and step == 40:
+                loss = 30.0
+            grad_norm = 1.0 + 0.1 * rank
+            decision, report = guard.check(step, torch.tensor(loss), torch.tensor(grad_norm))
+            log.append({"step": step, "kind": decision.kind, "applies": decision.applies_update,
+                        "evidence": [[f.rank, f.detector, f.value, f.threshold] for f in decision.evidence],
+                        "loss": report.stats["loss"], "grad_norm": report.stats["grad_norm"]})
+        # Raw agree(): per-slot max and its rank over 2 ranks, with a tie in the last slot.
+        agreed = agree(torch.tensor([float(rank), -float(rank), 3.0 if rank else 5.0, 1.0]))
+        result = {"log": log, "agreed": [list(agreed.values), list(agreed.ranks), agreed.world_size],
+                  "policy": guard.policy.state_dict(), "monitor": guard.monitor.state_dict()}
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(result, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_gloo_ranks_agree_when_only_rank1_sees_the_fault(tmp_path):
+    world = 2
+    mp.start_processes(_worker, args=(world, _free_port(), str(tmp_path)), nprocs=world, join=True,
+                       start_method="spawn")
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world))
+    # Same decisions, same evidence, same agreed numbers, same state on both ranks: nobody branches alone.
+    assert r0["log"] == r1["log"]
+    assert r0["policy"] == r1["policy"] and r0["monitor"] == r1["monitor"]
+    decisions = {e["step"]: e for e in r0["log"] if e["kind"] != "proceed"}
+    assert sorted(decisions) == [25, 40]
+    nan_step = decisions[25]
+    assert nan_step["kind"] == "skip_step" and not nan_step["applies"]
+    assert nan_step["evidence"] == [[1, "nonfinite_loss", 1.0, 0.0]]
+    spike_step = decisions[40]
+    assert spike_step["kind"] == "fallback_bf16"  # second bad step within escalation_window=50: escalate
+    assert [e[:3] for e in spike_step["evidence"]] == [[1, "loss_spike", 30.0]]
+    assert 2.0 < spike_step["evidence"][0][3] < 3.0
+    # The agreed loss is the worst rank's (rank 1: 2.01 + ...), the agreed grad norm rank 1's 1.1.
+    assert r0["log"][0]["loss"] == pytest.approx(2.01) and r0["log"][0]["grad_norm"] == pytest.approx(1.1)
+    # At the NaN step the loss slot falls back to the finite rank 0 value.
+    assert r0["log"][25]["loss"] == pytest.approx(2.0 + 0.005)
+    values, ranks, world_size = r0["agreed"]
+    assert values == [1.0, 0.0, 5.0, 1.0] and ranks == [1, 0, 0, 0] and world_size == 2
+    assert r1["agreed"] == r0["agreed"]
