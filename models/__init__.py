@@ -5,12 +5,12 @@ from models.llama3 import Llama3, Llama3Args
 from models.registry import MODEL_FLAVORS, ModelFlavor, build_model, get_flavor
 
 __all__ = [
+    "MODEL_FLAVORS",
     "DeepSeekMoE",
     "DeepSeekMoEArgs",
     "GroupedExperts",
     "Llama3",
     "Llama3Args",
-    "MODEL_FLAVORS",
     "ModelFlavor",
     "build_model",
     "get_flavor",

@@ -10,7 +10,7 @@ Routing (DeepSeekMoE, arXiv 2401.06066; DeepSeek-V3, arXiv 2412.19437):
   the chosen expert (optionally renormalised over the k chosen).
 Load balance: the auxiliary loss alpha * sum_e f_e * P_e (per sequence or per batch), and/or the V3 bias update
   b_e += speed * sign(mean_count - count_e) applied by `update_load_balance_bias()` after the optimizer step.
-Expert compute: tokens sorted by expert, three grouped GEMMs (torch._grouped_mm), un-sorted with index_add.
+Expert compute: tokens sorted by expert, three grouped GEMMs (torch._grouped_mm), un-sorted by a gather.
 The per-expert loop (`routed_experts_reference`, `grouped_mm_reference`) is kept only as the test reference.
 
 Shape legend (suffixes of tensor names):
@@ -22,8 +22,8 @@ Shape legend (suffixes of tensor names):
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -344,20 +344,22 @@ class MoE(nn.Module):
         return out_SD.view(B, T, D)
 
     def routed(self, x_SD: torch.Tensor, expert_SA: torch.Tensor, weight_SA: torch.Tensor) -> torch.Tensor:
-        """permute -> grouped SwiGLU -> weight -> un-permute (index_add over the A slots of each token)."""
+        """permute -> grouped SwiGLU -> un-permute by a gather -> weighted sum over the A slots of each token."""
+        S, A = expert_SA.shape
         token_R, slot_R, dest_R, offs_E, n_rows = permute_by_expert(
             expert_SA, self.experts.n_experts, self.experts.token_group_align
         )
         x_RD = x_SD[token_R]
-        if n_rows != token_R.numel():
+        if n_rows != S * A:
             x_RD = x_SD.new_zeros(n_rows, x_SD.shape[1]).index_copy(0, dest_R, x_RD)
         y_RD = self.experts(x_RD, offs_E)
-        if n_rows != token_R.numel():
-            y_RD = y_RD[dest_R]
-        y_RD = y_RD.float() * weight_SA[token_R, slot_R, None]  # mix in fp32, one rounding at the end
-        return torch.zeros(x_SD.shape, dtype=torch.float32, device=x_SD.device).index_add(0, token_R, y_RD).to(
-            x_SD.dtype
-        )
+        # Row of y holding assignment (s, a): invert the sort (a scatter of positions), then follow dest.
+        arange_R = torch.arange(S * A, device=dest_R.device)
+        sorted_pos_SA = torch.empty_like(dest_R).scatter_(0, token_R * A + slot_R, arange_R)
+        y_SAD = y_RD[dest_R[sorted_pos_SA]].view(S, A, -1)
+        # Mix in fp32 (one rounding at the end). A gather plus a weighted sum keeps only y and the weights for
+        # backward, where an index_add un-permute would keep an extra fp32 copy.
+        return (y_SAD.float() * weight_SA[..., None]).sum(1).to(x_SD.dtype)
 
     @torch.no_grad()
     def update_bias(self, counts_E: torch.Tensor) -> None:
@@ -472,7 +474,7 @@ class DeepSeekMoE(nn.Module):
         if self.args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
 
-    def to_empty(self, *, device: torch.device | str | None, recurse: bool = True) -> "DeepSeekMoE":
+    def to_empty(self, *, device: torch.device | str | None, recurse: bool = True) -> DeepSeekMoE:
         super().to_empty(device=device, recurse=recurse)
         self.tie_weights()
         return self

@@ -247,7 +247,7 @@ class Llama3(nn.Module):
         if self.args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
 
-    def to_empty(self, *, device: torch.device | str | None, recurse: bool = True) -> "Llama3":
+    def to_empty(self, *, device: torch.device | str | None, recurse: bool = True) -> Llama3:
         super().to_empty(device=device, recurse=recurse)
         self.tie_weights()
         return self

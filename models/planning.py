@@ -78,11 +78,12 @@ def flops_per_token(model: nn.Module, seq_len: int, counts: ParamCounts | None =
 # ---------------------------------------------------------------------------------------------------------------
 # Activation bytes per token (a = bytes of the compute dtype). Inventory of what autograd saves:
 #   RMSNorm: fp32 copy of its input, the normalised value, its output (input of the next matmuls): (4 + 2a) D.
-#   RoPE: fp32 copy of q and k before rotation; the rotated q, k and v (k, v repeated to H heads) for SDPA.
-#   SDPA (flash / memory efficient): its output and the fp32 log-sum-exp per head; wo's input (a reshaped copy).
+#   SDPA (flash / memory efficient): q, k, v (k, v repeated to H heads), its output (wo's input is a view of it)
+#   and the fp32 log-sum-exp per head. RoPE keeps nothing per token.
 #   SwiGLU of width F: w1 and w3 outputs, silu output, the product (input of w2): 4 F a.
-#   MoE: fp32 router input copy and scores, permuted rows, per routed row a SwiGLU of width I, the expert output
-#   (bf16 and its fp32 copy for the weighted mix), shared experts as a SwiGLU.
+#   MoE: fp32 router input copy and scores, permuted rows, per routed row a SwiGLU of width I, the fp32 expert
+#   output for the weighted mix, shared experts as a SwiGLU.
+#   Loss: the fp32 log-softmax over the vocabulary.
 
 
 def _norm_bytes(dim: int, a: int) -> int:
@@ -91,8 +92,10 @@ def _norm_bytes(dim: int, a: int) -> int:
 
 def _attention_bytes(attn: nn.Module, dim: int, a: int) -> int:
     if isinstance(attn, Attention):
-        H, G, C = attn.n_heads, attn.n_kv_heads, attn.head_dim
-        return 4 * (H + G) * C + 3 * H * C * a + 2 * H * C * a + 4 * H
+        H, C = attn.n_heads, attn.head_dim
+        # SDPA keeps q, k, v (k, v repeated to H heads) and its output, which wo's input views; rotary keeps
+        # nothing per token (cos and sin need no grad).
+        return 4 * H * C * a + 4 * H
     assert isinstance(attn, MLAttention)
     H, qk, v, r = attn.n_heads, attn.nope_dim + attn.rope_dim, attn.v_dim, attn.rope_dim
     q_rank = attn.wq_a.out_features if hasattr(attn, "wq_a") else 0
@@ -115,7 +118,8 @@ def _moe_bytes(moe: MoE, dim: int, a: int) -> int:
     args = moe.args
     A, E, I = args.n_activated_experts, args.n_routed_experts, args.moe_inter_dim
     shared = _swiglu_bytes(moe.shared_experts.w1.out_features, a) if moe.shared_experts is not None else 0
-    return 4 * dim + 8 * E + A * dim * a + A * _swiglu_bytes(I, a) + A * dim * (a + 4) + shared
+    # router input fp32 copy, scores; permuted rows; SwiGLU per routed row; fp32 expert output for the mix
+    return 4 * dim + 8 * E + A * dim * a + A * _swiglu_bytes(I, a) + A * dim * 4 + shared
 
 
 def block_activation_bytes_per_token(block: nn.Module, a: int) -> int:
@@ -127,9 +131,9 @@ def block_activation_bytes_per_token(block: nn.Module, a: int) -> int:
 
 
 def head_activation_bytes_per_token(model: nn.Module, a: int) -> int:
-    """Final norm and the logits: compute-dtype logits, their fp32 copy and the log-softmax kept by the loss."""
+    """Final norm and the fp32 log-softmax the loss keeps (the logits themselves are not kept by autograd)."""
     dim, vocab = model.output.in_features, model.output.out_features
-    return _norm_bytes(dim, a) + vocab * (a + 8)
+    return _norm_bytes(dim, a) + vocab * 4
 
 
 def activation_bytes(model: nn.Module, tokens: int, a: int, checkpointing: bool) -> int:
