@@ -5,11 +5,10 @@ import time
 import pytest
 import torch
 import torch.nn.functional as F
+import transformers  # a dev dependency: missing must fail, not skip
 
 from models.llama3 import Llama3, Llama3Args, rope_frequencies
 from models.registry import MODEL_FLAVORS, build_model, get_flavor
-
-transformers = pytest.importorskip("transformers")
 
 
 def _tiny_args() -> Llama3Args:

@@ -67,7 +67,7 @@ def test_activation_checkpointing_and_micro_batch_scaling():
 
 
 def test_sharding_modes():
-    kw = dict(seq_len=128, micro_batch=1)
+    kw = {"seq_len": 128, "micro_batch": 1}
     rep = plan_model("llama3_1b", world_size=8, sharding="replicate", **kw)
     fsdp = plan_model("llama3_1b", world_size=8, sharding="fsdp", **kw)
     hsdp = plan_model("llama3_1b", world_size=8, sharding="hsdp", shard_degree=4, **kw)
@@ -84,7 +84,7 @@ def test_sharding_modes():
 
 
 def test_smallest_fitting_world_size():
-    kw = dict(seq_len=8192, micro_batch=1, activation_checkpointing=True)
+    kw = {"seq_len": 8192, "micro_batch": 1, "activation_checkpointing": True}
     ws = smallest_fitting_world_size("llama3_70b", 80 * GIB, max_world_size=64, **kw)
     assert ws is not None and 8 < ws <= 32
     assert plan_model("llama3_70b", world_size=ws, **kw).fits(80 * GIB)
