@@ -250,8 +250,8 @@ def test_raycluster_manifest_has_the_required_fields(fname):
         assert other not in res["limits"]
         tolerated = {t["key"] for t in g["template"]["spec"].get("tolerations", [])}
         assert gpu_key in tolerated
-        if gpu_key == "amd.com/gpu":  # Ray counts AMD GPUs only if told (nvidia.com/gpu is read by KubeRay)
-            assert int(g["rayStartParams"]["num-gpus"]) == res["limits"][gpu_key]
+        # Ray advertises exactly the pod's GPUs (not left to KubeRay's guess from the limits)
+        assert int(g["rayStartParams"]["num-gpus"]) == res["limits"][gpu_key]
     (head,) = _containers(spec["headGroupSpec"]["template"])
     assert gpu_key not in head["resources"].get("limits", {})
 
