@@ -21,7 +21,8 @@ import logging
 import math
 import os
 import re
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -234,7 +235,7 @@ def dashboard_url(context: Any = None) -> str | None:
                 return None
             # ray.init(...).dashboard_url reads the same field; the node object is how to reach it later.
             url = ray._private.worker._global_node.webui_url
-        except Exception:
+        except Exception:  # noqa: BLE001 - private Ray API: a missing URL is not worth an error
             return None
     if not url:
         return None
@@ -250,5 +251,5 @@ def node_metrics_url() -> str | None:
             return None
         node = ray._private.worker.global_worker.node
         return f"http://{node.node_ip_address}:{node.metrics_export_port}/metrics"
-    except Exception:
+    except Exception:  # noqa: BLE001 - private Ray API: a missing URL is not worth an error
         return None

@@ -29,9 +29,10 @@ import string
 import struct
 import time
 import zlib
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any, Self
 
 from orchestration.ray_metrics import precision_code  # one mapping for W&B and Ray
 
@@ -253,7 +254,7 @@ class WandbRun:
             # Our step (not W&B's row counter) is the x axis: it goes back after a rollback.
             self.run.define_metric("step")
             self.run.define_metric("*", step_metric="step")
-        except Exception as exc:  # a logging failure must not stop training
+        except Exception as exc:  # noqa: BLE001 - a logging failure must not stop training
             log.warning("W&B disabled for this run: wandb.init failed: %s", exc)
             self.run = None
             return
@@ -278,7 +279,7 @@ class WandbRun:
         base = self.run_dir / "wandb"
         for _ in range(3):
             now_local = datetime.datetime.now().strftime("%Y%m%d_%H%M%S")
-            now_utc = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d_%H%M%S")
+            now_utc = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d_%H%M%S")
             if not any((base / f"offline-run-{t}-{self.run_id}").exists() for t in (now_local, now_utc)):
                 return
             time.sleep(1.0 - (time.time() % 1.0) + 0.01)
@@ -309,7 +310,7 @@ class WandbRun:
 
             try:
                 self.run.alert(title=alert[0][:63], text=alert[1], level=wandb.AlertLevel.WARN, wait_duration=0)
-            except Exception as exc:  # alerts are a convenience; never fail the step for one
+            except Exception as exc:  # noqa: BLE001 - alerts are a convenience; never fail the step for one
                 log.warning("W&B alert failed: %s", exc)
 
     def _read_events(self) -> list[dict[str, Any]]:
@@ -345,10 +346,10 @@ class WandbRun:
     def _sync_file(self) -> Path | None:
         try:
             return Path(self.run.settings.sync_file)
-        except Exception:  # attribute moved in another wandb version: skip the wait
+        except Exception:  # noqa: BLE001 - attribute moved in another wandb version: skip the wait
             return None
 
-    def __enter__(self) -> "WandbRun":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
