@@ -92,8 +92,10 @@ class Budget:
 
 def run_workers(script: str, args: list[str], n: int, timeout_s: float) -> list[int]:
     """Start n copies of `script --worker i --nworkers n` in parallel (compile-cache warmers); wait."""
+    # Few inductor compile threads each: n processes already run in parallel.
+    env = dict(os.environ, TORCHINDUCTOR_COMPILE_THREADS=str(max(1, (os.cpu_count() or 2) // n)))
     procs = [
-        subprocess.Popen([sys.executable, script, *args, "--worker", str(i), "--nworkers", str(n)])
+        subprocess.Popen([sys.executable, script, *args, "--worker", str(i), "--nworkers", str(n)], env=env)
         for i in range(n)
     ]
     deadline = time.time() + timeout_s

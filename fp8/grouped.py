@@ -30,7 +30,10 @@ from fp8.linear import health_stats
 from fp8.recipes import group_ids
 
 
+@torch.compiler.disable
 def _grouped_emulated(a32: torch.Tensor, b32: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+    # float32 torch._grouped_mm runs on CPU but its fake-tensor rule admits bf16 only, so keep it out of
+    # compiled graphs (a graph break on the emulated path; the GPU path has none).
     return torch._grouped_mm(a32, b32, offs_E)
 
 

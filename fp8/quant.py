@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 
 import torch
 
@@ -33,6 +34,9 @@ def _kernels():
     return kernels
 
 
+_FAILED: set[str] = set()
+
+
 def _kernel_fn(x: torch.Tensor, name: str):
     if not x.is_cuda:
         return None
@@ -41,7 +45,19 @@ def _kernel_fn(x: torch.Tensor, name: str):
     if torch.compiler.is_compiling() and os.environ.get(_USE_KERNELS_ENV) != "always":
         return None
     mod = _kernels()
-    return getattr(mod, name, None) if mod is not None else None
+    if mod is None or name in _FAILED:
+        return None
+    return getattr(mod, name, None)
+
+
+def _call(name: str, kernel, ref, *args, **kwargs):
+    """Run the kernel; on an exception (an unsupported shape or dtype) warn once and use the reference."""
+    try:
+        return kernel(*args, **kwargs)
+    except Exception as e:  # the kernels are an optimization: never let them stop training
+        _FAILED.add(name)
+        warnings.warn(f"fp8.kernels.{name} failed ({type(e).__name__}: {e}); using the PyTorch reference", stacklevel=3)
+        return ref
 
 
 def kernels_active(device: torch.device | str) -> bool:
@@ -65,15 +81,21 @@ def quantize_tensorwise(x_hp: torch.Tensor, dtype: torch.dtype, pow2: bool = Fal
     """-> (x_fp8, scale 0-d float32)."""
     k = _kernel_fn(x_hp, "quantize_tensorwise")
     if k is not None and not pow2:
-        return k(x_hp, dtype)
+        out = _call("quantize_tensorwise", k, None, x_hp, dtype)
+        if out is not None:
+            return out
     return _ref(x_hp, recipes.quantize_tensorwise_ref)(x_hp, dtype, pow2)
 
 
 def quantize_rowwise(x_hp: torch.Tensor, dtype: torch.dtype, dim: int = -1, pow2: bool = True):
     """One scale per slice reduced along `dim` (keepdim). 2D x: dim=-1 -> (M, 1), dim=0 -> (1, K)."""
     k = _kernel_fn(x_hp, "quantize_rowwise")
-    if k is not None and x_hp.dim() == 2 and dim in (-1, 1):
-        return k(x_hp, dtype, pow2=pow2)
+    if k is not None and dim in (-1, x_hp.dim() - 1) and x_hp.is_contiguous():
+        # Rows along the last dim: any leading dims flatten into M (e.g. [E, K, N] expert weights).
+        out = _call("quantize_rowwise", k, None, x_hp.reshape(-1, x_hp.shape[-1]), dtype, pow2=pow2)
+        if out is not None:
+            x_fp8, scale = out
+            return x_fp8.view(x_hp.shape), scale.view(*x_hp.shape[:-1], 1)
     return _ref(x_hp, recipes.quantize_rowwise_ref)(x_hp, dtype, dim, pow2)
 
 
@@ -81,7 +103,9 @@ def quantize_rowwise_and_colwise(x_MN: torch.Tensor, dtype: torch.dtype, pow2: b
     """-> (x_fp8_MN, scale_M1, x_fp8_t_NM, scale_1N): both GEMM layouts from one read of x."""
     k = _kernel_fn(x_MN, "quantize_rowwise_and_colwise")
     if k is not None:
-        return k(x_MN, dtype, pow2=pow2)
+        out = _call("quantize_rowwise_and_colwise", k, None, x_MN, dtype, pow2=pow2)
+        if out is not None:
+            return out
     return _ref(x_MN, recipes.quantize_rowwise_and_colwise_ref)(x_MN, dtype, pow2)
 
 
@@ -89,5 +113,7 @@ def quantize_jagged_colwise(x_MK: torch.Tensor, offs_E: torch.Tensor, dtype: tor
     """Per-group per-column scales -> (x_fp8_t_KM [K, M] contiguous, scales_EK)."""
     k = _kernel_fn(x_MK, "quantize_jagged_per_expert")
     if k is not None:
-        return k(x_MK, offs_E, dtype, pow2=pow2, transpose_out=True)
+        out = _call("quantize_jagged_per_expert", k, None, x_MK, offs_E, dtype, pow2=pow2, transpose_out=True)
+        if out is not None:
+            return out
     return _ref(x_MK, recipes.quantize_jagged_colwise_ref)(x_MK, offs_E, dtype, pow2)
