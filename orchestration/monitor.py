@@ -276,7 +276,8 @@ class RobustEMA:
 def _scalar_f32(x: torch.Tensor | float, device: torch.device) -> torch.Tensor:
     if isinstance(x, torch.Tensor):
         return x.detach().reshape(()).to(device=device, dtype=torch.float32)
-    return torch.tensor(float(x), dtype=torch.float32, device=device)
+    # torch.full is a fill kernel; torch.tensor(x, device=cuda) would be a host-to-device copy.
+    return torch.full((), float(x), dtype=torch.float32, device=device)
 
 
 class StepMonitor:
@@ -323,8 +324,8 @@ class StepMonitor:
         layer_health: {layer_name: saturated fraction} for the watched layers (missing names = not measured).
         """
         device = loss.device
-        inf = torch.tensor(float("inf"), device=device)
-        not_measured = torch.tensor(NOT_MEASURED, dtype=torch.float32, device=device)
+        inf = _scalar_f32(float("inf"), device)
+        not_measured = _scalar_f32(NOT_MEASURED, device)
 
         loss_f = _scalar_f32(loss, device)
         loss_ok = torch.isfinite(loss_f)

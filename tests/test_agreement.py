@@ -65,13 +65,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
+def _worker(rank: int, world: int, port: int, out_dir: str, backend: str = "gloo") -> None:
     """Each rank runs the same detector + policy; only rank 1 sees a NaN at step 25 and a spike at step 40."""
     from orchestration.monitor import MonitorConfig, StepMonitor
     from orchestration.policy import DivergencePolicy
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+    device = torch.device("cpu")
+    if backend == "nccl":
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=60))
     try:
         config = MonitorConfig(warmup_steps=10)
@@ -84,12 +88,13 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
             if rank == 1 and step == 40:
                 loss = 30.0
             grad_norm = 1.0 + 0.1 * rank
-            decision, report = guard.check(step, torch.tensor(loss), torch.tensor(grad_norm))
+            decision, report = guard.check(step, torch.tensor(loss, device=device),
+                                           torch.tensor(grad_norm, device=device))
             log.append({"step": step, "kind": decision.kind, "applies": decision.applies_update,
                         "evidence": [[f.rank, f.detector, f.value, f.threshold] for f in decision.evidence],
                         "loss": report.stats["loss"], "grad_norm": report.stats["grad_norm"]})
         # Raw agree(): per-slot max and its rank over 2 ranks, with a tie in the last slot.
-        agreed = agree(torch.tensor([float(rank), -float(rank), 3.0 if rank else 5.0, 1.0]))
+        agreed = agree(torch.tensor([float(rank), -float(rank), 3.0 if rank else 5.0, 1.0], device=device))
         result = {"log": log, "agreed": [list(agreed.values), list(agreed.ranks), agreed.world_size],
                   "policy": guard.policy.state_dict(), "monitor": guard.monitor.state_dict()}
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
@@ -98,9 +103,12 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def test_two_gloo_ranks_agree_when_only_rank1_sees_the_fault(tmp_path):
+@pytest.mark.parametrize("backend", ["gloo", pytest.param("nccl", marks=pytest.mark.gpu)])
+def test_two_ranks_agree_when_only_rank1_sees_the_fault(tmp_path, backend):
     world = 2
-    mp.start_processes(_worker, args=(world, _free_port(), str(tmp_path)), nprocs=world, join=True,
+    if backend == "nccl" and torch.cuda.device_count() < world:
+        pytest.skip("NCCL agreement needs 2 CUDA GPUs")
+    mp.start_processes(_worker, args=(world, _free_port(), str(tmp_path), backend), nprocs=world, join=True,
                        start_method="spawn")
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world))
     # Same decisions, same evidence, same agreed numbers, same state on both ranks: nobody branches alone.
@@ -122,3 +130,30 @@ def test_two_gloo_ranks_agree_when_only_rank1_sees_the_fault(tmp_path):
     values, ranks, world_size = r0["agreed"]
     assert values == [1.0, 0.0, 5.0, 1.0] and ranks == [1, 0, 0, 0] and world_size == 2
     assert r1["agreed"] == r0["agreed"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_detectors_and_key_packing_never_sync_the_host_on_cuda():
+    """Only agree()'s final read may synchronise: building the verdict and packing the keys must not."""
+    from orchestration.monitor import MonitorConfig, StepMonitor
+
+    device = torch.device("cuda")
+    mon = StepMonitor(MonitorConfig(shadow_every=1), layer_names=("layers.0",))
+    loss, grad_norm = torch.tensor(2.5, device=device), torch.tensor(0.5, device=device)
+    health = {k: torch.tensor(v, device=device) for k, v in HEALTH_GPU.items()}
+    shadow = (loss * 1.01, loss)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        verdict_D = mon.local_verdict(loss, grad_norm, health, shadow, {"layers.0": health["saturated_frac"]})
+        values_D, ranks_D = decode_keys(encode_keys(verdict_D, 0))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert verdict_D.device.type == "cuda" and torch.equal(values_D, verdict_D) and not ranks_D.any()
+    report = mon.evaluate(agree(verdict_D), 0)
+    assert report.stats["loss"] == 2.5 and report.stats["shadow_rel_diff"] == pytest.approx(0.01, rel=1e-3)
+    assert not report.findings
+
+
+HEALTH_GPU = {"saturated_frac": 0.0, "underflow_frac": 0.01, "amax_max": 3.0}
