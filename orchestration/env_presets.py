@@ -105,8 +105,10 @@ def resolve_worker_env(preset: str, extra: dict[str, str] | None = None) -> dict
             raise ValueError(f"cluster.env_vars: '{key}' is not a valid environment variable name "
                              "(letters, digits and '_', not starting with a digit)")
         if isinstance(value, bool) or not isinstance(value, (str, int)):
-            raise ValueError(f"cluster.env_vars.{key}: value must be a string (quote it in YAML, e.g. \"1\"), "
-                             f"got {type(value).__name__} {value!r}")
+            # A config value of the wrong type is a user error: ValueError (ConfigError's base), per STYLE.md.
+            raise ValueError(  # noqa: TRY004
+                f"cluster.env_vars.{key}: value must be a string (quote it in YAML, e.g. \"1\"), "
+                f"got {type(value).__name__} {value!r}")
         if value == "":
             env.pop(key, None)
         else:

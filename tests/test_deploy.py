@@ -53,6 +53,11 @@ def load(path: Path) -> dict:
         return yaml.safe_load(f)
 
 
+def load_all(path: Path) -> list[dict]:
+    with open(path) as f:
+        return list(yaml.safe_load_all(f))
+
+
 def cluster_conf(name: str) -> dict:
     return load(CONF_CLUSTER / f"{name}.yaml")
 
@@ -229,7 +234,7 @@ def _containers(pod_template: dict) -> list[dict]:
 
 @pytest.mark.parametrize("fname", sorted(RAYCLUSTERS))
 def test_raycluster_manifest_has_the_required_fields(fname):
-    docs = list(yaml.safe_load_all(open(DEPLOY / "kuberay" / fname)))
+    docs = load_all(DEPLOY / "kuberay" / fname)
     assert len(docs) == 1
     rc = docs[0]
     assert rc["apiVersion"] == "ray.io/v1" and rc["kind"] == "RayCluster"
@@ -297,7 +302,7 @@ def test_raycluster_elastic_range_spot_groups_and_env(fname):
 
 
 def test_rayjob_runs_launch_py_with_the_kuberay_preset():
-    (job,) = list(yaml.safe_load_all(open(DEPLOY / "kuberay" / "rayjob.yaml")))
+    (job,) = load_all(DEPLOY / "kuberay" / "rayjob.yaml")
     assert job["apiVersion"] == "ray.io/v1" and job["kind"] == "RayJob"
     cluster_names = {load(DEPLOY / "kuberay" / f)["metadata"]["name"] for f in RAYCLUSTERS}
     assert job["spec"]["clusterSelector"]["ray.io/cluster"] in cluster_names
