@@ -296,6 +296,12 @@ def routed_experts_reference(
     return out_SD.to(x_SD.dtype)
 
 
+def _in_backward() -> bool:
+    """True while autograd runs backward, i.e. when activation checkpointing recomputes this forward: the
+    assignment counts must not be added twice."""
+    return torch._C._current_graph_task_id() != -1
+
+
 class MoE(nn.Module):
     """Routed experts (top-k of E) plus shared experts, one layer's FFN."""
 
@@ -334,7 +340,7 @@ class MoE(nn.Module):
             self.last_aux_loss = a.aux_loss_alpha * load_balance_loss(
                 scores_SE.view(B, T, -1), expert_SA.view(B, T, -1), a.aux_loss_scope
             )
-        if self.training:
+        if self.training and not _in_backward():
             with torch.no_grad():
                 self.tokens_per_expert += expert_counts(expert_SA, a.n_routed_experts, kept_SA)
 

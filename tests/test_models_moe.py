@@ -274,3 +274,14 @@ def test_bf16_forward_backward_on_cpu():
     assert logits.dtype == torch.bfloat16
     logits.float().sum().backward()  # the expanded-grad case the ENV notes warn about
     assert torch.isfinite(model.layers["1"].moe.experts.w2.grad.float()).all()
+
+
+def test_counts_not_doubled_by_activation_checkpointing_recompute():
+    from torch.utils.checkpoint import checkpoint
+
+    model = build_model("debug_moe", "cpu", seed=0)
+    block = model.layers["1"]
+    x = torch.randn(2, 16, 128, requires_grad=True)
+    out = checkpoint(block, x, model.rope_cos, model.rope_sin, use_reentrant=False)
+    out.float().pow(2).mean().backward()  # the backward recomputes the block's forward
+    assert block.moe.tokens_per_expert.sum().item() == 2 * 16 * 2
