@@ -8,6 +8,7 @@ key or a wrong type fails with the key's full name, and `validate` then checks t
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -210,14 +211,14 @@ def validate(job: JobConfig) -> None:
     _require(t.sharding in ("fsdp", "none"), "train.sharding", f"'{t.sharding}' is not one of ('fsdp', 'none')")
     _require(t.micro_batch_size >= 1, "train.micro_batch_size", "must be >= 1")
     _require(t.global_batch_size >= 1, "train.global_batch_size", "must be >= 1")
-    # The global batch must split evenly at every world size the cluster may take (elastic range).
-    for world in range(c.min_workers, c.max_workers + 1):
-        try:
-            from orchestration.elastic import plan_batch
-
-            plan_batch(t.global_batch_size, t.micro_batch_size, world)
-        except ValueError as exc:
-            raise ConfigError(f"train.global_batch_size: {exc}") from None
+    # The global batch must split evenly at every world size the cluster may take (elastic range), so a resize
+    # never changes the training trajectory.
+    worlds = range(c.min_workers, c.max_workers + 1)
+    bad = [w for w in worlds if t.global_batch_size % w]
+    _require(not bad, "train.global_batch_size",
+             f"{t.global_batch_size} sequences cannot be split evenly over {bad} workers (elastic range "
+             f"cluster.min_workers..max_workers = {c.min_workers}..{c.max_workers}); use a multiple of "
+             f"{math.lcm(*worlds)} (divisible by every world size in the range) or narrow the range")
 
     k = job.checkpoint
     _require(k.every_steps >= 1, "checkpoint.every_steps", "must be >= 1")

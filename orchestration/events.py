@@ -98,8 +98,8 @@ def summarize(run_dir: Path, status: str, wall_time_s: float | None = None) -> d
         final_state = json.loads((run_dir / FINAL_STATE_FILE).read_text())
 
     def count(name: str) -> int:
-        # Agreed decisions are logged on every rank; count them once (rank 0's copy, or rank-less events).
-        return sum(1 for e in events if e["event"] == name and e.get("rank", 0) == 0)
+        # Agreed decisions are logged by every worker; count them once (worker 0's copy, or driver events).
+        return sum(1 for e in events if e["event"] == name and e.get("worker_rank", 0) == 0)
 
     starts = [e for e in events if e["event"] == "worker_group_start"]
     losses = [m for m in metrics if m.get("loss") is not None]
@@ -117,7 +117,7 @@ def summarize(run_dir: Path, status: str, wall_time_s: float | None = None) -> d
         "restarts": max(0, len(starts) - 1),
         "rollbacks": count("rollback"),
         "fallbacks": sum(1 for e in events if e["event"] == "precision_changed" and e.get("to") == "bf16"
-                         and e.get("rank", 0) == 0),
+                         and e.get("worker_rank", 0) == 0),
         "skipped_steps": count("step_skipped"),
         "samples_consumed": final_state.get("samples_consumed"),
         "consumed_ranges": final_state.get("consumed_ranges"),

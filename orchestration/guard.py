@@ -133,6 +133,8 @@ class StepGuard:
         if self.fp8_run:
             self._set_precision(self.policy.precision, None)
         t.optimizer.zero_grad(set_to_none=True)
+        if t.rank == 0:
+            t.ckpt.discard_newer_than(t.state.step)  # a restart must not resume into the diverged trajectory
         t.pending_good = [s for s in t.pending_good if s <= t.state.step]
         t.event("rollback", all_ranks=True, to_step=t.state.step, from_step=decision.bad_step,
                 skipped_samples=skipped[1] - skipped[0], skipped_range=skipped, checkpoint=str(info.path),

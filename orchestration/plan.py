@@ -26,20 +26,18 @@ def build_job_plan(job: JobConfig) -> dict[str, Any]:
     batch = plan_batch(job.train.global_batch_size, job.train.micro_batch_size, world)
     sharding = job.train.sharding if world > 1 else "none"
     model_plan = plan_model(flavor, world_size=world, seq_len=job.data.seq_len, micro_batch=batch.micro_batch_size,
-                            sharding=sharding, activation_checkpointing=job.model.activation_checkpointing)
-    mp = model_plan.to_dict()
+                            sharding="fsdp" if sharding == "fsdp" else "replicate",
+                            activation_checkpointing=job.model.activation_checkpointing,
+                            param_dtype_bytes=4 if job.precision.fsdp_param_dtype == "float32" else 2)
     memory_bytes = int(c.memory_per_worker_gb * GIB)
-    bytes_per_worker = int(mp["bytes_per_worker"]["total"]) if isinstance(mp["bytes_per_worker"], dict) \
-        else int(mp["bytes_per_worker"])
-    fits = bytes_per_worker <= memory_bytes
-    reasons: list[str] = []
+    mp = model_plan.to_dict(memory_bytes)
+    bytes_per_worker = int(mp["bytes_per_worker"]["total"])
+    fits = bool(mp["fits"])
+    reasons = [f"{job.model.name} at world size {world} ({sharding}, micro-batch {batch.micro_batch_size} x seq "
+               f"{job.data.seq_len}) on cluster '{c.name}' ({c.memory_per_worker_gb:.1f} GiB per worker): "
+               + mp["reasons"][0], *mp["reasons"][1:]]
     if not fits:
-        reasons.append(f"{job.model.name} needs about {bytes_per_worker / GIB:.1f} GiB per worker at world size "
-                       f"{world} ({sharding} sharding, micro-batch {batch.micro_batch_size} x seq {job.data.seq_len})"
-                       f" but cluster '{c.name}' has {c.memory_per_worker_gb:.1f} GiB per worker")
-        reasons.append(_suggestion(job, model_plan, memory_bytes))
-    else:
-        reasons.append(f"fits: {bytes_per_worker / GIB:.2f} GiB of {c.memory_per_worker_gb:.1f} GiB per worker")
+        reasons.append(_suggestion(job))
     run_name = job.run_name or f"{job.model.name}-{job.precision.name}-<timestamp>"
     return {
         "model": job.model.name,
@@ -63,7 +61,7 @@ def build_job_plan(job: JobConfig) -> dict[str, Any]:
     }
 
 
-def _suggestion(job: JobConfig, model_plan: Any, memory_bytes: int) -> str:
+def _suggestion(job: JobConfig) -> str:
     options = []
     if job.model.name.startswith(("llama3", "deepseek")):
         options.append("model=debug_moe or model=debug_dense for this machine")

@@ -132,6 +132,12 @@ class Trainer:
                                       keep_good=job.checkpoint.keep_good, rank=self.rank,
                                       world_size=self.world_size, event_sink=self._event_sink)
         self.guard = StepGuard(self)
+        if job.faults.kind == "fp8_overflow":
+            # Real numerics: an outlier enters the first FP8 layer, so the FP8 health statistics see it.
+            target = next((m for m in self.model.modules() if type(m).__name__ == "Float8Linear"), None)
+            if target is None:
+                raise ValueError("faults=fp8_overflow needs an FP8 model: use precision=fp8")
+            self.guard.faults.attach_activation_fault(target, self.rank, lambda: self.state.step)
         self.pending_good: list[int] = []  # checkpoints waiting for their good_after_steps clean steps
         self.setup_s = time.time() - t_setup
 
@@ -142,7 +148,7 @@ class Trainer:
 
     def event(self, name: str, all_ranks: bool = False, **fields: Any) -> None:
         if all_ranks:
-            self.run_dir.event(name, self.state.step, rank=self.rank, **fields)
+            self.run_dir.event(name, self.state.step, worker_rank=self.rank, **fields)
         elif self.rank == 0:
             self.run_dir.event(name, self.state.step, **fields)
 
@@ -150,7 +156,8 @@ class Trainer:
     def start(self) -> None:
         job = self.job
         previous = [e for e in read_jsonl(self.run_dir.path / EVENTS_FILE)]
-        info = self.ckpt.latest() if job.checkpoint.resume else None
+        # Collective: every rank must resume from the same checkpoint even if one of them sees a corrupt file.
+        info = self.ckpt.latest(collective=True) if job.checkpoint.resume else None
         t_load = time.time()
         if info is not None:
             extra = self.ckpt.load(info, self.model, self.optimizer, self.scheduler)
@@ -203,7 +210,7 @@ class Trainer:
             self.ckpt.mark_good(self.state.step)
         else:
             self.pending_good.append(self.state.step)
-        self.event("checkpoint_saved", path=str(path), good=good, seconds=round(time.time() - t0, 3))
+        self.event("checkpoint_timing", seconds=round(time.time() - t0, 3))
         self.report_to_ray(path)
         return path
 
@@ -212,7 +219,9 @@ class Trainer:
             return
         import ray.train
 
-        checkpoint = ray.train.Checkpoint.from_directory(str(path)) if (path and self.rank == 0) else None
+        from orchestration.checkpoint import ray_checkpoint_dir
+
+        checkpoint = ray.train.Checkpoint.from_directory(ray_checkpoint_dir(path)) if (path and self.rank == 0) else None
         ray.train.report({"step": self.state.step, "precision": self.state.precision}, checkpoint=checkpoint)
 
     # -- one step -------------------------------------------------------------------------------------------
@@ -291,9 +300,8 @@ class Trainer:
             if last_bad is not None and last_bad >= step:
                 self.pending_good.remove(step)  # trouble after it: never mark it good
             elif self.state.step - step >= self.job.monitor.good_after_steps:
-                self.ckpt.mark_good(step)
+                self.ckpt.mark_good(step)  # emits checkpoint_good
                 self.pending_good.remove(step)
-                self.event("checkpoint_good", checkpoint_step=step)
 
     def log_metrics(self, loss: torch.Tensor, aux: torch.Tensor, grad_norm: torch.Tensor, tokens_per_s: float,
                     step_time_s: float) -> None:
@@ -323,9 +331,8 @@ class Trainer:
     def flops_per_token(self) -> float:
         if not hasattr(self, "_flops_per_token"):
             from models.planning import plan_model
-            from models.registry import get_flavor
 
-            plan = plan_model(get_flavor(self.job.model.name), world_size=self.world_size,
+            plan = plan_model(self.job.model.name, world_size=self.world_size,
                               seq_len=self.job.data.seq_len, micro_batch=self.plan.micro_batch_size,
                               overrides=dict(self.job.model.overrides))
             self._flops_per_token = plan.flops_per_token

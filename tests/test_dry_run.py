@@ -1,0 +1,77 @@
+"""dry_run=true: meta build, PLAN json as the last stdout line; non-fitting models stop before allocating."""
+
+import json
+import math
+
+import yaml
+
+import pytest
+
+from tests.conftest import launch
+
+PLAN_KEYS = {"model", "precision", "total_params", "active_params", "world_size_min", "world_size_max",
+             "global_batch_tokens", "bytes_per_worker", "fits", "reasons"}
+
+
+def last_plan(stdout: str) -> dict:
+    last = stdout.strip().splitlines()[-1]
+    assert last.startswith("PLAN "), last
+    return json.loads(last[len("PLAN "):])
+
+
+def test_dry_run_deepseek_moe16b_plans_without_allocating(isolated_env):
+    proc = launch(isolated_env, "model=deepseek_moe16b", "dry_run=true", timeout=180)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    plan = last_plan(proc.stdout)
+    assert PLAN_KEYS <= set(plan)
+    assert plan["model"] == "deepseek_moe16b"
+    assert abs(plan["total_params"] / 1e9 - 16.4) < 0.1 and abs(plan["active_params"] / 1e9 - 2.8) < 0.1
+    assert plan["fits"] is False  # 16B params + AdamW states on 2 CPU workers of 8 GiB
+    assert plan["global_batch_tokens"] == 16 * 128
+    assert "Run directory" not in proc.stdout  # no run was started
+
+
+def test_launch_of_a_model_that_cannot_fit_stops_with_a_suggestion(isolated_env, tmp_path):
+    proc = launch(isolated_env, "model=deepseek_moe16b", f"run_root={tmp_path}", timeout=180)
+    assert proc.returncode == 3, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "does not fit" in proc.stderr and "suggestion" in proc.stdout + proc.stderr
+    assert "debug_moe" in proc.stdout + proc.stderr
+    assert not list(tmp_path.iterdir())  # nothing written, nothing allocated
+
+
+def test_dry_run_llama3_8b_counts_and_fits_on_h200_cluster(isolated_env):
+    proc = launch(isolated_env, "model=llama3_8b", "dry_run=true", "cluster=aws_h200", "data.seq_len=8192",
+                  "train.global_batch_size=64", "train.micro_batch_size=1", timeout=180)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    plan = last_plan(proc.stdout)
+    assert plan["total_params"] == 8_030_261_248
+    assert plan["fits"] is True
+    ray = plan["ray"]
+    assert ray["use_gpu"] is True and ray["backend"] == "nccl" and ray["resources_per_worker"]["GPU"] == 1
+
+
+@pytest.mark.parametrize("cluster", ["local", "aws_h200", "gcp_a3", "azure_mi300x", "kuberay", "existing"])
+def test_each_cluster_config_builds_the_right_ray_plan(cluster):
+    from hydra import compose, initialize_config_dir
+
+    from orchestration.config import load_job_config
+    from orchestration.trainer import ray_plan
+    from tests.conftest import REPO
+
+    preset = yaml.safe_load((REPO / "conf" / "cluster" / f"{cluster}.yaml").read_text())
+    # A global batch that splits evenly over every world size of the preset's elastic range.
+    batch = math.lcm(*range(preset["min_workers"], preset["max_workers"] + 1))
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[f"cluster={cluster}", "model=debug_dense",
+                                                      f"train.global_batch_size={batch}",
+                                                      "train.micro_batch_size=1"])
+    job = load_job_config(cfg)
+    plan = ray_plan(job, "r", REPO / "runs")
+    c = job.cluster
+    expected_workers = c.min_workers if c.min_workers == c.max_workers else (c.min_workers, c.max_workers)
+    assert plan.num_workers == expected_workers
+    assert plan.use_gpu == (c.gpus_per_worker > 0 and c.device != "cpu")
+    assert plan.backend == ("nccl" if plan.use_gpu else "gloo")
+    assert plan.max_failures == c.max_failures
+    if c.storage_path:
+        assert plan.storage_path == c.storage_path
