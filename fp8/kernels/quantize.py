@@ -70,26 +70,48 @@ class Fp8Grid:
     mbits: int  # mantissa bits
     min_normal: float  # smallest normal value
     sub_magic: float  # 2**(emin - mbits + 23): x + magic - magic rounds to the subnormal grid in fp32
+    nan_bits: int  # a NaN bit pattern as int8: 0x7F for e4m3fn/e5m2, 0x80 for the fnuz formats
 
     @staticmethod
-    def of(fp8_dtype: torch.dtype) -> "Fp8Grid":
+    def of(fp8_dtype: torch.dtype) -> Fp8Grid:
         check_fp8_dtype(fp8_dtype)
         fi = torch.finfo(fp8_dtype)
         mbits = _MANTISSA_BITS[fp8_dtype]  # not from finfo: torch 2.13 reports eps 0.125 for e5m2fnuz (2 bits)
         emin = round(math.log2(fi.smallest_normal))
-        return Fp8Grid(fp8_max(fp8_dtype), mbits, float(fi.smallest_normal), float(2.0 ** (emin - mbits + 23)))
+        nan_bits = -128 if fp8_dtype in (torch.float8_e4m3fnuz, torch.float8_e5m2fnuz) else 0x7F
+        sub_magic = float(2.0 ** (emin - mbits + 23))
+        return Fp8Grid(fp8_max(fp8_dtype), mbits, float(fi.smallest_normal), sub_magic, nan_bits)
 
 
 if HAS_TRITON:
 
     @triton.jit
+    def _max_nan(a, b):
+        # NaN-propagating max (max.NaN.f32 on NVIDIA, same cost): a NaN input must reach the scale.
+        return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+    # The interpreter runs a tl.reduce combine function in Python per element pair (10x slower tests), so there
+    # the NaN-dropping tl.max is patched with a NaN count instead. Same condition as the @triton.jit decision.
+    _NUMPY_MAX = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+
+    @triton.jit
+    def _abs_max(x, axis: tl.constexpr):
+        if _NUMPY_MAX:
+            a = tl.abs(x.to(tl.float32))
+            n_nan = tl.sum((a != a).to(tl.int32), axis)  # noqa: PLR0124 - NaN test
+            return tl.where(n_nan > 0, float("nan"), tl.max(a, axis))
+        else:
+            return tl.reduce(tl.abs(x.to(tl.float32)), axis, _max_nan)
+
+    @triton.jit
     def _scale_from_amax(amax, FP8_MAX: tl.constexpr, EPS_: tl.constexpr, POW2: tl.constexpr):
-        # Same formula as reference.amax_to_scale: IEEE division (div_rn; plain `/` may lower to an approximate
-        # division on NVIDIA), then clear the mantissa for power-of-two scales.
-        amax = tl.maximum(amax.to(tl.float32), EPS_)
+        # Same formula as reference.amax_to_scale: IEEE division (div_rn, explicit so no approximate division
+        # can be chosen), then clear the mantissa for power-of-two scales, keeping NaN as NaN.
+        amax = _max_nan(amax.to(tl.float32), EPS_)
         scale = tl.math.div_rn(tl.zeros_like(amax) + FP8_MAX, amax)
         if POW2:
-            scale = (scale.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+            p2 = (scale.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+            scale = tl.where(scale == scale, p2, scale)  # noqa: PLR0124 - keep NaN
         return scale
 
     @triton.jit
@@ -119,11 +141,15 @@ if HAS_TRITON:
 
     @triton.jit
     def _to_fp8(v, out_dtype: tl.constexpr, FP8_MAX: tl.constexpr, EXACT_ROUND: tl.constexpr,
-                MBITS: tl.constexpr, MIN_NORMAL: tl.constexpr, SUB_MAGIC: tl.constexpr):
+                MBITS: tl.constexpr, MIN_NORMAL: tl.constexpr, SUB_MAGIC: tl.constexpr, NAN_BITS: tl.constexpr):
         v = _saturate(v, FP8_MAX)
         if EXACT_ROUND:
-            v = _round_to_fp8_grid(v, MBITS, MIN_NORMAL, SUB_MAGIC)
-        return v.to(out_dtype)
+            r = _round_to_fp8_grid(v, MBITS, MIN_NORMAL, SUB_MAGIC).to(out_dtype)
+            # The interpreter also casts NaN to a finite value: write the format's NaN bit pattern instead.
+            bits = tl.where(v != v, NAN_BITS, r.to(tl.int8, bitcast=True))  # noqa: PLR0124
+            return bits.to(tl.int8).to(out_dtype, bitcast=True)
+        else:
+            return v.to(out_dtype)
 
     # ---------------------------------------------------------------- tensorwise
 
@@ -131,16 +157,17 @@ if HAS_TRITON:
     def _amax_kernel(x_ptr, amax_bits_ptr, numel, BLOCK: tl.constexpr):
         pid = tl.program_id(0).to(tl.int64)
         offs = pid * BLOCK + tl.arange(0, BLOCK)
-        x = tl.load(x_ptr + offs, mask=offs < numel, other=0.0).to(tl.float32)
-        amax = tl.max(tl.abs(x), axis=0)
-        # amax >= 0, so its int32 bit pattern orders like the float: one native integer atomic per block.
+        x = tl.load(x_ptr + offs, mask=offs < numel, other=0.0)
+        amax = _abs_max(x, 0)
+        # amax >= 0, so its int32 bit pattern orders like the float: one native integer atomic per block
+        # (and a NaN, positive after abs, orders above inf: it wins, as in the reference).
         tl.atomic_max(amax_bits_ptr, amax.to(tl.int32, bitcast=True))
 
     @triton.jit
     def _cast_tensorwise_kernel(x_ptr, out_ptr, amax_ptr, scale_ptr, numel,
                                 FP8_MAX: tl.constexpr, EPS_: tl.constexpr, BLOCK: tl.constexpr,
                                 EXACT_ROUND: tl.constexpr, MBITS: tl.constexpr, MIN_NORMAL: tl.constexpr,
-                                SUB_MAGIC: tl.constexpr):
+                                SUB_MAGIC: tl.constexpr, NAN_BITS: tl.constexpr):
         pid = tl.program_id(0)
         scale = _scale_from_amax(tl.load(amax_ptr), FP8_MAX, EPS_, False)
         if pid == 0:
@@ -148,7 +175,8 @@ if HAS_TRITON:
         offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < numel
         x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        y = _to_fp8(x * scale, out_ptr.dtype.element_ty, FP8_MAX, EXACT_ROUND, MBITS, MIN_NORMAL, SUB_MAGIC)
+        y = _to_fp8(x * scale, out_ptr.dtype.element_ty, FP8_MAX, 
+                        EXACT_ROUND, MBITS, MIN_NORMAL, SUB_MAGIC, NAN_BITS)
         tl.store(out_ptr + offs, y, mask=mask)
 
     # ---------------------------------------------------------------- rowwise
@@ -158,7 +186,7 @@ if HAS_TRITON:
                         FP8_MAX: tl.constexpr, EPS_: tl.constexpr, POW2: tl.constexpr,
                         BM: tl.constexpr, BN: tl.constexpr, ONE_TILE: tl.constexpr,
                         EXACT_ROUND: tl.constexpr, MBITS: tl.constexpr, MIN_NORMAL: tl.constexpr,
-                        SUB_MAGIC: tl.constexpr):
+                        SUB_MAGIC: tl.constexpr, NAN_BITS: tl.constexpr):
         pid = tl.program_id(0)
         offs_m = pid * BM + tl.arange(0, BM)
         mask_m = offs_m < M
@@ -170,8 +198,9 @@ if HAS_TRITON:
             offs_n = tl.arange(0, BN)
             mask = mask_m[:, None] & (offs_n < N)[None, :]
             x = tl.load(x_rows + offs_n[None, :] * stride_xn, mask=mask, other=0.0).to(tl.float32)
-            scale = _scale_from_amax(tl.max(tl.abs(x), axis=1), FP8_MAX, EPS_, POW2)
-            y = _to_fp8(x * scale[:, None], out_dtype, FP8_MAX, EXACT_ROUND, MBITS, MIN_NORMAL, SUB_MAGIC)
+            scale = _scale_from_amax(_abs_max(x, 1), FP8_MAX, EPS_, POW2)
+            y = _to_fp8(x * scale[:, None], out_dtype, FP8_MAX, 
+                        EXACT_ROUND, MBITS, MIN_NORMAL, SUB_MAGIC, NAN_BITS)
             tl.store(out_rows + offs_n[None, :], y, mask=mask)
         else:
             amax = tl.zeros([BM], dtype=tl.float32)
@@ -179,13 +208,14 @@ if HAS_TRITON:
                 offs_n = n0 + tl.arange(0, BN)
                 mask = mask_m[:, None] & (offs_n < N)[None, :]
                 x = tl.load(x_rows + offs_n[None, :] * stride_xn, mask=mask, other=0.0).to(tl.float32)
-                amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
+                amax = _max_nan(amax, _abs_max(x, 1))
             scale = _scale_from_amax(amax, FP8_MAX, EPS_, POW2)
             for n0 in range(0, N, BN):
                 offs_n = n0 + tl.arange(0, BN)
                 mask = mask_m[:, None] & (offs_n < N)[None, :]
                 x = tl.load(x_rows + offs_n[None, :] * stride_xn, mask=mask, other=0.0).to(tl.float32)
-                y = _to_fp8(x * scale[:, None], out_dtype, FP8_MAX, EXACT_ROUND, MBITS, MIN_NORMAL, SUB_MAGIC)
+                y = _to_fp8(x * scale[:, None], out_dtype, FP8_MAX, 
+                        EXACT_ROUND, MBITS, MIN_NORMAL, SUB_MAGIC, NAN_BITS)
                 tl.store(out_rows + offs_n[None, :], y, mask=mask)
         tl.store(scale_ptr + offs_m, scale, mask=mask_m)
 
@@ -206,9 +236,8 @@ if HAS_TRITON:
             offs_n = n0 + tl.arange(0, BN)
             mask_n = offs_n < N
             x = tl.load(x_rows + offs_n[None, :] * stride_xn, mask=mask_m[:, None] & mask_n[None, :], other=0.0)
-            ax = tl.abs(x.to(tl.float32))
-            row_amax = tl.maximum(row_amax, tl.max(ax, axis=1))
-            col_amax = tl.max(ax, axis=0)
+            row_amax = _max_nan(row_amax, _abs_max(x, 1))
+            col_amax = _abs_max(x, 0)
             tl.atomic_max(col_amax_bits_ptr + offs_n, col_amax.to(tl.int32, bitcast=True), mask=mask_n)
         tl.atomic_max(row_amax_bits_ptr + offs_m, row_amax.to(tl.int32, bitcast=True), mask=mask_m)
 
@@ -218,7 +247,7 @@ if HAS_TRITON:
                              FP8_MAX: tl.constexpr, EPS_: tl.constexpr, POW2: tl.constexpr,
                              BM: tl.constexpr, BN: tl.constexpr,
                              EXACT_ROUND: tl.constexpr, MBITS: tl.constexpr, MIN_NORMAL: tl.constexpr,
-                             SUB_MAGIC: tl.constexpr):
+                             SUB_MAGIC: tl.constexpr, NAN_BITS: tl.constexpr):
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         offs_m = pid_m * BM + tl.arange(0, BM)
@@ -236,9 +265,11 @@ if HAS_TRITON:
         x = tl.load(x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_n[None, :] * stride_xn,
                     mask=mask, other=0.0).to(tl.float32)
         out_dtype = row_out_ptr.dtype.element_ty
-        y_row = _to_fp8(x * row_scale[:, None], out_dtype, FP8_MAX, EXACT_ROUND, MBITS, MIN_NORMAL, SUB_MAGIC)
+        y_row = _to_fp8(x * row_scale[:, None], out_dtype, FP8_MAX, 
+                        EXACT_ROUND, MBITS, MIN_NORMAL, SUB_MAGIC, NAN_BITS)
         tl.store(row_out_ptr + offs_m.to(tl.int64)[:, None] * N + offs_n[None, :], y_row, mask=mask)
-        y_col = _to_fp8(x * col_scale[None, :], out_dtype, FP8_MAX, EXACT_ROUND, MBITS, MIN_NORMAL, SUB_MAGIC)
+        y_col = _to_fp8(x * col_scale[None, :], out_dtype, FP8_MAX, 
+                        EXACT_ROUND, MBITS, MIN_NORMAL, SUB_MAGIC, NAN_BITS)
         # Transposed store [BN, BM] into the [N, M] row-major output: runs of BM contiguous bytes per column.
         tl.store(col_out_t_ptr + offs_n.to(tl.int64)[:, None] * M + offs_m[None, :], tl.trans(y_col),
                  mask=mask_n[:, None] & mask_m[None, :])
@@ -250,7 +281,7 @@ if HAS_TRITON:
                                FP8_MAX: tl.constexpr, EPS_: tl.constexpr, POW2: tl.constexpr,
                                BM: tl.constexpr, BK: tl.constexpr, TRANSPOSE_OUT: tl.constexpr,
                                EXACT_ROUND: tl.constexpr, MBITS: tl.constexpr, MIN_NORMAL: tl.constexpr,
-                               SUB_MAGIC: tl.constexpr):
+                               SUB_MAGIC: tl.constexpr, NAN_BITS: tl.constexpr):
         pid_k = tl.program_id(0)
         e = tl.program_id(1)
         offs_k = pid_k * BK + tl.arange(0, BK)
@@ -266,7 +297,7 @@ if HAS_TRITON:
             offs_m = tl.multiple_of(m0, BM) + tl.arange(0, BM)
             mask = ((offs_m >= start) & (offs_m < end))[:, None] & mask_k[None, :]
             x = tl.load(x_cols + offs_m.to(tl.int64)[:, None] * stride_xm, mask=mask, other=0.0)
-            amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), axis=0))
+            amax = _max_nan(amax, _abs_max(x, 0))
         # Empty group: amax stays 0, EPS keeps the scale finite.
         scale = _scale_from_amax(amax, FP8_MAX, EPS_, POW2)
         tl.store(scale_ptr + e.to(tl.int64) * K + offs_k, scale, mask=mask_k)
@@ -276,7 +307,8 @@ if HAS_TRITON:
             mask_m = (offs_m >= start) & (offs_m < end)
             mask = mask_m[:, None] & mask_k[None, :]
             x = tl.load(x_cols + offs_m.to(tl.int64)[:, None] * stride_xm, mask=mask, other=0.0).to(tl.float32)
-            y = _to_fp8(x * scale[None, :], out_dtype, FP8_MAX, EXACT_ROUND, MBITS, MIN_NORMAL, SUB_MAGIC)
+            y = _to_fp8(x * scale[None, :], out_dtype, FP8_MAX, 
+                        EXACT_ROUND, MBITS, MIN_NORMAL, SUB_MAGIC, NAN_BITS)
             if TRANSPOSE_OUT:
                 out_t = out_ptr + offs_k.to(tl.int64)[:, None] * M + offs_m[None, :]
                 if (m0 >= start) & (m0 + BM <= end):
@@ -309,8 +341,8 @@ else:
 
 def _grid_consts(fp8_dtype: torch.dtype) -> dict:
     g = Fp8Grid.of(fp8_dtype)
-    return dict(FP8_MAX=g.max_value, EPS_=EPS, EXACT_ROUND=INTERPRETED, MBITS=g.mbits,
-                MIN_NORMAL=g.min_normal, SUB_MAGIC=g.sub_magic)
+    return {"FP8_MAX": g.max_value, "EPS_": EPS, "EXACT_ROUND": INTERPRETED, "MBITS": g.mbits,
+            "MIN_NORMAL": g.min_normal, "SUB_MAGIC": g.sub_magic, "NAN_BITS": g.nan_bits}
 
 
 def triton_usable(x: torch.Tensor) -> bool:
@@ -366,8 +398,9 @@ def quantize_tensorwise_triton(
     return out, scale
 
 
-def rowwise_tile(N: int, max_tile: int = ROWWISE_MAX_TILE) -> tuple[int, int, bool]:
+def rowwise_tile(N: int, max_tile: int | None = None) -> tuple[int, int, bool]:
     """(BM, BN, one_tile) for rows of N elements: whole rows in registers when a row fits max_tile."""
+    max_tile = ROWWISE_MAX_TILE if max_tile is None else max_tile
     BN = triton.next_power_of_2(max(N, 1))
     if BN <= max_tile:
         return max(1, min(max_tile // BN, 64)), BN, True
@@ -424,7 +457,8 @@ def quantize_rowwise_and_colwise_triton(
         # Degenerate shapes: nothing to cast; the scales of the rows/columns that exist come from the EPS floor.
         zeros_M1 = torch.zeros((M, 1), dtype=torch.float32, device=dev)
         zeros_1N = torch.zeros((1, N), dtype=torch.float32, device=dev)
-        return row_out_MN, amax_to_scale(zeros_M1, fp8_dtype, pow2), col_out_t_NM, amax_to_scale(zeros_1N, fp8_dtype, pow2)
+        scale_M1, scale_1N = amax_to_scale(zeros_M1, fp8_dtype, pow2), amax_to_scale(zeros_1N, fp8_dtype, pow2)
+        return row_out_MN, scale_M1, col_out_t_NM, scale_1N
     BM, BN = ROW_COL_CAST_TILE
     grid = (triton.cdiv(M, BM), triton.cdiv(N, BN))
     _row_col_cast_kernel[grid](x_hp_MN, row_out_MN, col_out_t_NM, row_amax_M, col_amax_N, scale_M1, scale_1N,

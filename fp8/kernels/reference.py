@@ -10,8 +10,8 @@ Conventions shared by every function here and in the kernels:
 - pow2=True rounds the scale down to a power of two by clearing its mantissa bits, so |x| * scale <= fp8_max still
   holds and the dequant is exact in any precision (DeepSeek-V3 / torchao rowwise recipe).
 - The cast saturates: values are clamped to [-fp8_max, fp8_max] before the round-to-nearest-even cast.
-- NaN in the input gives NaN scales here (amax propagates NaN); the Triton kernels keep NaN in the data but may
-  produce a finite scale. Neither path hides a NaN in the quantized data.
+- NaN anywhere in a row / column / group / tensor makes its amax and scale NaN and so all of its quantized data
+  NaN (loud on purpose: the divergence monitors must see it). An inf input gives scale 0 and NaN where the inf was.
 
 Shape legend: M rows (tokens), N (or K) columns (features), E expert groups.
 """
@@ -38,14 +38,20 @@ def fp8_max(fp8_dtype: torch.dtype) -> float:
 
 
 def pow2_floor(scale: torch.Tensor) -> torch.Tensor:
-    """Round positive fp32 scales down to a power of two by clearing the mantissa bits (exact, no log2)."""
+    """Round positive fp32 scales down to a power of two by clearing the mantissa bits (exact, no log2).
+
+    NaN stays NaN (clearing its mantissa would turn it into inf and hide the NaN input behind it).
+    """
     bits = scale.contiguous().view(torch.int32) & 0x7F800000
-    return bits.view(torch.float32).view(scale.shape)
+    return torch.where(scale.isnan(), scale, bits.view(torch.float32).view(scale.shape))
 
 
 def amax_to_scale(amax: torch.Tensor, fp8_dtype: torch.dtype, pow2: bool = False) -> torch.Tensor:
     """fp32 scale = fp8_max / max(amax, EPS), optionally rounded down to a power of two."""
-    scale = fp8_max(fp8_dtype) / amax.float().clamp(min=EPS)
+    amax = amax.float().clamp(min=EPS)
+    # tensor / tensor: `python_float / tensor` runs reciprocal-then-multiply, which can be one ulp off the IEEE
+    # quotient that the Triton kernels compute.
+    scale = torch.full_like(amax, fp8_max(fp8_dtype)) / amax
     return pow2_floor(scale) if pow2 else scale
 
 
