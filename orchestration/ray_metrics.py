@@ -112,7 +112,8 @@ def event_metrics(event: Mapping[str, Any]) -> tuple[dict[str, int], dict[str, f
         counts["divergences"] = 1
     elif name == "precision_changed" and str(event.get("to")).lower() == "bf16":
         counts["fallbacks"] = 1
-        gauges["precision_fp8"] = 0.0 if not event.get("scope") else 0.5
+        # scope None / "model" is the whole model; a list of module prefixes is a partial fallback
+        gauges["precision_fp8"] = 0.0 if event.get("scope") in (None, "", "model") else 0.5
     elif name == "precision_changed" and str(event.get("to")).lower() == "fp8":
         gauges["precision_fp8"] = 1.0
     elif name == "rollback":

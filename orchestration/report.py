@@ -91,8 +91,9 @@ def expand_run_dirs(paths: Sequence[Path]) -> list[Path]:
 
 
 def _is_primary(event: dict[str, Any]) -> bool:
-    # Agreed decisions are written by every rank (with a rank field): keep rank 0's copy or rank-less records.
-    return event.get("rank", 0) in (0, None)
+    # Agreed decisions are written by every rank, each copy tagged with its writer's worker_rank: keep rank 0's
+    # copy (records without worker_rank have one writer). "rank" is something else: the rank that detected.
+    return event.get("worker_rank", 0) in (0, None)
 
 
 def load_run(path: Path, label: str | None = None) -> RunData:

@@ -27,6 +27,8 @@ import os
 import secrets
 import string
 import struct
+import sys
+import tempfile
 import time
 import zlib
 from collections.abc import Iterable, Iterator, Mapping
@@ -34,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Self
 
+from orchestration.events import EVENTS_FILE, METRICS_FILE, read_jsonl
 from orchestration.ray_metrics import precision_code  # one mapping for W&B and Ray
 
 log = logging.getLogger(__name__)
@@ -133,12 +136,12 @@ def event_counter(event: Mapping[str, Any]) -> str | None:
 
 
 def count_events(events: Iterable[Mapping[str, Any]]) -> dict[str, int]:
-    """Running counts over events.jsonl records. Agreed decisions are written by every rank: count rank 0's
-    copy (or rank-less records) once; divergence verdicts are per rank and all count."""
+    """Running counts over events.jsonl records. Agreed decisions are written by every rank, each copy tagged
+    with its writer's worker_rank: count worker rank 0's copy (records without worker_rank have one writer)."""
     counts: dict[str, int] = {}
     for e in events:
         name = event_counter(e)
-        if name is None or (name != "divergences" and e.get("rank", 0) not in (0, None)):
+        if name is None or e.get("worker_rank", 0) not in (0, None):
             continue
         counts[name] = counts.get(name, 0) + 1
     return counts
@@ -149,12 +152,34 @@ def alert_for(event: Mapping[str, Any]) -> tuple[str, str] | None:
     name = event.get("event")
     step = event.get("step")
     if is_fallback(event):
-        scope = event.get("scope") or "whole model"
+        scope = event.get("scope") if event.get("scope") not in (None, "", "model") else "whole model"
         return "FP8 -> BF16 fallback", f"step {step}: precision {event.get('from')} -> bf16 ({scope})"
     if name not in ALERT_EVENTS:
         return None
-    details = ", ".join(f"{k}={v}" for k, v in event.items() if k not in ("time", "event", "step"))
+    details = ", ".join(f"{k}={v}" for k, v in event.items() if k not in ("time", "event", "step", "worker_rank"))
     return name.replace("_", " "), f"step {step}: {details}"
+
+
+def _import_wandb(tmp_root: Path):
+    """Import wandb with its import-time temp dirs under tmp_root (only matters for the first import).
+
+    wandb creates tempfile.TemporaryDirectory("wandb-media") and ("wandb-artifacts") when imported and removes
+    them at interpreter exit; a killed Ray worker never gets there and leaves /tmp/tmp*wandb-* behind.
+    """
+    if "wandb" in sys.modules:
+        import wandb
+
+        return wandb
+    tmp_root.mkdir(parents=True, exist_ok=True)
+    saved = tempfile.tempdir
+    tempfile.tempdir = str(tmp_root)
+    try:
+        import wandb
+        import wandb.sdk.artifacts.artifact  # creates its temp dir at import
+        import wandb.sdk.data_types._private  # idem
+    finally:
+        tempfile.tempdir = saved
+    return wandb
 
 
 def read_or_create_run_id(run_dir: Path) -> str:
@@ -233,12 +258,12 @@ class WandbRun:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.run_id = read_or_create_run_id(self.run_dir)
+        previous_segments = offline_segments(self.run_dir)
         self._keep_files_in_run_dir()
         if self.mode == "offline":
             self._avoid_same_second_dir()
         try:
-            import wandb
-
+            wandb = _import_wandb(self.run_dir / "wandb" / ".tmp")
             settings = wandb.Settings(
                 silent=True,
                 console="off",  # Ray owns the workers' stdout; wrapping it twice garbles the logs
@@ -258,12 +283,40 @@ class WandbRun:
             log.warning("W&B disabled for this run: wandb.init failed: %s", exc)
             self.run = None
             return
+        try:
+            backfilled = self._backfill(previous_segments)
+        except Exception as exc:  # noqa: BLE001 - a gap in W&B is not worth stopping training for
+            log.warning("W&B backfill from %s skipped: %s", METRICS_FILE, exc)
+            backfilled = 0
+        if backfilled:
+            log.info("W&B: logged %d metrics.jsonl records an earlier segment had not flushed", backfilled)
         where = self.run.url if self.mode == "online" else str(self.run_dir / "wandb")
         log.info("W&B run %s (%s): %s", self.run_id, self.mode, where)
 
     @property
     def active(self) -> bool:
         return self.run is not None and not self._finished
+
+    def _backfill(self, previous_segments: list[Path]) -> int:
+        """Log the metrics.jsonl records that earlier segments wrote but never got into their W&B files.
+
+        A worker killed by a fault or a resize takes wandb-core with it before it flushed its last rows (seen:
+        the last ~10 rows of a killed segment missing). metrics.jsonl is the durable record: every record from
+        before this process started and newer than the newest row in the earlier W&B files is logged now, before
+        this segment's own rows, so the W&B history matches metrics.jsonl. Needs the records' "time" field.
+        """
+        earlier = [r for r in read_jsonl(self.run_dir / METRICS_FILE)
+                   if isinstance(r.get("time"), (int, float)) and r["time"] < self._t0 and "step" in r]
+        if not earlier:
+            return 0
+        logged = [row["time"] for row in _read_segments(self.run_id, previous_segments).history
+                  if isinstance(row.get("time"), (int, float)) and "step" in row]
+        newest = max(logged, default=None)
+        # 1 us slack: the time went through JSON twice (ours, then W&B's) and must not be logged twice.
+        missing = [r for r in earlier if newest is None or r["time"] > newest + 1e-6]
+        for record in missing:
+            self.run.log(metrics_row(record["step"], record))
+        return len(missing)
 
     def _keep_files_in_run_dir(self) -> None:
         # wandb otherwise writes ~/.cache/wandb, ~/.local/share/wandb and ~/.config/wandb; a user's own setting wins.
@@ -314,8 +367,6 @@ class WandbRun:
                 log.warning("W&B alert failed: %s", exc)
 
     def _read_events(self) -> list[dict[str, Any]]:
-        from orchestration.events import EVENTS_FILE, read_jsonl
-
         return read_jsonl(self.run_dir / EVENTS_FILE)
 
     def _event_rows(self) -> list[list[Any]]:
@@ -453,6 +504,8 @@ def offline_segments(run_dir: Path) -> list[Path]:
     if not id_file.exists():
         raise ValueError(f"{run_dir} has no {RUN_ID_FILE}: W&B was never started for this run directory")
     run_id = id_file.read_text().strip()
+    if not (run_dir / "wandb").is_dir():
+        return []
     found = []
     for d in (run_dir / "wandb").glob(f"*run-*-{run_id}"):
         f = d / f"run-{run_id}.wandb"
@@ -463,11 +516,16 @@ def offline_segments(run_dir: Path) -> list[Path]:
 
 
 def read_offline_run(run_dir: Path) -> OfflineRun:
-    from wandb.proto import wandb_internal_pb2
-
+    """Everything the local .wandb files of this run directory hold (offline runs; online runs keep them too)."""
     run_dir = Path(run_dir)
     segments = offline_segments(run_dir)
-    out = OfflineRun(run_id=(run_dir / RUN_ID_FILE).read_text().strip(), segments=segments)
+    return _read_segments((run_dir / RUN_ID_FILE).read_text().strip(), segments)
+
+
+def _read_segments(run_id: str, segments: list[Path]) -> OfflineRun:
+    from wandb.proto import wandb_internal_pb2
+
+    out = OfflineRun(run_id=run_id, segments=segments)
     for path in segments:
         for payload in iter_record_payloads(path):
             record = wandb_internal_pb2.Record()

@@ -32,6 +32,8 @@ def test_event_metrics():
     assert rm.event_metrics({"event": "divergence_detected", "rank": 1}) == ({"divergences": 1}, {})
     assert rm.event_metrics({"event": "precision_changed", "from": "fp8", "to": "bf16", "scope": None}) == (
         {"fallbacks": 1}, {"precision_fp8": 0.0})
+    assert rm.event_metrics({"event": "precision_changed", "to": "bf16", "scope": "model"})[1] == {
+        "precision_fp8": 0.0}
     assert rm.event_metrics({"event": "precision_changed", "to": "bf16", "scope": ["layers.3"]})[1] == {
         "precision_fp8": 0.5}
     assert rm.event_metrics({"event": "rollback", "to_step": 3}) == ({"rollbacks": 1}, {})

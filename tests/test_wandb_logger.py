@@ -99,9 +99,16 @@ def test_tags_group_and_alerts():
     assert wl.alert_for(fallback)[0] == "FP8 -> BF16 fallback"
     assert wl.alert_for({"event": "rollback", "step": 50, "to_step": 30})[1].startswith("step 50: to_step=30")
     assert wl.alert_for({"event": "checkpoint_saved", "step": 5}) is None
-    counts = wl.count_events([fallback, dict(fallback, rank=1), {"event": "divergence_detected", "rank": 1},
-                              {"event": "divergence_detected", "rank": 0}, {"event": "rollback", "rank": 0}])
+    # every rank writes agreed decisions (worker_rank = writer); "rank" of a divergence is the detecting rank
+    counts = wl.count_events([
+        dict(fallback, worker_rank=0), dict(fallback, worker_rank=1),
+        {"event": "divergence_detected", "rank": 1, "worker_rank": 0},
+        {"event": "divergence_detected", "rank": 1, "worker_rank": 1},
+        {"event": "divergence_detected", "rank": 0},  # single writer
+        {"event": "rollback", "worker_rank": 0}, {"event": "rollback", "worker_rank": 1}])
     assert counts == {"fallbacks": 1, "divergences": 2, "rollbacks": 1}
+    assert wl.alert_for(dict(fallback, scope="model"))[1] == "step 40: precision fp8 -> bf16 (whole model)"
+    assert wl.alert_for(dict(fallback, scope=["layers.1"]))[1] == "step 40: precision fp8 -> bf16 (['layers.1'])"
 
 
 def test_run_id_created_once(tmp_path):
@@ -222,3 +229,61 @@ def test_reader_rejects_non_wandb_file(tmp_path):
         list(wl.iter_record_payloads(bad))
     with pytest.raises(ValueError, match="wandb_run_id"):
         wl.read_offline_run(tmp_path)
+
+
+KILLED_SEGMENT = r"""
+import json, os, signal, sys, time
+from pathlib import Path
+from orchestration.events import RunDir
+from orchestration.wandb_logger import WandbRun
+run_dir = Path(sys.argv[1])
+rd = RunDir(run_dir)
+run = WandbRun(run_dir, {}, project="p", group=None, tags=[], system_metrics=False)
+print(run.run_id, flush=True)
+for step in range(10):
+    record = {"step": step, "loss": 4.0 - 0.125 * step, "tokens_per_s": 900.0 + step, "world_size": 2,
+              "precision": "fp8", "time": time.time()}
+    rd.metrics(record)  # the worker writes metrics.jsonl, then logs the same record to W&B
+    run.log_metrics(step, record)
+os.kill(os.getpid(), signal.SIGKILL)  # a worker lost mid-run: no finish(), wandb-core dies unflushed
+"""
+
+
+def test_restart_after_kill_backfills_from_metrics_jsonl(wandb_env):
+    import subprocess
+    import sys
+    import time
+
+    from orchestration.events import RunDir
+
+    run_dir = wandb_env / "run"
+    (wandb_env / "tmp").mkdir()
+    repo = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-c", KILLED_SEGMENT, str(run_dir)], cwd=repo, capture_output=True,
+                          check=False, text=True, timeout=60,
+                          # WANDB_SERVICE would make the child share this process's wandb-core, which then
+                          # keeps the killed child's stream open ("run ID in use"); Ray workers do not share it.
+                          env={**{k: v for k, v in os.environ.items() if k != "WANDB_SERVICE"},
+                               "PYTHONPATH": str(repo), "TMPDIR": str(wandb_env / "tmp")})
+    assert proc.returncode == -9, proc.stderr
+    assert list((wandb_env / "tmp").iterdir()) == []  # wandb's import-time temp dirs went into the run dir
+    run_id = proc.stdout.split()[0]
+    time.sleep(0.2)  # let the orphaned wandb-core notice its parent died
+
+    run = wl.WandbRun(run_dir, {}, project="p", group=None, tags=[], system_metrics=False)
+    assert run.run_id == run_id
+    rd = RunDir(run_dir)
+    for step in range(10, 13):
+        record = {"step": step, "loss": 4.0 - 0.125 * step, "tokens_per_s": 900.0 + step, "world_size": 1,
+                  "precision": "bf16", "time": time.time()}
+        rd.metrics(record)
+        run.log_metrics(step, record)
+    run.finish({"status": "completed"})
+
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in wl.read_offline_history(run_dir) if "loss" in r]
+    # every metrics.jsonl record exactly once, in order, whatever the killed segment had flushed
+    assert [r["step"] for r in rows] == list(range(13)) == [m["step"] for m in metrics]
+    assert [r["loss"] for r in rows] == [m["loss"] for m in metrics]
+    assert [r["time"] for r in rows] == [m["time"] for m in metrics]
+    assert [r["precision_fp8"] for r in rows] == [1.0] * 10 + [0.0] * 3
