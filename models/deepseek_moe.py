@@ -240,9 +240,19 @@ class _ContiguousGrad(torch.autograd.Function):
         return grad.contiguous()
 
 
+@torch.compiler.disable
+def _grouped_mm_outside_compile(x_MK: torch.Tensor, w_EKN: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+    return torch._grouped_mm(x_MK, w_EKN, offs=offs_E)
+
+
 def grouped_mm_hp(x_MK: torch.Tensor, w_EKN: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
     """High-precision grouped GEMM: rows offs[e-1]:offs[e] of x times w[e]."""
-    return _ContiguousGrad.apply(torch._grouped_mm(x_MK, w_EKN.to(x_MK.dtype), offs=offs_E))
+    w_EKN = w_EKN.to(x_MK.dtype)
+    if x_MK.dtype != torch.bfloat16 and torch.compiler.is_compiling():
+        # torch._grouped_mm's fake-tensor rule admits bf16 only (torch 2.13), though fp32 runs eagerly on CPU:
+        # leave the fp32 call out of the compiled graph.
+        return _ContiguousGrad.apply(_grouped_mm_outside_compile(x_MK, w_EKN, offs_E))
+    return _ContiguousGrad.apply(torch._grouped_mm(x_MK, w_EKN, offs=offs_E))
 
 
 def grouped_mm_reference(x_MK: torch.Tensor, w_EKN: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
