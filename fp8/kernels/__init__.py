@@ -134,7 +134,8 @@ def quantize_rowwise_and_colwise(
       grad_x = grad_y @ w.
     - x_fp8_t_NM [N, M] contiguous, i.e. the column-scaled x (scale_1N [1, N]) stored transposed; x_fp8_t_NM.t()
       is that [M, N] tensor in column-major layout. For grad_w[N, K] = grad_y^T @ x in torch._scaled_mm:
-      a = grad_y's x_fp8_t_NM, scale_a = grad_y's scale_1N.reciprocal().t() ([N, 1]),
+      a = grad_y's x_fp8_t_NM, scale_a = grad_y's scale_1N.reciprocal().reshape(N, 1) (not .t(): _scaled_mm
+      checks stride(1) == 1),
       b = x's x_fp8_t_KM.t() (column-major [M, K]), scale_b = x's scale_1K.reciprocal() ([1, K]).
     Triton: one pass reads x for both amaxes, one pass reads it again and writes both outputs (column scales
     need every row, so this is the least traffic for whole-column scales).

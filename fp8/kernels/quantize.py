@@ -366,6 +366,7 @@ ROW_COL_CAST_TILE = (64, 128)  # (BM, BN) of the cast pass
 JAGGED_TILE = (64, 64)  # (BM, BK): BK bf16 columns = 128 B contiguous reads; BM fp8 = 64 B transposed runs
 TENSORWISE_WARPS = 8
 ROWWISE_WARPS = 8
+ROW_COL_AMAX_WARPS = 8
 ROW_COL_WARPS = 8
 JAGGED_WARPS = 4
 
@@ -438,7 +439,7 @@ def row_col_amax_triton(x_hp_MN: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
         n_per_prog = triton.cdiv(triton.cdiv(N, splits), BN) * BN
         grid = (row_blocks, triton.cdiv(N, n_per_prog))
         _row_col_amax_kernel[grid](x_hp_MN, row_bits, col_bits, M, N, x_hp_MN.stride(0), x_hp_MN.stride(1),
-                                   BM=BM, BN=BN, N_PER_PROG=n_per_prog, num_warps=ROW_COL_WARPS)
+                                   BM=BM, BN=BN, N_PER_PROG=n_per_prog, num_warps=ROW_COL_AMAX_WARPS)
     return row_bits.view(torch.float32), col_bits.view(torch.float32)
 
 
@@ -459,12 +460,18 @@ def quantize_rowwise_and_colwise_triton(
         zeros_1N = torch.zeros((1, N), dtype=torch.float32, device=dev)
         scale_M1, scale_1N = amax_to_scale(zeros_M1, fp8_dtype, pow2), amax_to_scale(zeros_1N, fp8_dtype, pow2)
         return row_out_MN, scale_M1, col_out_t_NM, scale_1N
+    row_col_cast_into(x_hp_MN, row_amax_M, col_amax_N, fp8_dtype, pow2, row_out_MN, scale_M1, col_out_t_NM, scale_1N)
+    return row_out_MN, scale_M1, col_out_t_NM, scale_1N
+
+
+def row_col_cast_into(x_hp_MN, row_amax_M, col_amax_N, fp8_dtype, pow2, row_out_MN, scale_M1, col_out_t_NM, scale_1N):
+    """The cast pass alone (given both amaxes), writing into preallocated outputs: one read of x, two writes."""
+    M, N = x_hp_MN.shape
     BM, BN = ROW_COL_CAST_TILE
     grid = (triton.cdiv(M, BM), triton.cdiv(N, BN))
     _row_col_cast_kernel[grid](x_hp_MN, row_out_MN, col_out_t_NM, row_amax_M, col_amax_N, scale_M1, scale_1N,
                                M, N, x_hp_MN.stride(0), x_hp_MN.stride(1), POW2=pow2, BM=BM, BN=BN,
                                num_warps=ROW_COL_WARPS, **_grid_consts(fp8_dtype))
-    return row_out_MN, scale_M1, col_out_t_NM, scale_1N
 
 
 def quantize_jagged_per_expert_triton(

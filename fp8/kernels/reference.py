@@ -115,7 +115,8 @@ def quantize_rowwise_and_colwise_ref(
     - x_fp8_t_NM: [N, M] contiguous (row-major), x_fp8_t_NM[n, m] = sat(x[m, n] * scale_1N[n]). Its `.t()` is the
       colwise-scaled x as an [M, N] column-major tensor. For grad_w = grad_y^T @ x with torch._scaled_mm:
       a = grad_y's x_fp8_t_NM (row-major [N, M]), b = x's x_fp8_t.t() (column-major [M, K]),
-      scale_a = grad_y's scale_1N.reciprocal().t() ([N, 1]), scale_b = x's scale_1K.reciprocal() ([1, K]).
+      scale_a = grad_y's scale_1N.reciprocal().reshape(N, 1) (a .t() view fails _scaled_mm's stride check),
+      scale_b = x's scale_1K.reciprocal() ([1, K]).
     """
     check_fp8_dtype(fp8_dtype)
     _check_2d(x_hp_MN, "quantize_rowwise_and_colwise")
