@@ -8,7 +8,6 @@ key or a wrong type fails with the key's full name, and `validate` then checks t
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -211,14 +210,10 @@ def validate(job: JobConfig) -> None:
     _require(t.sharding in ("fsdp", "none"), "train.sharding", f"'{t.sharding}' is not one of ('fsdp', 'none')")
     _require(t.micro_batch_size >= 1, "train.micro_batch_size", "must be >= 1")
     _require(t.global_batch_size >= 1, "train.global_batch_size", "must be >= 1")
-    # The global batch must split evenly at every world size the cluster may take (elastic range), so a resize
-    # never changes the training trajectory.
-    worlds = range(c.min_workers, c.max_workers + 1)
-    bad = [w for w in worlds if t.global_batch_size % w]
-    _require(not bad, "train.global_batch_size",
-             f"{t.global_batch_size} sequences cannot be split evenly over {bad} workers (elastic range "
-             f"cluster.min_workers..max_workers = {c.min_workers}..{c.max_workers}); use a multiple of "
-             f"{math.lcm(*worlds)} (divisible by every world size in the range) or narrow the range")
+    # Every world size of the elastic range must get at least one sequence per worker.
+    _require(t.global_batch_size >= c.max_workers, "train.global_batch_size",
+             f"{t.global_batch_size} sequences is fewer than cluster.max_workers={c.max_workers}: every worker "
+             f"needs at least one sequence per step; raise it to >= {c.max_workers}")
 
     k = job.checkpoint
     _require(k.every_steps >= 1, "checkpoint.every_steps", "must be >= 1")

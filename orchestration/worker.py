@@ -234,22 +234,33 @@ class Trainer:
             aux = self.model.aux_loss()
         return lm_loss, aux
 
-    def forward_backward(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Accumulate gradients over this rank's micro-batches; returns (mean loss, aux loss) on device."""
+    def forward_backward(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Accumulate gradients over this rank's micro-batches.
+
+        Returns on device: this rank's mean LM loss (for the monitors), its share-weighted loss and aux loss (whose
+        mean over ranks is the global-batch mean, for logging).
+        """
         plan, base = self.plan, self.state.cursor
-        loss_sum = torch.zeros((), device=self.device)
-        aux_sum = torch.zeros((), device=self.device)
+        lo, hi = plan.rank_range(self.rank)
+        rank_loss = torch.zeros((), device=self.device)
+        weighted_loss = torch.zeros((), device=self.device)
+        weighted_aux = torch.zeros((), device=self.device)
         for micro in range(plan.grad_accum):
             start, end = plan.sample_slice(self.rank, micro)
-            inputs, targets = self.dataset.batch(base + start, base + end)
+            n = end - start
+            # An empty micro-batch (uneven split) still runs a forward on one sample with weight 0, so every rank
+            # issues the same FSDP collectives.
+            inputs, targets = self.dataset.batch(base + (start if n else lo), base + (end if n else lo + 1))
             inputs, targets = inputs.to(self.device), targets.to(self.device)
             lm_loss, aux = self.compute_loss(inputs, targets)
             lm_loss = self.guard.faults.maybe_corrupt_loss(lm_loss, self.state.step, self.rank)
-            ((lm_loss + aux) / plan.grad_accum).backward()
-            loss_sum += lm_loss.detach()
-            aux_sum += aux.detach()
+            weight = plan.loss_weight(n)
+            ((lm_loss + aux) * weight).backward()
+            rank_loss += lm_loss.detach() * (n / (hi - lo))
+            weighted_loss += lm_loss.detach() * weight
+            weighted_aux += aux.detach() * weight
         all_reduce_grads_if_unsharded(self.model, self.world_size, self.job.train.sharding)
-        return loss_sum / plan.grad_accum, aux_sum / plan.grad_accum
+        return rank_loss, weighted_loss, weighted_aux
 
     def run(self) -> str:
         job = self.job
@@ -258,7 +269,7 @@ class Trainer:
         while self.state.step < job.train.steps:
             t0 = time.time()
             self.guard.faults.maybe_crash(self.state.step, self.rank)
-            loss, aux = self.forward_backward()
+            loss, weighted_loss, aux = self.forward_backward()
             self.guard.faults.maybe_corrupt_grads(self.model, self.state.step, self.rank)
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), job.train.grad_clip)
             if hasattr(grad_norm, "full_tensor"):
@@ -284,7 +295,7 @@ class Trainer:
             tokens_since_log += self.tokens_per_step
             if self.state.step % job.train.log_every == 0 or self.state.step == job.train.steps:
                 now = time.time()
-                self.log_metrics(loss, aux, grad_norm, tokens_since_log / max(now - t_last_log, 1e-9), now - t0)
+                self.log_metrics(weighted_loss, aux, grad_norm, tokens_since_log / max(now - t_last_log, 1e-9), now - t0)
                 t_last_log, tokens_since_log = now, 0
             self.maybe_mark_good()
             if self.state.step % job.checkpoint.every_steps == 0 and self.state.step < job.train.steps:
