@@ -62,7 +62,7 @@ class RunSeries:
     precision: list[str] = field(default_factory=list)
     fallback_steps: list[int] = field(default_factory=list)  # precision_changed to bf16
     recovery_steps: list[int] = field(default_factory=list)  # precision_changed back to fp8
-    rollbacks: list[tuple[int, int]] = field(default_factory=list)  # (step it happened at, to_step)
+    rollbacks: list[tuple[int, int]] = field(default_factory=list)  # (from_step it happened at, to_step)
     restart_steps: list[int] = field(default_factory=list)  # resume events (failures and resizes)
     worker_lost_steps: list[int] = field(default_factory=list)
 
@@ -151,7 +151,8 @@ def run_series(run: RunData) -> RunSeries:
         elif name == "precision_changed" and str(e.get("to")).lower() == "fp8":
             s.recovery_steps.append(step)
         elif name == "rollback":
-            s.rollbacks.append((step, e.get("to_step")))
+            # the worker writes it after restoring (step = to_step) with from_step = where it happened
+            s.rollbacks.append((e.get("from_step", step), e.get("to_step")))
         elif name == "resume":
             s.restart_steps.append(step)
         elif name == "worker_lost":
@@ -179,14 +180,20 @@ def effective_curve(steps: Sequence[int], values: Sequence[Any]) -> dict[int, An
 
 
 def precision_spans(steps: Sequence[int], precision: Sequence[str]) -> list[tuple[int, int, str]]:
-    """(first step, last step, precision) runs of constant precision along the logging order."""
+    """(start step, end step, precision) of the effective precision timeline (pure).
+
+    Uses the effective curve (after a rollback the re-run steps count, the abandoned ones do not); each logged
+    precision holds until the next logged step, so spans touch without gaps.
+    """
+    curve = effective_curve(steps, precision)
+    points = list(curve.items())
     spans: list[tuple[int, int, str]] = []
-    for (seg_steps, seg_prec) in segments(steps, precision):
-        start = 0
-        for i in range(1, len(seg_steps) + 1):
-            if i == len(seg_steps) or seg_prec[i] != seg_prec[start]:
-                spans.append((seg_steps[start], seg_steps[i - 1], seg_prec[start]))
-                start = i
+    for i, (step, prec) in enumerate(points):
+        end = points[i + 1][0] if i + 1 < len(points) else step
+        if spans and spans[-1][2] == prec:
+            spans[-1] = (spans[-1][0], end, prec)
+        else:
+            spans.append((step, end, prec))
     return spans
 
 
@@ -281,6 +288,9 @@ def plot_loss(series: list[RunSeries], path: Path):
         for j, (x, y) in enumerate(segments(s.loss_steps, s.loss)):
             ax.plot(x, y, color=_color(i), linewidth=1.2, label=s.label if j == 0 else None, gid=f"data:{s.label}")
         _mark_events(ax, s, _color(i))
+    finite = sorted(v for s in series for v in s.loss if math.isfinite(v) and v > 0)
+    if finite and finite[-1] > 4 * finite[len(finite) // 2]:
+        ax.set_yscale("log")  # a spike (the thing to look at) would flatten the rest of the curve
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax.set_title("Training loss (dashed: FP8->BF16 fallback, dotted: rollback)")
@@ -322,7 +332,7 @@ def plot_precision_timeline(series: list[RunSeries], path: Path):
         y = len(series) - 1 - i
         for start, end, precision in precision_spans(s.precision_steps, s.precision):
             ax.broken_barh([(start, max(end - start, 0.5))], (y - 0.3, 0.6),
-                           facecolors=PRECISION_COLORS.get(precision.lower(), OTHER_PRECISION_COLOR), alpha=0.7)
+                           facecolors=PRECISION_COLORS.get(precision.lower(), OTHER_PRECISION_COLOR), alpha=0.8)
         for step in s.fallback_steps:
             ax.plot(step, y + 0.38, marker="v", color="#d62728", markersize=9)
         for step in s.recovery_steps:

@@ -160,6 +160,11 @@ def alert_for(event: Mapping[str, Any]) -> tuple[str, str] | None:
     return name.replace("_", " "), f"step {step}: {details}"
 
 
+def sync_command(run_dir: Path, run_id: str) -> str:
+    """The shell command that uploads every offline segment of this run, in start order, as one W&B run."""
+    return f"wandb sync --id {run_id} {Path(run_dir) / 'wandb'}/offline-run-*-{run_id}"
+
+
 def _import_wandb(tmp_root: Path):
     """Import wandb with its import-time temp dirs under tmp_root (only matters for the first import).
 
@@ -290,8 +295,11 @@ class WandbRun:
             backfilled = 0
         if backfilled:
             log.info("W&B: logged %d metrics.jsonl records an earlier segment had not flushed", backfilled)
-        where = self.run.url if self.mode == "online" else str(self.run_dir / "wandb")
-        log.info("W&B run %s (%s): %s", self.run_id, self.mode, where)
+        if self.mode == "online":
+            log.info("W&B run %s (online): %s", self.run_id, self.run.url)
+        else:
+            log.info("W&B run %s (offline): %s; upload later with: %s", self.run_id, self.run_dir / "wandb",
+                     sync_command(self.run_dir, self.run_id))
 
     @property
     def active(self) -> bool:

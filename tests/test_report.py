@@ -52,8 +52,11 @@ def sweep(tmp_path):
          "worker_rank": 0},
         {"time": 3.1, "event": "precision_changed", "step": 20, "from": "fp8", "to": "bf16", "scope": "model",
          "worker_rank": 1},
-        {"time": 3.2, "event": "rollback", "step": 20, "to_step": 14, "skipped_samples": 32, "worker_rank": 0},
-        {"time": 3.2, "event": "rollback", "step": 20, "to_step": 14, "skipped_samples": 32, "worker_rank": 1},
+        # written after the restore: step = to_step, from_step = where the rollback happened
+        {"time": 3.2, "event": "rollback", "step": 14, "from_step": 20, "to_step": 14, "skipped_samples": 32,
+         "worker_rank": 0},
+        {"time": 3.2, "event": "rollback", "step": 14, "from_step": 20, "to_step": 14, "skipped_samples": 32,
+         "worker_rank": 1},
         {"time": 4.0, "event": "worker_lost", "step": 22, "previous_world_size": 2},
         {"time": 5.0, "event": "worker_group_start", "step": 20, "world_size": 1, "grad_accum": 4},
         {"time": 5.0, "event": "resume", "step": 20, "from_step": 20, "world_size": 1},
@@ -86,8 +89,10 @@ def test_segments_spans_and_effective_curve(sweep):
     s = report.run_series(report.load_run(sweep / "1_fp8"))
     segs = report.segments(s.loss_steps, s.loss)
     assert [seg[0] for seg in segs] == [list(range(0, 21, 2)), [16, 18, 20, 22], [22, 24, 26, 28, 30]]
-    assert report.precision_spans(s.precision_steps, s.precision) == [(0, 20, "fp8"), (16, 22, "bf16"),
-                                                                       (22, 30, "bf16")]
+    # effective timeline: fp8 until the rollback's re-run from 16 replaced steps 16..20 with bf16
+    assert report.precision_spans(s.precision_steps, s.precision) == [(0, 16, "fp8"), (16, 30, "bf16")]
+    assert report.precision_spans([0, 2, 4, 6], ["fp8", "bf16", "bf16", "fp8"]) == [
+        (0, 2, "fp8"), (2, 6, "bf16"), (6, 6, "fp8")]
     curve = report.effective_curve(s.loss_steps, s.loss)
     assert list(curve) == list(range(0, 31, 2))
     assert curve[16] == pytest.approx(5.0 - 0.105 * 16)  # the value logged after the rollback wins

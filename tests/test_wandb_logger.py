@@ -202,6 +202,7 @@ def test_offline_run_logs_metrics_and_resumes_same_id(wandb_env):
     assert got2.summary["events/rollbacks"] == 2 and got2.summary["events/fallbacks"] == 1
     assert got2.summary["final_loss"] == seg2[-1]["loss"]
     assert wl.read_offline_history(run_dir) == got2.history
+    assert wl.sync_command(run_dir, run_id) == f"wandb sync --id {run_id} {run_dir}/wandb/offline-run-*-{run_id}"
 
     # nothing written to ~ (HOME is tmp_path/home here)
     assert list((wandb_env / "home").rglob("*")) == []
