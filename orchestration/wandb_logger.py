@@ -9,7 +9,8 @@
   carries our step as the metric "step" and all charts use it as their x axis (define_metric step_metric);
   W&B's internal _step just counts rows.
 - Secrets (keys containing key/token/password/secret) never reach W&B; nothing is written outside run_dir unless
-  the user set WANDB_CACHE_DIR / WANDB_DATA_DIR / WANDB_CONFIG_DIR themselves.
+  the user set WANDB_CACHE_DIR / WANDB_DATA_DIR / WANDB_CONFIG_DIR themselves (online, ~/.config/wandb is read
+  for the user's login host and entity, so it is not redirected).
 - Observability never kills training: if wandb fails to start, the run logs a warning and becomes a no-op.
 
 `read_offline_history` / `read_offline_run` read the offline .wandb files back (for tests and the report). wandb
@@ -328,9 +329,12 @@ class WandbRun:
 
     def _keep_files_in_run_dir(self) -> None:
         # wandb otherwise writes ~/.cache/wandb, ~/.local/share/wandb and ~/.config/wandb; a user's own setting wins.
+        # Online, ~/.config/wandb stays: it holds the user's login host (`wandb login --host`) and default entity.
         base = self.run_dir / "wandb"
-        for var, sub in (("WANDB_CACHE_DIR", ".cache"), ("WANDB_DATA_DIR", ".data"),
-                         ("WANDB_CONFIG_DIR", ".config")):
+        dirs = [("WANDB_CACHE_DIR", ".cache"), ("WANDB_DATA_DIR", ".data")]
+        if self.mode != "online":
+            dirs.append(("WANDB_CONFIG_DIR", ".config"))
+        for var, sub in dirs:
             if not os.environ.get(var):
                 os.environ[var] = str(base / sub)
 
