@@ -21,6 +21,7 @@ and a payload; the records are `wandb.proto.wandb_internal_pb2.Record` protobufs
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import logging
@@ -166,25 +167,33 @@ def sync_command(run_dir: Path, run_id: str) -> str:
     return f"wandb sync --id {run_id} {Path(run_dir) / 'wandb'}/offline-run-*-{run_id}"
 
 
-def _import_wandb(tmp_root: Path):
-    """Import wandb with its import-time temp dirs under tmp_root (only matters for the first import).
+@contextlib.contextmanager
+def _tempdir_in(path: Path) -> Iterator[None]:
+    """Point tempfile's default directory at `path` for the duration (wandb's temp files land there).
 
-    wandb creates tempfile.TemporaryDirectory("wandb-media") and ("wandb-artifacts") when imported and removes
-    them at interpreter exit; a killed Ray worker never gets there and leaves /tmp/tmp*wandb-* behind.
+    wandb makes temp dirs when imported (wandb-media, wandb-artifacts) and when a Table is logged (an artifact
+    staging dir); it removes them at interpreter exit, which a killed Ray worker never reaches, so they pile up
+    in /tmp. Inside the run directory they are the run's business.
     """
+    path.mkdir(parents=True, exist_ok=True)
+    saved = tempfile.tempdir
+    tempfile.tempdir = str(path)
+    try:
+        yield
+    finally:
+        tempfile.tempdir = saved
+
+
+def _import_wandb(tmp_root: Path):
+    """Import wandb with its import-time temp dirs under tmp_root (only matters for the first import)."""
     if "wandb" in sys.modules:
         import wandb
 
         return wandb
-    tmp_root.mkdir(parents=True, exist_ok=True)
-    saved = tempfile.tempdir
-    tempfile.tempdir = str(tmp_root)
-    try:
+    with _tempdir_in(tmp_root):
         import wandb
         import wandb.sdk.artifacts.artifact  # creates its temp dir at import
         import wandb.sdk.data_types._private  # idem
-    finally:
-        tempfile.tempdir = saved
     return wandb
 
 
@@ -253,6 +262,7 @@ class WandbRun:
                  mode: str = "offline", enabled: bool = True, name: str | None = None,
                  system_metrics: bool = True):
         self.run_dir = Path(run_dir)
+        self._tmp_dir = self.run_dir / "wandb" / ".tmp"
         self.mode = resolve_mode(mode, enabled)
         self.run = None
         self.run_id: str | None = None
@@ -269,7 +279,7 @@ class WandbRun:
         if self.mode == "offline":
             self._avoid_same_second_dir()
         try:
-            wandb = _import_wandb(self.run_dir / "wandb" / ".tmp")
+            wandb = _import_wandb(self._tmp_dir)
             settings = wandb.Settings(
                 silent=True,
                 console="off",  # Ray owns the workers' stdout; wrapping it twice garbles the logs
@@ -396,7 +406,8 @@ class WandbRun:
         try:
             rows = self._event_rows()
             if rows:
-                self.run.log({"events": wandb.Table(columns=EVENT_TABLE_COLUMNS, data=rows)})
+                with _tempdir_in(self._tmp_dir):  # the table is staged in a temp dir
+                    self.run.log({"events": wandb.Table(columns=EVENT_TABLE_COLUMNS, data=rows)})
             clean = scrub_secrets(summary)
             self.run.summary.update({k: v for k, v in clean.items() if v is not None})
         finally:

@@ -36,6 +36,10 @@ def _write_jsonl(path: Path, records):
 @pytest.fixture
 def wandb_env(tmp_path, monkeypatch):
     # Everything wandb writes goes under tmp_path; no key, no network.
+    import tempfile
+
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))  # anything left in "/tmp" shows here
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     for var in ("WANDB_CACHE_DIR", "WANDB_DATA_DIR", "WANDB_CONFIG_DIR"):
@@ -204,8 +208,9 @@ def test_offline_run_logs_metrics_and_resumes_same_id(wandb_env):
     assert wl.read_offline_history(run_dir) == got2.history
     assert wl.sync_command(run_dir, run_id) == f"wandb sync --id {run_id} {run_dir}/wandb/offline-run-*-{run_id}"
 
-    # nothing written to ~ (HOME is tmp_path/home here)
+    # nothing written to ~ (HOME is tmp_path/home here), no temp files left outside the run directory
     assert list((wandb_env / "home").rglob("*")) == []
+    assert list((wandb_env / "tmp").rglob("*")) == []
 
 
 def test_default_dirs_land_in_run_dir(tmp_path, monkeypatch):
@@ -258,7 +263,6 @@ def test_restart_after_kill_backfills_from_metrics_jsonl(wandb_env):
     from orchestration.events import RunDir
 
     run_dir = wandb_env / "run"
-    (wandb_env / "tmp").mkdir()
     repo = Path(__file__).resolve().parents[1]
     proc = subprocess.run([sys.executable, "-c", KILLED_SEGMENT, str(run_dir)], cwd=repo, capture_output=True,
                           check=False, text=True, timeout=60,
