@@ -28,6 +28,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+import torch._dynamo  # noqa: E402
+
+# Every shape and recipe is a new compiled module of the same classes: without this, dynamo's default of
+# 8 recompiles per code object silently falls back to eager after the 8th case (seen on the first run).
+torch._dynamo.config.recompile_limit = 1024
+torch._dynamo.config.accumulated_recompile_limit = 4096
+
 from benchmarks.common import Budget, bench_ms, env_info, run_workers, sqnr_db, write_json  # noqa: E402
 
 CASES = ("bf16_compiled", "ours_eager", "ours_compiled", "torchao_compiled", "torchao_eager", "bf16_eager")
@@ -136,6 +143,26 @@ def numerics(device: str) -> dict:
     return res
 
 
+def profile_top(step, top: int = 14) -> list[dict]:
+    """GPU time per kernel name over one step (torch.profiler): where the FP8 step spends its time."""
+    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    rows = []
+    for ev in prof.key_averages():
+        t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+        if t > 0:
+            rows.append({"kernel": ev.key[:90], "ms": t / 1e3, "calls": ev.count})
+    rows.sort(key=lambda r: -r["ms"])
+    for r in rows[:top]:
+        print(f"{r['ms']:8.3f} ms {r['calls']:4d}x  {r['kernel']}", flush=True)
+    return rows[:40]
+
+
 def worker(args) -> None:
     todo = list(COMPILED)[args.worker :: args.nworkers]
     for impl in todo:
@@ -156,6 +183,9 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=1408)
     p.add_argument("--budget-s", type=float, default=150.0)
     p.add_argument("--prewarm", type=int, default=0)
+    p.add_argument("--skip-numerics", action="store_true")
+    p.add_argument("--cases", nargs="*", default=list(CASES))
+    p.add_argument("--profile", action="store_true", help="print the top GPU kernels of one ours_eager step")
     p.add_argument("--worker", type=int, default=-1)
     p.add_argument("--nworkers", type=int, default=1)
     args = p.parse_args()
@@ -166,8 +196,9 @@ def main() -> None:
     budget = Budget(args.budget_s)
     m, e, d, i = args.m, args.experts, args.dim, args.hidden
     result = {"env": env_info(), "problem": {"rows": m, "experts": e, "dim": d, "hidden": i}, "cases": []}
-    result["numerics"] = numerics(device)
-    print("numerics", result["numerics"], flush=True)
+    if not args.skip_numerics:
+        result["numerics"] = numerics(device)
+        print("numerics", result["numerics"], flush=True)
     if args.prewarm > 0 and device == "cuda":
         t0 = time.time()
         argv = ["--m", str(m), "--experts", str(e), "--dim", str(d), "--hidden", str(i)]
@@ -175,7 +206,7 @@ def main() -> None:
         result["prewarm"] = {"workers": args.prewarm, "exit_codes": codes, "seconds": time.time() - t0}
         print("prewarm", result["prewarm"], flush=True)
     flops = 3 * 3 * 2 * m * d * i  # three GEMMs, forward + two backward GEMMs each
-    for impl in CASES:
+    for impl in args.cases:
         rec = {"impl": impl}
         if budget.left() <= 0:
             rec["skipped"] = "time budget spent"
@@ -195,6 +226,8 @@ def main() -> None:
             traceback.print_exc()
         result["cases"].append(rec)
         print(rec, flush=True)
+    if args.profile and device == "cuda" and budget.left() > 0:
+        result["profile_ours_eager"] = profile_top(build_step("ours_eager", m, e, d, i, device)[0])
     by = {c["impl"]: c.get("ms") for c in result["cases"]}
     base = by.get("bf16_compiled") or by.get("bf16_eager")
     result["speedup_vs_bf16_grouped"] = {k: base / v for k, v in by.items() if v and base}

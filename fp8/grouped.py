@@ -42,13 +42,13 @@ class _Fp8GroupedMMFn(torch.autograd.Function):
     def forward(ctx, x_MK, w_EKN, offs_E, backend: Fp8Backend, use_scaled: bool, pow2: bool):
         e4m3 = backend.e4m3
         x_fp8, sx_M1 = quant.quantize_rowwise(x_MK, e4m3, -1, pow2)
-        w_fp8, sw_E1N = quant.quantize_rowwise(w_EKN, e4m3, -2, pow2)
+        # Per expert, per output column n, scaled along K; stored column-major (strides (K*N, 1, K)) as
+        # the grouped GEMM's right operand wants.
+        w_fp8, sw_E1N = quant.quantize_colwise_3d(w_EKN, e4m3, pow2)
         if use_scaled:
-            # mat_b must be column-major per expert: strides (K*N, 1, K).
-            w_fp8_col = w_fp8.transpose(-2, -1).contiguous().transpose(-2, -1)
             out_MN = torch._scaled_grouped_mm(
                 x_fp8,
-                w_fp8_col,
+                w_fp8,
                 sx_M1.reciprocal().reshape(-1),
                 sw_E1N.reciprocal().reshape(w_EKN.shape[0], -1),
                 offs_E,
@@ -59,7 +59,7 @@ class _Fp8GroupedMMFn(torch.autograd.Function):
             x32 = x_fp8.float() / sx_M1
             w32 = w_fp8.float() / sw_E1N
             out_MN = _grouped_emulated(x32, w32, offs_E).to(x_MK.dtype)
-        stats = health_stats(x_MK, x_fp8, e4m3)
+        stats = health_stats(x_MK, x_fp8, sx_M1, e4m3)
         ctx.save_for_backward(x_MK, w_EKN, offs_E)
         ctx.backend, ctx.use_scaled, ctx.pow2 = backend, use_scaled, pow2
         ctx.mark_non_differentiable(stats)

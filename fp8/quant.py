@@ -41,8 +41,10 @@ def _kernel_fn(x: torch.Tensor, name: str):
     if not x.is_cuda:
         return None
     # Under torch.compile the references are traced instead, so inductor can fuse the casts with their
-    # neighbours (transposes, health statistics); FP8_KERNELS=always keeps the custom ops there too.
-    if torch.compiler.is_compiling() and os.environ.get(_USE_KERNELS_ENV) != "always":
+    # neighbours (transposes, health statistics); FP8_KERNELS=always keeps the custom ops there too. The
+    # jagged per-expert cast stays a kernel: inductor lowers its scatter-amax to atomics.
+    compiling_ok = name == "quantize_jagged_per_expert" or os.environ.get(_USE_KERNELS_ENV) == "always"
+    if torch.compiler.is_compiling() and not compiling_ok:
         return None
     mod = _kernels()
     if mod is None or name in _FAILED:
@@ -97,6 +99,21 @@ def quantize_rowwise(x_hp: torch.Tensor, dtype: torch.dtype, dim: int = -1, pow2
             x_fp8, scale = out
             return x_fp8.view(x_hp.shape), scale.view(*x_hp.shape[:-1], 1)
     return _ref(x_hp, recipes.quantize_rowwise_ref)(x_hp, dtype, dim, pow2)
+
+
+def quantize_colwise_3d(w_EKN: torch.Tensor, dtype: torch.dtype, pow2: bool = True):
+    """Expert weights scaled per (expert, column n) along K -> (w_fp8 [E, K, N] column-major, scale_E1N).
+
+    With the kernels: one transposed bf16 copy, then the row kernel on [E*N, K] rows (whose storage is the
+    column-major [E, K, N] layout). Otherwise the compiled reference plus an fp8 transposed copy.
+    """
+    e, k, n = w_EKN.shape
+    if _kernel_fn(w_EKN, "quantize_rowwise") is not None:
+        w_t_NK = w_EKN.transpose(-2, -1).contiguous()
+        w_fp8_ENK, scale_EN1 = quantize_rowwise(w_t_NK, dtype, -1, pow2)
+        return w_fp8_ENK.transpose(-2, -1), scale_EN1.reshape(e, 1, n)
+    w_fp8, scale_E1N = _ref(w_EKN, recipes.quantize_rowwise_ref)(w_EKN, dtype, -2, pow2)
+    return w_fp8.transpose(-2, -1).contiguous().transpose(-2, -1), scale_E1N
 
 
 def quantize_rowwise_and_colwise(x_MN: torch.Tensor, dtype: torch.dtype, pow2: bool = True):
