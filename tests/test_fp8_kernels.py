@@ -268,8 +268,12 @@ def _interp_jagged(interp, fp8_dtype, offs_list):
         assert_fp8_equal(got, want, f"jagged data t={transpose_out}")
 
 
-def _interp_jagged_long_groups(interp):
-    """Groups longer than one row tile and unaligned to it (interior vs boundary tiles)."""
+@pytest.mark.parametrize("chunk_tile", [None, (64, (32, 16))])
+def _interp_jagged_long_groups(interp, monkeypatch, chunk_tile):
+    """Groups longer than a row tile and a chunk, unaligned to both (interior, boundary and split tiles)."""
+    if chunk_tile is not None:
+        monkeypatch.setattr(interp, "JAGGED_CHUNK", chunk_tile[0])
+        monkeypatch.setattr(interp, "JAGGED_TILE", chunk_tile[1])
     x = make_x(300, 20, seed=10)
     offs = torch.tensor([0, 65, 65, 200, 290], dtype=torch.int32)
     got, s = fk.quantize_jagged_per_expert(x, offs, torch.float8_e4m3fn, use_triton=True)
@@ -331,7 +335,7 @@ def _interp_custom_ops_trace_under_torch_compile(interp):
 
 # ----------------------------------------------------------------------------- interpreter child process
 
-N_INTERP_CASES = 4 + 12 + 8 + 1 + 8 + 12 + 1 + 1 + 1 + 1  # test_interp_* items the child must pass
+N_INTERP_CASES = 4 + 12 + 8 + 1 + 8 + 12 + 2 + 1 + 1 + 1  # test_interp_* items the child must pass
 
 if _IN_CHILD:
     globals().update({"test_" + name[1:]: fn for name, fn in list(globals().items()) if name.startswith("_interp_")})

@@ -11,8 +11,11 @@ Kernels (all memory-bound: the work is one or two reads of x and one write per f
 - rowwise + colwise: `_row_col_amax_kernel` (one read, row amax exact per program, column amax via int32 atomics)
   then `_row_col_cast_kernel` (one read, writes the row-scaled fp8 row-major and the column-scaled fp8 transposed).
   Column scales need every row, so two reads of x is the floor for full-column scales.
-- jagged per expert: `_jagged_colwise_kernel`, one program per (expert, column block) loops over the expert's rows
-  twice (amax, then cast); the second loop mostly hits L2 (a program's slice is rows_e x BK x 2 bytes).
+- jagged per expert: `_jagged_amax_kernel` then `_jagged_cast_kernel`, each over (column block, chunk of at most
+  JAGGED_CHUNK rows of one expert); the chunk -> expert map is computed on device from offs (no host sync), so the
+  work spreads evenly however unbalanced the experts are. (A first version with one program per (expert, column
+  block) looping over the expert's rows twice ran at 11-20 % of copy on the H200: the largest expert's program
+  set the time.)
 
 Why no triton.autotune: the autotuner re-runs a kernel many times on the first call of each key (the tensorwise
 amax kernel accumulates with atomics, so it would need reset hooks), and the interpreter would benchmark too.
@@ -30,6 +33,7 @@ Shape legend: M rows, N (or K) columns, E expert groups; BM/BN/BK tile sizes.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import dataclass
@@ -161,7 +165,7 @@ if HAS_TRITON:
         amax = _abs_max(x, 0)
         # amax >= 0, so its int32 bit pattern orders like the float: one native integer atomic per block
         # (and a NaN, positive after abs, orders above inf: it wins, as in the reference).
-        tl.atomic_max(amax_bits_ptr, amax.to(tl.int32, bitcast=True))
+        tl.atomic_max(amax_bits_ptr, amax.to(tl.int32, bitcast=True), sem="relaxed")
 
     @triton.jit
     def _cast_tensorwise_kernel(x_ptr, out_ptr, amax_ptr, scale_ptr, numel,
@@ -238,8 +242,9 @@ if HAS_TRITON:
             x = tl.load(x_rows + offs_n[None, :] * stride_xn, mask=mask_m[:, None] & mask_n[None, :], other=0.0)
             row_amax = _max_nan(row_amax, _abs_max(x, 1))
             col_amax = _abs_max(x, 0)
-            tl.atomic_max(col_amax_bits_ptr + offs_n, col_amax.to(tl.int32, bitcast=True), mask=mask_n)
-        tl.atomic_max(row_amax_bits_ptr + offs_m, row_amax.to(tl.int32, bitcast=True), mask=mask_m)
+            tl.atomic_max(col_amax_bits_ptr + offs_n, col_amax.to(tl.int32, bitcast=True), mask=mask_n,
+                          sem="relaxed")
+        tl.atomic_max(row_amax_bits_ptr + offs_m, row_amax.to(tl.int32, bitcast=True), mask=mask_m, sem="relaxed")
 
     @triton.jit
     def _row_col_cast_kernel(x_ptr, row_out_ptr, col_out_t_ptr, row_amax_ptr, col_amax_ptr,
@@ -277,59 +282,87 @@ if HAS_TRITON:
     # ---------------------------------------------------------------- jagged per-expert column scales
 
     @triton.jit
-    def _jagged_colwise_kernel(x_ptr, offs_ptr, out_ptr, scale_ptr, M, K, stride_xm, stride_xk, E,
-                               FP8_MAX: tl.constexpr, EPS_: tl.constexpr, POW2: tl.constexpr,
-                               BM: tl.constexpr, BK: tl.constexpr, TRANSPOSE_OUT: tl.constexpr,
-                               EXACT_ROUND: tl.constexpr, MBITS: tl.constexpr, MIN_NORMAL: tl.constexpr,
-                               SUB_MAGIC: tl.constexpr, NAN_BITS: tl.constexpr):
+    def _jagged_chunk(offs_ptr, M, E, p, CH: tl.constexpr, E_POW2: tl.constexpr):
+        # Map program p to (group e, chunk c, rows [lo, hi), aligned chunk base). Chunks lie on a global grid of CH
+        # rows (so tiles stay aligned for vector stores) clipped to the group; an empty group gets one empty chunk
+        # (it still writes its scale). Group E is the tail of rows past offs[-1] (written as zeros). All on device:
+        # the host knows only the bound cdiv(M, CH) + 2 * (E + 1) on the number of chunks.
+        idx = tl.arange(0, E_POW2)
+        ends = tl.load(offs_ptr + idx, mask=idx < E, other=0)
+        ends = tl.where(idx == E, M, ends)
+        last = tl.load(offs_ptr + E - 1)  # E >= 1: the launcher handles E == 0 without a kernel
+        starts = tl.load(offs_ptr + idx - 1, mask=(idx > 0) & (idx <= E), other=0)
+        starts = tl.where(idx == E, last, starts)
+        nonempty = ends > starts
+        nchunks = tl.where(nonempty, (ends - 1) // CH - starts // CH + 1, 1)
+        nchunks = tl.where(idx <= E, nchunks, 0)
+        cum = tl.cumsum(nchunks, 0)  # inclusive prefix: group g owns chunks [cum[g] - nchunks[g], cum[g])
+        e = tl.sum((cum <= p).to(tl.int32), 0)
+        first = tl.sum(tl.where(idx == e, cum - nchunks, 0), 0)
+        start = tl.sum(tl.where(idx == e, starts, 0), 0)
+        end = tl.sum(tl.where(idx == e, ends, 0), 0)
+        c = p - first
+        base = (start // CH + c) * CH
+        lo = tl.maximum(base, start)
+        hi = tl.minimum(base + CH, end)
+        return e, c, lo, hi, base
+
+    @triton.jit
+    def _jagged_amax_kernel(x_ptr, offs_ptr, amax_bits_ptr, M, K, stride_xm, stride_xk, E,
+                            BM: tl.constexpr, BK: tl.constexpr, CH: tl.constexpr, E_POW2: tl.constexpr):
+        # Pass 1: per-(group, column) amax of each chunk, merged with relaxed int32 atomics (amax >= 0).
         pid_k = tl.program_id(0)
-        e = tl.program_id(1)
+        e, _c, lo, hi, base = _jagged_chunk(offs_ptr, M, E, tl.program_id(1), CH, E_POW2)
         offs_k = pid_k * BK + tl.arange(0, BK)
         mask_k = offs_k < K
-        start = tl.load(offs_ptr + e - 1, mask=e > 0, other=0).to(tl.int32)
-        end = tl.load(offs_ptr + e).to(tl.int32)
-        x_cols = x_ptr + offs_k[None, :] * stride_xk
-        # Loops start at a multiple of BM (rows before `start` masked off) so the compiler can prove alignment
-        # and vectorize the transposed stores; an unaligned start gives byte-wide stores.
-        m_lo = (start // BM) * BM
-        amax = tl.zeros([BK], dtype=tl.float32)
-        for m0 in range(m_lo, end, BM):
-            offs_m = tl.multiple_of(m0, BM) + tl.arange(0, BM)
-            mask = ((offs_m >= start) & (offs_m < end))[:, None] & mask_k[None, :]
-            x = tl.load(x_cols + offs_m.to(tl.int64)[:, None] * stride_xm, mask=mask, other=0.0)
-            amax = _max_nan(amax, _abs_max(x, 0))
-        # Empty group: amax stays 0, EPS keeps the scale finite.
-        scale = _scale_from_amax(amax, FP8_MAX, EPS_, POW2)
-        tl.store(scale_ptr + e.to(tl.int64) * K + offs_k, scale, mask=mask_k)
-        out_dtype = out_ptr.dtype.element_ty
-        for m0 in range(m_lo, end, BM):
-            offs_m = tl.multiple_of(m0, BM) + tl.arange(0, BM)
-            mask_m = (offs_m >= start) & (offs_m < end)
-            mask = mask_m[:, None] & mask_k[None, :]
-            x = tl.load(x_cols + offs_m.to(tl.int64)[:, None] * stride_xm, mask=mask, other=0.0).to(tl.float32)
-            y = _to_fp8(x * scale[None, :], out_dtype, FP8_MAX, 
-                        EXACT_ROUND, MBITS, MIN_NORMAL, SUB_MAGIC, NAN_BITS)
-            if TRANSPOSE_OUT:
-                out_t = out_ptr + offs_k.to(tl.int64)[:, None] * M + offs_m[None, :]
-                if (m0 >= start) & (m0 + BM <= end):
-                    # Interior tile: a row mask that varies inside a vector would force byte-wide stores.
-                    tl.store(out_t, tl.trans(y), mask=mask_k[:, None])
-                else:
-                    tl.store(out_t, tl.trans(y), mask=mask_k[:, None] & mask_m[None, :])
-            else:
-                tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * K + offs_k[None, :], y, mask=mask)
-        if e == E - 1:
-            # Rows past the last group belong to no expert: write zeros so the output is fully defined.
-            for m0 in range((end // BM) * BM, M, BM):
+        if e < E:
+            amax = tl.zeros([BK], dtype=tl.float32)
+            for m0 in range(base, hi, BM):
                 offs_m = tl.multiple_of(m0, BM) + tl.arange(0, BM)
-                mask_m = (offs_m >= end) & (offs_m < M)
-                y = tl.zeros([BM, BK], dtype=tl.float32).to(out_dtype)
+                mask = ((offs_m >= lo) & (offs_m < hi))[:, None] & mask_k[None, :]
+                x = tl.load(x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :] * stride_xk,
+                            mask=mask, other=0.0)
+                amax = _max_nan(amax, _abs_max(x, 0))
+            tl.atomic_max(amax_bits_ptr + e.to(tl.int64) * K + offs_k, amax.to(tl.int32, bitcast=True),
+                          mask=mask_k, sem="relaxed")
+
+    @triton.jit
+    def _jagged_cast_kernel(x_ptr, offs_ptr, amax_ptr, out_ptr, scale_ptr, M, K, stride_xm, stride_xk, E,
+                            FP8_MAX: tl.constexpr, EPS_: tl.constexpr, POW2: tl.constexpr,
+                            BM: tl.constexpr, BK: tl.constexpr, CH: tl.constexpr, E_POW2: tl.constexpr,
+                            TRANSPOSE_OUT: tl.constexpr,
+                            EXACT_ROUND: tl.constexpr, MBITS: tl.constexpr, MIN_NORMAL: tl.constexpr,
+                            SUB_MAGIC: tl.constexpr, NAN_BITS: tl.constexpr):
+        # Pass 2: scale from the group's amax, cast the chunk's rows; group E (rows past offs[-1]) gets zeros.
+        pid_k = tl.program_id(0)
+        e, c, lo, hi, base = _jagged_chunk(offs_ptr, M, E, tl.program_id(1), CH, E_POW2)
+        offs_k = pid_k * BK + tl.arange(0, BK)
+        mask_k = offs_k < K
+        if e <= E:
+            e_row = tl.minimum(e, E - 1).to(tl.int64)  # the tail group E reads a real row, then ignores it
+            amax = tl.load(amax_ptr + e_row * K + offs_k, mask=mask_k, other=0.0)
+            # Empty group: amax 0, EPS keeps the scale finite. Tail rows: scale 0 writes zeros.
+            scale = tl.where(e < E, _scale_from_amax(amax, FP8_MAX, EPS_, POW2), 0.0)
+            if (c == 0) & (e < E):
+                tl.store(scale_ptr + e.to(tl.int64) * K + offs_k, scale, mask=mask_k)
+            out_dtype = out_ptr.dtype.element_ty
+            for m0 in range(base, hi, BM):
+                offs_m = tl.multiple_of(m0, BM) + tl.arange(0, BM)
+                mask_m = (offs_m >= lo) & (offs_m < hi)
+                mask = mask_m[:, None] & mask_k[None, :]
+                x = tl.load(x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :] * stride_xk,
+                            mask=mask, other=0.0).to(tl.float32)
+                y = _to_fp8(x * scale[None, :], out_dtype, FP8_MAX,
+                            EXACT_ROUND, MBITS, MIN_NORMAL, SUB_MAGIC, NAN_BITS)
                 if TRANSPOSE_OUT:
-                    tl.store(out_ptr + offs_k.to(tl.int64)[:, None] * M + offs_m[None, :], tl.trans(y),
-                             mask=mask_k[:, None] & mask_m[None, :])
+                    out_t = out_ptr + offs_k.to(tl.int64)[:, None] * M + offs_m[None, :]
+                    if (m0 >= lo) & (m0 + BM <= hi):
+                        # Interior tile: a row mask that varies inside a vector would force byte-wide stores.
+                        tl.store(out_t, tl.trans(y), mask=mask_k[:, None])
+                    else:
+                        tl.store(out_t, tl.trans(y), mask=mask_k[:, None] & mask_m[None, :])
                 else:
-                    tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * K + offs_k[None, :], y,
-                             mask=mask_m[:, None] & mask_k[None, :])
+                    tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * K + offs_k[None, :], y, mask=mask)
 
     INTERPRETED = not isinstance(_amax_kernel, triton.runtime.JITFunction)
 else:
@@ -339,7 +372,8 @@ else:
 # -------------------------------------------------------------------- launchers
 
 
-def _grid_consts(fp8_dtype: torch.dtype) -> dict:
+@functools.cache
+def _grid_consts(fp8_dtype: torch.dtype) -> dict:  # cached: host time per launch matters at these sizes
     g = Fp8Grid.of(fp8_dtype)
     return {"FP8_MAX": g.max_value, "EPS_": EPS, "EXACT_ROUND": INTERPRETED, "MBITS": g.mbits,
             "MIN_NORMAL": g.min_normal, "SUB_MAGIC": g.sub_magic, "NAN_BITS": g.nan_bits}
@@ -363,7 +397,8 @@ TENSORWISE_BLOCK = 8192  # elements per program: 16 KB of bf16, 8 warps -> 32 el
 ROWWISE_MAX_TILE = 16384  # elements a program holds in registers (BM * BN) on the one-tile path
 ROW_COL_AMAX_TILE = (64, 128)  # (BM, BN) of the amax pass
 ROW_COL_CAST_TILE = (64, 128)  # (BM, BN) of the cast pass
-JAGGED_TILE = (64, 64)  # (BM, BK): BK bf16 columns = 128 B contiguous reads; BM fp8 = 64 B transposed runs
+JAGGED_TILE = (128, 64)  # (BM, BK): BK bf16 columns = 128 B contiguous reads; BM fp8 = 128 B transposed runs
+JAGGED_CHUNK = 512  # rows per program: parallelism no longer depends on the largest expert
 TENSORWISE_WARPS = 8
 ROWWISE_WARPS = 8
 ROW_COL_AMAX_WARPS = 8
@@ -487,13 +522,22 @@ def quantize_jagged_per_expert_triton(
     dev = x_hp_MK.device
     out = torch.empty((K, M) if transpose_out else (M, K), dtype=fp8_dtype, device=dev)
     scale_EK = torch.empty((E, K), dtype=torch.float32, device=dev)
-    if E == 0 or K == 0:
+    if K == 0 or M == 0 or E == 0:
+        # Nothing to cast (E == 0: every row is past the last group, so zeros); scales from the EPS floor.
+        scale_EK.copy_(amax_to_scale(torch.zeros_like(scale_EK), fp8_dtype, pow2))
         return out.zero_(), scale_EK
+    amax_bits_EK = torch.zeros((E, K), dtype=torch.int32, device=dev)
     BM, BK = JAGGED_TILE
-    grid = (triton.cdiv(K, BK), E)
-    _jagged_colwise_kernel[grid](x_hp_MK, offs_E, out, scale_EK, M, K, x_hp_MK.stride(0), x_hp_MK.stride(1), E,
-                                 POW2=pow2, BM=BM, BK=BK, TRANSPOSE_OUT=transpose_out, num_warps=JAGGED_WARPS,
-                                 **_grid_consts(fp8_dtype))
+    CH = max(JAGGED_CHUNK, BM)
+    # Upper bound on the chunks (see _jagged_chunk); programs past the real count exit at once.
+    grid = (triton.cdiv(K, BK), triton.cdiv(M, CH) + 2 * (E + 1))
+    E_POW2 = triton.next_power_of_2(E + 1)
+    strides = (x_hp_MK.stride(0), x_hp_MK.stride(1))
+    _jagged_amax_kernel[grid](x_hp_MK, offs_E, amax_bits_EK, M, K, *strides, E, BM=BM, BK=BK, CH=CH, E_POW2=E_POW2,
+                              num_warps=JAGGED_WARPS)
+    _jagged_cast_kernel[grid](x_hp_MK, offs_E, amax_bits_EK.view(torch.float32), out, scale_EK, M, K, *strides, E,
+                              POW2=pow2, BM=BM, BK=BK, CH=CH, E_POW2=E_POW2, TRANSPOSE_OUT=transpose_out,
+                              num_warps=JAGGED_WARPS, **_grid_consts(fp8_dtype))
     return out, scale_EK
 
 
