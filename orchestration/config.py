@@ -114,7 +114,8 @@ class CheckpointConfig:
 @dataclass
 class LoggingConfig:
     wandb: bool = True
-    wandb_mode: str = "offline"  # offline | online | disabled
+    # auto: online when WANDB_API_KEY is set, else offline; WANDB_MODE in the environment overrides it.
+    wandb_mode: str = "auto"
     project: str = "elastic-fp8"
     group: str | None = None
     tags: list[str] = field(default_factory=list)
@@ -221,8 +222,8 @@ def validate(job: JobConfig) -> None:
     _require(k.keep_good >= 1, "checkpoint.keep_good", "must be >= 1")
 
     lg = job.logging
-    _require(lg.wandb_mode in ("offline", "online", "disabled"), "logging.wandb_mode",
-             f"'{lg.wandb_mode}' is not one of ('offline', 'online', 'disabled')")
+    _require(lg.wandb_mode in ("auto", "offline", "online", "disabled"), "logging.wandb_mode",
+             f"'{lg.wandb_mode}' is not one of ('auto', 'offline', 'online', 'disabled')")
     _require(lg.progress_every_s > 0, "logging.progress_every_s", "must be > 0")
 
     if job.run_root is not None:

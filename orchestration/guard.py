@@ -83,7 +83,6 @@ class StepGuard:
             name = record.pop("event")
             record.pop("step", None)
             t.event(name, all_ranks=True, **record)
-            self._log_event({"event": name, "step": step, **record})
         if decision.evidence:
             self.last_bad_step = step
         if isinstance(decision, Stop):
@@ -139,7 +138,6 @@ class StepGuard:
         t.event("rollback", all_ranks=True, to_step=t.state.step, from_step=decision.bad_step,
                 skipped_samples=skipped[1] - skipped[0], skipped_range=skipped, checkpoint=str(info.path),
                 lr_scale=decision.lr_scale)
-        self._log_event({"event": "rollback", "step": decision.bad_step, "to_step": t.state.step})
 
     # -- checkpointable state -------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -167,20 +165,20 @@ class StepGuard:
                 print(f"[rank 0] Ray metrics disabled: {exc}", flush=True)
         if job.logging.wandb and job.logging.wandb_mode != "disabled":
             from orchestration.config import redact_secrets, to_dict
-            from orchestration.wandb_logger import WandbRun
+            from orchestration.wandb_logger import WandbRun, tags_from_config
 
-            recipe = t.recipe or "bf16"
-            self.wandb = WandbRun(t.run_dir.path, redact_secrets(to_dict(job)), project=job.logging.project,
-                                  group=job.logging.group or f"{job.model.name}",
-                                  tags=[job.model.name, job.precision.name, recipe, *job.logging.tags],
+            config = redact_secrets(to_dict(job))
+            if t.recipe:
+                config["precision"]["recipe"] = t.recipe  # the resolved recipe, not "auto"
+            self.wandb = WandbRun(t.run_dir.path, config, project=job.logging.project,
+                                  group=job.logging.group or job.model.name, tags=tags_from_config(config),
                                   mode=job.logging.wandb_mode)
 
-    def _log_event(self, record: dict[str, Any]) -> None:
+    def log_event(self, record: dict[str, Any]) -> None:
         if self.wandb is not None:
             self.wandb.log_event(record)
-        if self.ray_metrics is not None and record["event"] in ("divergence_detected", "rollback",
-                                                                 "precision_changed", "step_skipped"):
-            self.ray_metrics.count(record["event"])
+        if self.ray_metrics is not None:
+            self.ray_metrics.record_event(record)
 
     def on_metrics(self, record: dict[str, Any]) -> None:
         record = {**record, **{f"policy_{k}": v for k, v in self.policy.counters().items() if k != "precision"}}

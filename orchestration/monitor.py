@@ -73,10 +73,12 @@ class MonitorConfig:
     """Absolute floor of the loss std (loss near zero)."""
 
     # --- grad-norm spike (log space) -----------------------------------------------------------------------------
-    grad_norm_spike_z: float = 6.0
+    grad_norm_spike_z: float = 8.0
     """A grad norm is a spike when log(norm) > mean_log + grad_norm_spike_z * std_log."""
-    grad_norm_log_std_floor: float = 0.1
-    """Floor of the std of log(grad norm): with z = 6 the norm must at least grow exp(0.6) = 1.8x to alarm."""
+    grad_norm_log_std_floor: float = 0.25
+    """Floor of the std of log(grad norm): with z = 8 the norm must at least grow exp(2) = 7.4x to alarm. Small
+    batches late in training see 3-5x grad-norm excursions that clipping already absorbs (measured on the debug
+    models: 6.0 / 0.1 skipped 2 healthy steps in 800); a real blow-up is orders of magnitude."""
 
     # --- FP8 health (fp8.fp8_health: saturated_frac, underflow_frac, amax_max) ------------------------------------
     fp8_saturated_frac_max: float = 1e-3

@@ -34,8 +34,12 @@ def worker_env(job: JobConfig) -> dict[str, str]:
     from orchestration.env_presets import resolve_worker_env
 
     env = resolve_worker_env(job.cluster.env_preset, dict(job.cluster.env_vars))
-    if job.logging.wandb_mode:
-        env.setdefault("WANDB_MODE", job.logging.wandb_mode)
+    # The user's explicit W&B choices reach the workers; otherwise logging.wandb_mode decides (auto/offline).
+    # Never the API key: the train config is visible in the Ray dashboard. Workers of an embedded cluster inherit
+    # it from the driver's environment; remote nodes need it in their own environment (docs/deploy.md).
+    for key in ("WANDB_MODE", "WANDB_BASE_URL", "WANDB_ENTITY", "WANDB_PROJECT"):
+        if os.environ.get(key):
+            env.setdefault(key, os.environ[key])
     return env
 
 

@@ -144,13 +144,22 @@ class Trainer:
     # -- events ---------------------------------------------------------------------------------------------
     def _event_sink(self, event: str, fields: dict[str, Any]) -> None:
         if self.rank == 0:
-            self.run_dir.event(event, fields.pop("step", self.state.step), **fields)
+            record = self.run_dir.event(event, fields.pop("step", self.state.step), **fields)
+            guard = getattr(self, "guard", None)
+            if guard is not None:
+                guard.log_event(record)
 
     def event(self, name: str, all_ranks: bool = False, **fields: Any) -> None:
+        """Append to events.jsonl (every worker for agreed decisions, else rank 0) and feed rank 0's loggers."""
         if all_ranks:
-            self.run_dir.event(name, self.state.step, worker_rank=self.rank, **fields)
+            record = self.run_dir.event(name, self.state.step, worker_rank=self.rank, **fields)
         elif self.rank == 0:
-            self.run_dir.event(name, self.state.step, **fields)
+            record = self.run_dir.event(name, self.state.step, **fields)
+        else:
+            return
+        guard = getattr(self, "guard", None)
+        if guard is not None and self.rank == 0:
+            guard.log_event(record)
 
     # -- start / resume -------------------------------------------------------------------------------------
     def start(self) -> None:

@@ -64,3 +64,32 @@ def test_resume_same_run_name_repeats_no_step(tmp_path, isolated_env, no_ray_lef
     assert steps == list(range(1, 31)), steps  # every step once, none repeated
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["final_step"] == 30 and summary["consumed_ranges"] == [[0, 30 * 16]]
+
+
+def test_ctrl_c_stops_workers_and_leaves_no_ray_processes(tmp_path, isolated_env, no_ray_leftovers):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import REPO
+
+    run_dir = tmp_path / "runs" / "interrupted"
+    proc = subprocess.Popen([sys.executable, str(REPO / "launch.py"), f"run_root={tmp_path / 'runs'}",
+                             "run_name=interrupted", "model=debug_dense", "train.steps=100000",
+                             "logging.wandb=false", "train.log_every=1"],
+                            cwd=REPO, env=isolated_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 240
+        while time.time() < deadline and not read_jsonl(run_dir / "metrics.jsonl"):
+            time.sleep(0.5)
+        assert read_jsonl(run_dir / "metrics.jsonl"), "training never started"
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "Interrupted" in out, out[-2000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "interrupted"
+    time.sleep(2)  # raylet/gcs exit asynchronously after ray.shutdown(); the fixture then checks none is left

@@ -5,7 +5,7 @@ every sample exactly once, and end at the same loss as an uninterrupted run.
 Tolerance on the final loss: these runs train in float32 (precision=bf16 with compute_dtype=float32, so no
 rounding to low precision hides or creates differences); the only difference between an interrupted and an
 uninterrupted run is the order in which gradients are summed across 1 or 2 workers, a relative change near 1e-7
-per step. 1e-3 absolute on a loss near 2-3 leaves room for its growth over a few hundred steps while still
+per step. 1e-3 absolute on a loss near 2-3 leaves room for its growth over several hundred steps while still
 catching any replayed or skipped batch (which moves the loss by 1e-2 or more at this stage).
 """
 
@@ -25,12 +25,14 @@ from tests.conftest import REPO, launch, which_ray
 
 pytestmark = pytest.mark.slow
 
-STEPS = 240
+STEPS = 800
 GLOBAL_BATCH = 8
 COMMON = ["model=debug_dense", "precision=bf16", "precision.compute_dtype=float32", f"train.steps={STEPS}",
           f"train.global_batch_size={GLOBAL_BATCH}", "train.micro_batch_size=4", "data.seq_len=64",
-          "train.warmup_steps=10", "train.log_every=1", "checkpoint.every_steps=10", "logging.wandb=false",
-          "logging.progress_every_s=10"]
+          "train.warmup_steps=10", "train.log_every=1", "checkpoint.every_steps=20", "logging.wandb=false",
+          "logging.progress_every_s=10", "monitor=off"]
+# Monitors off: these tests compare trajectories to 1e-3, and a detector decision at a borderline value could
+# differ between two runs whose gradients differ in the last bit (monitored runs: tests/test_divergence_e2e.py).
 LOSS_TOL = 1e-3
 
 
@@ -125,12 +127,12 @@ def test_lose_a_node_shrink_then_grow_back(tmp_path, reference_loss):
         driver = subprocess.Popen(args, cwd=REPO, env=cluster.env, stdout=log, stderr=subprocess.STDOUT)
         wait_for(lambda: any(e["world_size"] == 2 for e in events_of(run_dir, "worker_group_start")), 180,
                  "a 2-worker group")
-        wait_for(lambda: last_step(run_dir) >= 25, 180, "step 25")
+        wait_for(lambda: last_step(run_dir) >= 45, 180, "step 45")
         t_kill = time.time()
         cluster.kill_node()
         shrunk = wait_for(lambda: [e for e in events_of(run_dir, "resume") if e["world_size"] == 1], 240,
                           "a resume at world size 1")
-        assert shrunk[0]["time"] > t_kill and 20 <= shrunk[0]["from_step"] < STEPS
+        assert shrunk[0]["time"] > t_kill and 40 <= shrunk[0]["from_step"] < STEPS
         cluster.add_node()
         wait_for(lambda: [e for e in events_of(run_dir, "resume") if e["world_size"] == 2], 240,
                  "a resume at world size 2")
@@ -157,13 +159,13 @@ def test_lose_a_node_shrink_then_grow_back(tmp_path, reference_loss):
 def test_worker_crash_restarts_from_checkpoint(tmp_path, reference_loss):
     env = _env(tmp_path)
     proc = launch(env, *COMMON, f"run_root={tmp_path}", "run_name=crash", "faults=crash", "faults.rank=1",
-                  "faults.step=35", timeout=900)
+                  "faults.step=50", timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     run_dir = tmp_path / "crash"
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["final_step"] == STEPS
     assert summary["restarts"] == 1 and summary["world_sizes_seen"] == [2]
     resume = events_of(run_dir, "resume")
-    assert len(resume) == 1 and resume[0]["from_step"] == 30  # the checkpoint before the crash at step 35
+    assert len(resume) == 1 and resume[0]["from_step"] == 40  # the checkpoint before the crash at step 50
     assert summary["consumed_ranges"] == [[0, STEPS * GLOBAL_BATCH]]
     assert abs(summary["final_loss"] - reference_loss) < LOSS_TOL, (summary["final_loss"], reference_loss)
