@@ -1,0 +1,192 @@
+"""convert_to_fp8 / set_precision / precision_state on a tiny model with dense and grouped (MoE) layers.
+
+The model is built here (models/ is developed separately): it has the names and the `grouped_mm` swap
+point the real models use (tok_embeddings, layers.N, gate, experts.grouped_mm, output).
+"""
+
+import copy
+import io
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fp8
+from fp8 import Float8Linear, Fp8GroupedMM
+
+DIM, HID, E, VOCAB = 64, 32, 4, 96
+
+
+class TinyExperts(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(E, DIM, HID) / DIM**0.5)
+        self.w3 = nn.Parameter(torch.randn(E, DIM, HID) / DIM**0.5)
+        self.w2 = nn.Parameter(torch.randn(E, HID, DIM) / HID**0.5)
+        self.grouped_mm = torch._grouped_mm  # the swap point
+
+    def forward(self, x_MD, offs_E):
+        h_MH = F.silu(self.grouped_mm(x_MD, self.w1, offs_E)) * self.grouped_mm(x_MD, self.w3, offs_E)
+        return self.grouped_mm(h_MH, self.w2, offs_E)
+
+
+class TinyBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.wq = nn.Linear(DIM, DIM, bias=False)
+        self.wo = nn.Linear(DIM, DIM, bias=False)
+        self.odd = nn.Linear(DIM, 20, bias=False)  # not a multiple of 16: stays high precision
+        self.odd_back = nn.Linear(20, DIM, bias=False)
+        self.gate = nn.Linear(DIM, E, bias=False)  # router: stays high precision
+        self.experts = TinyExperts()
+
+    def forward(self, x_BTD):
+        b, t, d = x_BTD.shape
+        x_BTD = x_BTD + self.wo(F.silu(self.wq(x_BTD))) + self.odd_back(self.odd(x_BTD))
+        x_MD = x_BTD.reshape(-1, d)
+        # Fixed, sorted "routing" (equal groups of 16 rows), weighted by the gate like a real MoE.
+        offs_E = torch.arange(1, E + 1, dtype=torch.int32) * (x_MD.shape[0] // E)
+        moe_MD = self.experts(x_MD, offs_E) * torch.sigmoid(self.gate(x_MD)).mean(-1, keepdim=True)
+        return x_BTD + moe_MD.reshape(b, t, d)
+
+
+class TinyModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(VOCAB, DIM)
+        self.layers = nn.ModuleDict({"0": TinyBlock(), "1": TinyBlock()})
+        self.output = nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, tokens_BT):
+        h = self.tok_embeddings(tokens_BT)
+        for layer in self.layers.values():
+            h = layer(h)
+        return self.output(h)
+
+
+def build(dtype=torch.bfloat16, seed=0):
+    torch.manual_seed(seed)
+    return TinyModel().to(dtype)
+
+
+def loss_of(model, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, VOCAB, (2, 32), generator=g)
+    logits = model(tokens)
+    return F.cross_entropy(logits.float().flatten(0, 1), torch.roll(tokens, -1, 1).flatten())
+
+
+def test_default_filter_converts_the_right_modules():
+    model = fp8.convert_to_fp8(build(), "rowwise")
+    converted = {n for n, m in model.named_modules() if isinstance(m, Float8Linear)}
+    assert converted == {f"layers.{i}.{n}" for i in "01" for n in ("wq", "wo")}
+    for i in "01":
+        assert isinstance(model.layers[i].experts.grouped_mm, Fp8GroupedMM)
+        assert type(model.layers[i].gate) is nn.Linear
+        assert type(model.layers[i].odd) is nn.Linear
+    assert type(model.output) is nn.Linear and type(model.tok_embeddings) is nn.Embedding
+
+
+def test_custom_filter():
+    model = fp8.convert_to_fp8(build(), "tensorwise", module_filter=lambda name, m: name.endswith("wq"))
+    assert {n for n, m in model.named_modules() if isinstance(m, Float8Linear)} == {"layers.0.wq", "layers.1.wq"}
+    assert model.layers["0"].experts.grouped_mm is torch._grouped_mm
+
+
+def test_parameters_and_state_dict_untouched():
+    model = build()
+    params_before = {n: p for n, p in model.named_parameters()}
+    sd_before = {k: v.clone() for k, v in model.state_dict().items()}
+    fp8.convert_to_fp8(model, "tensorwise")
+    assert {n: p for n, p in model.named_parameters()}.keys() == params_before.keys()
+    for n, p in model.named_parameters():
+        assert p is params_before[n]
+    sd_after = model.state_dict()
+    assert sd_after.keys() == sd_before.keys()
+    assert all(torch.equal(sd_after[k], v) for k, v in sd_before.items())
+
+
+@pytest.mark.parametrize("recipe", list(fp8.RECIPES))
+def test_bf16_mode_reproduces_bf16_model_exactly(recipe):
+    base = build()
+    model = fp8.convert_to_fp8(copy.deepcopy(base), recipe)
+    fp8.set_precision(model, "bf16")
+    l0, l1 = loss_of(base), loss_of(model)
+    assert torch.equal(l0, l1)
+    l0.backward()
+    l1.backward()
+    for (n, p0), p1 in zip(base.named_parameters(), model.parameters()):
+        assert torch.equal(p0.grad, p1.grad), n
+
+
+def test_fp8_mode_is_close_but_not_identical():
+    base = build()
+    model = fp8.convert_to_fp8(copy.deepcopy(base), "rowwise")
+    l0, l8 = loss_of(base), loss_of(model)
+    assert not torch.equal(l0, l8)
+    assert abs(l8.item() - l0.item()) / l0.item() < 0.02
+
+
+def test_set_precision_scope_and_state_roundtrip():
+    model = fp8.convert_to_fp8(build(), "tensorwise")
+    changed = fp8.set_precision(model, "bf16", scope=["layers.1"])
+    assert changed == ["layers.1.wq", "layers.1.wo", "layers.1.experts"]
+    assert model.layers["1"].experts.grouped_mm is torch._grouped_mm
+    assert model.layers["0"].wq.fp8_enabled and not model.layers["1"].wq.fp8_enabled
+    state = fp8.precision_state(model)
+    assert state["recipe"] == "tensorwise"
+    assert state["modules"]["layers.1.experts"] == "bf16" and state["modules"]["layers.0.wo"] == "fp8"
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=True)
+    fresh = fp8.convert_to_fp8(build(), "tensorwise")
+    fp8.load_precision_state(fresh, loaded)
+    assert fp8.precision_state(fresh) == state
+    assert torch.equal(loss_of(fresh), loss_of(model))
+    fp8.set_precision(model, "fp8")
+    assert set(fp8.precision_state(model)["modules"].values()) == {"fp8"}
+
+
+def test_optimizer_state_untouched():
+    model = fp8.convert_to_fp8(build(torch.float32), "rowwise")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    loss_of(model).backward()
+    opt.step()
+    before = copy.deepcopy(opt.state_dict())
+    fp8.set_precision(model, "bf16")
+    after = opt.state_dict()
+    assert before["param_groups"] == after["param_groups"]
+    for k, st in before["state"].items():
+        assert all(torch.equal(v, after["state"][k][n]) for n, v in st.items())
+    opt.zero_grad()
+    loss_of(model).backward()
+    opt.step()  # still trains after the switch
+
+
+def test_fp8_health_aggregates_on_device():
+    model = fp8.convert_to_fp8(build(torch.float32), "tensorwise")
+    loss_of(model)
+    h = fp8.fp8_health(model)
+    assert set(h) == {"saturated_frac", "underflow_frac", "amax_max"}
+    assert all(v.dim() == 0 and torch.isfinite(v) for v in h.values())
+    assert h["amax_max"].item() > 0 and 0 <= h["saturated_frac"].item() < 0.05
+    fp8.set_precision(model, "bf16")
+    assert fp8.fp8_health(model)["amax_max"].item() == 0.0
+
+
+def test_user_errors():
+    with pytest.raises(ValueError, match="recipe"):
+        fp8.convert_to_fp8(build(), "blockwise")
+    model = fp8.convert_to_fp8(build(), "rowwise")
+    with pytest.raises(ValueError, match="already"):
+        fp8.convert_to_fp8(model, "rowwise")
+    with pytest.raises(ValueError, match="precision"):
+        fp8.set_precision(model, "fp16")
+    with pytest.raises(ValueError, match="scope"):
+        fp8.set_precision(model, "bf16", scope=["nope"])
+    with pytest.raises(ValueError, match="convert_to_fp8"):
+        fp8.set_precision(build(), "fp8")
+    with pytest.raises(ValueError, match="does not convert"):
+        fp8.load_precision_state(model, {"recipe": "rowwise", "modules": {"x.y": "fp8"}})
