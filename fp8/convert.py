@@ -42,6 +42,10 @@ def default_module_filter(name: str, module: nn.Module) -> bool:
         return False
     if isinstance(module, nn.Linear):
         return module.in_features % 16 == 0 and module.out_features % 16 == 0
+    if _is_grouped(module):
+        # Expert weights [E, in, out]: both GEMM dims must be multiples of 16 as well.
+        w3d = [p for p in module.parameters(recurse=False) if p.dim() == 3]
+        return all(p.shape[-1] % 16 == 0 and p.shape[-2] % 16 == 0 for p in w3d)
     return True
 
 

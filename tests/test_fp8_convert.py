@@ -88,6 +88,13 @@ def test_default_filter_converts_the_right_modules():
     assert type(model.output) is nn.Linear and type(model.tok_embeddings) is nn.Embedding
 
 
+def test_default_filter_skips_unaligned_experts():
+    experts = TinyExperts()
+    assert fp8.default_module_filter("layers.0.moe.experts", experts)
+    experts.w2 = nn.Parameter(torch.randn(E, 24, DIM))
+    assert not fp8.default_module_filter("layers.0.moe.experts", experts)
+
+
 def test_custom_filter():
     model = fp8.convert_to_fp8(build(), "tensorwise", module_filter=lambda name, m: name.endswith("wq"))
     assert {n for n, m in model.named_modules() if isinstance(m, Float8Linear)} == {"layers.0.wq", "layers.1.wq"}
