@@ -21,7 +21,7 @@ import torch
 def bench_ms(fn, warmup_ms: float = 50.0, rep_ms: float = 200.0) -> float:
     """Median milliseconds of fn() (fn must enqueue all its device work)."""
     if torch.cuda.is_available():
-        import triton.testing  # noqa: PLC0415 - GPU-only dependency
+        import triton.testing
 
         return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
     fn()
@@ -47,16 +47,16 @@ def env_info() -> dict:
         "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     try:
-        import triton  # noqa: PLC0415
+        import triton
 
         info["triton"] = triton.__version__
     except ImportError:
         info["triton"] = None
     try:
-        import torchao  # noqa: PLC0415
+        import torchao
 
         info["torchao"] = torchao.__version__
-    except Exception as e:  # torchao is optional: record why it is missing
+    except Exception as e:  # noqa: BLE001  # torchao is optional: record why it is missing
         info["torchao"] = f"unavailable: {type(e).__name__}: {e}"
     return info
 

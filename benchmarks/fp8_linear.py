@@ -23,17 +23,16 @@ import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
-
-import torch._dynamo  # noqa: E402
+import torch
+import torch._dynamo
+from torch import nn
 
 # Every shape and recipe is a new compiled module of the same classes: without this, dynamo's default of
 # 8 recompiles per code object silently falls back to eager after the 8th case (seen on the first run).
 torch._dynamo.config.recompile_limit = 1024
 torch._dynamo.config.accumulated_recompile_limit = 4096
 
-from benchmarks.common import Budget, bench_ms, env_info, run_workers, sqnr_db, write_json  # noqa: E402
+from benchmarks.common import Budget, bench_ms, env_info, run_workers, sqnr_db, write_json
 
 SHAPES = {  # name: (K, N); priority order (the targets' shapes first)
     "llama3_8b.w13": (4096, 28672),
@@ -62,11 +61,11 @@ def build(impl: str, recipe: str, k: int, n: int, device: str) -> nn.Module:
     if impl == "bf16":
         return torch.compile(lin)
     if impl.startswith("ours"):
-        from fp8 import Float8Linear  # noqa: PLC0415
+        from fp8 import Float8Linear
 
         mod = Float8Linear.from_float(lin, recipe)
         return torch.compile(mod) if impl == "ours_compiled" else mod
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training  # noqa: PLC0415
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     seq = nn.Sequential(lin)
     convert_to_float8_training(seq, config=Float8LinearConfig.from_recipe_name(AO_RECIPE[recipe]))
@@ -120,15 +119,15 @@ def numerics(k: int, n: int, m: int, device: str) -> dict:
                     "gx": sqnr_db(xi.grad, ref["gx"]),
                     "gw": sqnr_db(gw, ref["gw"]),
                 }
-            except Exception as e:  # record, keep benchmarking the rest
+            except Exception as e:  # noqa: BLE001  # record, keep benchmarking the rest
                 out[key] = {"error": f"{type(e).__name__}: {e}"[:300]}
     return out
 
 
 def cast_bandwidth(device: str) -> dict:
     """Copy bandwidth vs the quantize casts (bytes = one read of bf16 + each fp8 output written once)."""
-    from fp8 import quant  # noqa: PLC0415
-    from fp8.backend import get_backend  # noqa: PLC0415
+    from fp8 import quant
+    from fp8.backend import get_backend
 
     e4m3 = get_backend(device).e4m3
     m, k = 16384, 16384
@@ -149,7 +148,7 @@ def cast_bandwidth(device: str) -> dict:
             t = bench_ms(fn)
             gbps = bytes_per_el * numel / t / 1e6
             res[name] = {"ms": t, "GBps": gbps, "frac_of_copy": gbps / res["copy"]["GBps"]}
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001
             res[name] = {"error": f"{type(e).__name__}: {e}"[:300]}
     return res
 
@@ -162,7 +161,7 @@ def worker(args) -> None:
         try:
             make_step(build(impl, recipe, k, n, "cuda"), args.m, k, n, "cuda")()
             torch.cuda.synchronize()
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001
             print(f"[warm {args.worker}] {shape} {impl} {recipe}: {type(e).__name__}: {e}"[:300], flush=True)
 
 
@@ -213,7 +212,7 @@ def main() -> None:
             rec["first_call_s"] = time.time() - t0
             rec["ms"] = bench_ms(step)
             rec["tflops"] = 3 * 2 * args.m * k * n / rec["ms"] / 1e9
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001
             rec["error"] = f"{type(e).__name__}: {e}"[:400]
             traceback.print_exc()
         result["cases"].append(rec)
@@ -251,7 +250,9 @@ def summarize(result: dict) -> None:
     def f(v, spec):
         return format(v, spec) if isinstance(v, float) else "-"
 
-    print(f"{'shape':18s} {'recipe':14s} {'bf16':>7s} {'ao':>7s} {'eager':>7s} {'compl':>7s} {'ao x':>6s} {'ours x':>6s}")
+    print(
+        f"{'shape':18s} {'recipe':14s} {'bf16':>7s} {'ao':>7s} {'eager':>7s} {'compl':>7s} {'ao x':>6s} {'ours x':>6s}"
+    )
     for r in rows:
         print(
             f"{r['shape']:18s} {r['recipe']:14s} {f(r['bf16_ms'], '7.3f')} {f(r['torchao_ms'], '7.3f')} "

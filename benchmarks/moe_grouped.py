@@ -18,6 +18,7 @@ Legend: M routed rows, D model dim, I expert hidden dim, E experts.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
 import time
@@ -25,17 +26,16 @@ import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-import torch._dynamo  # noqa: E402
+import torch
+import torch._dynamo
+import torch.nn.functional as F
 
 # Every shape and recipe is a new compiled module of the same classes: without this, dynamo's default of
 # 8 recompiles per code object silently falls back to eager after the 8th case (seen on the first run).
 torch._dynamo.config.recompile_limit = 1024
 torch._dynamo.config.accumulated_recompile_limit = 4096
 
-from benchmarks.common import Budget, bench_ms, env_info, run_workers, sqnr_db, write_json  # noqa: E402
+from benchmarks.common import Budget, bench_ms, env_info, run_workers, sqnr_db, write_json
 
 CASES = ("bf16_compiled", "ours_eager", "ours_compiled", "torchao_compiled", "torchao_eager", "bf16_eager")
 COMPILED = ("bf16_compiled", "ours_compiled", "torchao_compiled")
@@ -57,10 +57,10 @@ def grouped_fn(impl: str):
     if impl.startswith("bf16"):
         return lambda x, w, offs: torch._grouped_mm(x, w, offs)
     if impl.startswith("ours"):
-        from fp8 import Fp8GroupedMM  # noqa: PLC0415
+        from fp8 import Fp8GroupedMM
 
         return Fp8GroupedMM()
-    from torchao.prototype.moe_training.fp8_grouped_mm import _to_fp8_rowwise_then_scaled_grouped_mm  # noqa: PLC0415
+    from torchao.prototype.moe_training.fp8_grouped_mm import _to_fp8_rowwise_then_scaled_grouped_mm
 
     return lambda x, w, offs: _to_fp8_rowwise_then_scaled_grouped_mm(
         x, w, offs, out_dtype=torch.bfloat16, pad_token_groups_for_grouped_mm=False
@@ -115,7 +115,7 @@ def numerics(device: str) -> dict:
     ref = None
     for impl in ("bf16_eager", "ours_eager", "torchao_eager"):
         try:
-            step, (x, ws, offs, gy, fwd) = build_step(impl, m, e, d, i, device)
+            _, (x, ws, offs, gy, fwd) = build_step(impl, m, e, d, i, device)
             with torch.no_grad():
                 x[:, :4] *= 30.0  # outlier channels
                 x[:16] = 0.0  # all-zero rows
@@ -131,21 +131,21 @@ def numerics(device: str) -> dict:
                 w64 = [w.detach().double().requires_grad_() for w in ws]
                 bounds = [0, *offs.tolist()]
 
-                def gmm64(a, b):
-                    return torch.cat([a[s:t] @ b[g] for g, (s, t) in enumerate(zip(bounds[:-1], bounds[1:]))])
+                def gmm64(a, b, bounds=bounds):
+                    return torch.cat([a[s:t] @ b[g] for g, (s, t) in enumerate(itertools.pairwise(bounds))])
 
                 o64 = gmm64(F.silu(gmm64(x64, w64[0])) * gmm64(x64, w64[1]), w64[2])
                 o64.backward(gy.double())
                 ref = {"out": o64, "gx": x64.grad, "gw1": w64[0].grad, "gw3": w64[1].grad, "gw2": w64[2].grad}
             res[impl] = {k: sqnr_db(v, ref[k]) for k, v in got.items()}
-        except Exception as ex:
+        except Exception as ex:  # noqa: BLE001
             res[impl] = {"error": f"{type(ex).__name__}: {ex}"[:300]}
     return res
 
 
 def profile_top(step, top: int = 14) -> list[dict]:
     """GPU time per kernel name over one step (torch.profiler): where the FP8 step spends its time."""
-    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
+    from torch.profiler import ProfilerActivity, profile
 
     step()
     torch.cuda.synchronize()
@@ -170,7 +170,7 @@ def worker(args) -> None:
             step, _ = build_step(impl, args.m, args.experts, args.dim, args.hidden, "cuda")
             step()
             torch.cuda.synchronize()
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001
             print(f"[warm {args.worker}] {impl}: {type(e).__name__}: {e}"[:300], flush=True)
 
 
@@ -221,7 +221,7 @@ def main() -> None:
             rec["first_call_s"] = time.time() - t0
             rec["ms"] = bench_ms(step)
             rec["tflops"] = flops / rec["ms"] / 1e9
-        except Exception as ex:
+        except Exception as ex:  # noqa: BLE001
             rec["error"] = f"{type(ex).__name__}: {ex}"[:400]
             traceback.print_exc()
         result["cases"].append(rec)

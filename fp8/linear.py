@@ -167,7 +167,7 @@ class Float8Linear(nn.Linear):
         self.register_buffer("fp8_health_stats", torch.zeros(3, device=device), persistent=False)
 
     @classmethod
-    def from_float(cls, mod: nn.Linear, recipe: str | Recipe = "tensorwise") -> "Float8Linear":
+    def from_float(cls, mod: nn.Linear, recipe: str | Recipe = "tensorwise") -> Float8Linear:
         """Wrap an nn.Linear, sharing its Parameter objects (optimizer state stays attached)."""
         with torch.device("meta"):
             new = cls(mod.in_features, mod.out_features, bias=mod.bias is not None, recipe=recipe)

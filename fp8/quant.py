@@ -23,13 +23,13 @@ from fp8 import recipes
 _USE_KERNELS_ENV = "FP8_KERNELS"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _kernels():
     if os.environ.get(_USE_KERNELS_ENV, "1") == "0":
         return None
     try:
-        from fp8 import kernels  # noqa: PLC0415 - optional, lazily imported
-    except Exception:  # any import failure (no Triton, no GPU support) means "use the reference"
+        from fp8 import kernels
+    except Exception:  # noqa: BLE001  # any import failure (no Triton, no GPU support) means "use the reference"
         return None
     return kernels
 
@@ -56,7 +56,7 @@ def _call(name: str, kernel, ref, *args, **kwargs):
     """Run the kernel; on an exception (an unsupported shape or dtype) warn once and use the reference."""
     try:
         return kernel(*args, **kwargs)
-    except Exception as e:  # the kernels are an optimization: never let them stop training
+    except Exception as e:  # noqa: BLE001  # the kernels are an optimization: never let them stop training
         _FAILED.add(name)
         warnings.warn(f"fp8.kernels.{name} failed ({type(e).__name__}: {e}); using the PyTorch reference", stacklevel=3)
         return ref
@@ -67,7 +67,7 @@ def kernels_active(device: torch.device | str) -> bool:
     return torch.device(device).type == "cuda" and _kernels() is not None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _compiled(fn):
     # dynamic=True: one compiled kernel per function for every shape (benchmarks sweep many shapes).
     return torch.compile(fn, dynamic=True)
@@ -107,7 +107,7 @@ def quantize_colwise_3d(w_EKN: torch.Tensor, dtype: torch.dtype, pow2: bool = Tr
     With the kernels: one transposed bf16 copy, then the row kernel on [E*N, K] rows (whose storage is the
     column-major [E, K, N] layout). Otherwise the compiled reference plus an fp8 transposed copy.
     """
-    e, k, n = w_EKN.shape
+    e, _, n = w_EKN.shape
     if _kernel_fn(w_EKN, "quantize_rowwise") is not None:
         w_t_NK = w_EKN.transpose(-2, -1).contiguous()
         w_fp8_ENK, scale_EN1 = quantize_rowwise(w_t_NK, dtype, -1, pow2)

@@ -5,12 +5,14 @@ enforces its layout and scale-shape contract (row-major A, column-major B, 1D/2D
 computes the dequantized product; the emulated path must agree with it.
 """
 
+import itertools
+
 import pytest
 import torch
 
 from fp8 import Fp8GroupedMM
-from fp8.linear import _Fp8LinearFn
 from fp8.backend import get_backend
+from fp8.linear import _Fp8LinearFn
 from fp8.recipes import RECIPES
 
 M, K, N, E = 96, 64, 48, 4
@@ -66,9 +68,9 @@ def test_grouped_sqnr_vs_float64(dtype):
     assert out.dtype == dtype and gw.dtype == dtype
     bounds = [0, *offs.tolist()]
     x64, w64, g64 = x.double(), w.double(), gy.double()
-    ref_out = torch.cat([x64[s:t] @ w64[e] for e, (s, t) in enumerate(zip(bounds[:-1], bounds[1:]))])
-    ref_gx = torch.cat([g64[s:t] @ w64[e].t() for e, (s, t) in enumerate(zip(bounds[:-1], bounds[1:]))])
-    ref_gw = torch.stack([x64[s:t].t() @ g64[s:t] for s, t in zip(bounds[:-1], bounds[1:])])
+    ref_out = torch.cat([x64[s:t] @ w64[e] for e, (s, t) in enumerate(itertools.pairwise(bounds))])
+    ref_gx = torch.cat([g64[s:t] @ w64[e].t() for e, (s, t) in enumerate(itertools.pairwise(bounds))])
+    ref_gw = torch.stack([x64[s:t].t() @ g64[s:t] for s, t in itertools.pairwise(bounds)])
     assert sqnr(out, ref_out) > 25 and sqnr(gx, ref_gx) > 25 and sqnr(gw, ref_gw) > 25
     assert (out[:8] == 0).all()
     assert op.last_stats is not None and torch.isfinite(op.last_stats).all()
@@ -108,6 +110,6 @@ def test_gpu_path_plumbing_matches_emulation(monkeypatch):
 
 
 def test_offsets_must_be_int32():
-    x, w, gy, offs = make()
+    x, w, _, offs = make()
     with pytest.raises(ValueError, match="int32"):
         Fp8GroupedMM()(x, w, offs.long())

@@ -8,7 +8,7 @@ values. Thresholds sit a few dB under measured values (fp8 e4m3 is ~28-30 dB on 
 import pytest
 import torch
 
-from fp8 import Float8Linear, RECIPES
+from fp8 import RECIPES, Float8Linear
 from fp8.linear import scaled_mm
 from fp8.recipes import (
     amax_to_scale,
@@ -129,7 +129,7 @@ def test_row_and_col_reference_layouts():
     assert qt.shape == (40, 24) and qt.is_contiguous() and s_m1.shape == (24, 1) and s_1n.shape == (1, 40)
     assert sqnr(q.float() / s_m1, x) > 25 and sqnr(qt.t().float() / s_1n, x) > 25
     offs = torch.tensor([8, 8, 24], dtype=torch.int32)
-    qj, s_ek = quantize_jagged_colwise_ref(x, offs, torch.float8_e4m3fn)
+    _, s_ek = quantize_jagged_colwise_ref(x, offs, torch.float8_e4m3fn)
     assert s_ek.shape == (3, 40) and torch.isfinite(s_ek).all()  # empty group 1 stays finite
     assert torch.equal(s_ek[0], quantize_rowwise_ref(x[:8], torch.float8_e4m3fn, 0)[1][0])
 
