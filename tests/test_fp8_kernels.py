@@ -229,6 +229,7 @@ def _interp_rowwise(interp, fp8_dtype, pow2):
 def _interp_rowwise_looped_and_strided(interp, monkeypatch):
     """Rows longer than one register tile (two loops over N), and a transposed (non-contiguous) input."""
     monkeypatch.setattr(interp, "ROWWISE_MAX_TILE", 32)
+    monkeypatch.setattr(interp, "ROWWISE_MAX_ROW", 32)
     x = make_x(5, 77, seed=6)
     assert interp.rowwise_tile(77) == (1, 32, False)
     got, s = fk.quantize_rowwise(x, torch.float8_e4m3fn, use_triton=True)
