@@ -27,6 +27,11 @@ _HP_LEAF_NAMES = frozenset({"output", "lm_head", "head", "gate", "router"})
 _FP8_OP = "_fp8_grouped_op"
 _HP_OP = "_fp8_hp_grouped_mm"
 _RECIPE_ATTR = "_fp8_recipe_name"
+_HP_ALIGN = "_fp8_hp_token_group_align"
+
+# Rows per expert group the FP8 grouped GEMM needs (its grad-weight GEMM contracts over tokens, 16-element
+# aligned). Modules that expose `token_group_align` get it raised to this while in fp8.
+FP8_TOKEN_GROUP_ALIGN = 16
 
 
 def default_module_filter(name: str, module: nn.Module) -> bool:
@@ -77,7 +82,9 @@ def convert_to_fp8(
             setattr(module, _HP_OP, module.grouped_mm)
             setattr(module, _FP8_OP, Fp8GroupedMM())
             setattr(module, _RECIPE_ATTR, rec.name)
-            module.grouped_mm = getattr(module, _FP8_OP)
+            if hasattr(module, "token_group_align"):
+                setattr(module, _HP_ALIGN, module.token_group_align)
+            _set_module(module, True)
     for parent, child, module in swaps:
         setattr(parent, child, Float8Linear.from_float(module, rec))
     return model
@@ -101,6 +108,9 @@ def _set_module(module: nn.Module, fp8: bool) -> None:
         module.fp8_enabled = fp8
     else:
         module.grouped_mm = getattr(module, _FP8_OP) if fp8 else getattr(module, _HP_OP)
+        if hasattr(module, _HP_ALIGN):
+            hp_align = getattr(module, _HP_ALIGN)
+            module.token_group_align = max(hp_align, FP8_TOKEN_GROUP_ALIGN) if fp8 else hp_align
 
 
 def _module_is_fp8(module: nn.Module) -> bool:
@@ -173,7 +183,8 @@ def fp8_health(model: nn.Module) -> dict[str, torch.Tensor]:
         if not _module_is_fp8(module):
             continue
         if isinstance(module, Float8Linear):
-            stats.append(module.fp8_health_stats)
+            if module.fp8_health_valid:
+                stats.append(module.fp8_health_stats)
         else:
             last = getattr(module, _FP8_OP).last_stats
             if last is not None:

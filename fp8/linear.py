@@ -163,6 +163,8 @@ class Float8Linear(nn.Linear):
         self.recipe: Recipe = get_recipe(recipe)
         self.fp8_enabled: bool = True
         self.emulate: bool | None = None
+        # The health buffer holds garbage after to_empty() until a forward in fp8 writes it.
+        self.fp8_health_valid: bool = False
         # Non-persistent: checkpoints of converted and plain models have identical keys.
         self.register_buffer("fp8_health_stats", torch.zeros(3, device=device), persistent=False)
 
@@ -196,6 +198,8 @@ class Float8Linear(nn.Linear):
         y_MN, stats = _Fp8LinearFn.apply(x_MK, w, self.recipe, backend, use_scaled_mm)
         with torch.no_grad():
             self.fp8_health_stats.copy_(stats)
+        if not self.fp8_health_valid:
+            self.fp8_health_valid = True
         y = y_MN.reshape(*x.shape[:-1], self.out_features)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)

@@ -25,6 +25,7 @@ class TinyExperts(nn.Module):
         self.w3 = nn.Parameter(torch.randn(E, DIM, HID) / DIM**0.5)
         self.w2 = nn.Parameter(torch.randn(E, HID, DIM) / HID**0.5)
         self.grouped_mm = torch._grouped_mm  # the swap point
+        self.token_group_align = 1  # rows per group the routing pads to (raised by fp8)
 
     def forward(self, x_MD, offs_E):
         h_MH = F.silu(self.grouped_mm(x_MD, self.w1, offs_E)) * self.grouped_mm(x_MD, self.w3, offs_E)
@@ -137,9 +138,11 @@ def test_fp8_mode_is_close_but_not_identical():
 
 def test_set_precision_scope_and_state_roundtrip():
     model = fp8.convert_to_fp8(build(), "tensorwise")
+    assert model.layers["1"].experts.token_group_align == 16
     changed = fp8.set_precision(model, "bf16", scope=["layers.1"])
     assert changed == ["layers.1.wq", "layers.1.wo", "layers.1.experts"]
     assert model.layers["1"].experts.grouped_mm is torch._grouped_mm
+    assert model.layers["1"].experts.token_group_align == 1 and model.layers["0"].experts.token_group_align == 16
     assert model.layers["0"].wq.fp8_enabled and not model.layers["1"].wq.fp8_enabled
     state = fp8.precision_state(model)
     assert state["recipe"] == "tensorwise"
@@ -174,6 +177,7 @@ def test_optimizer_state_untouched():
 
 def test_fp8_health_aggregates_on_device():
     model = fp8.convert_to_fp8(build(torch.float32), "tensorwise")
+    assert fp8.fp8_health(model)["amax_max"].item() == 0.0  # nothing ran yet: no garbage from buffers
     loss_of(model)
     h = fp8.fp8_health(model)
     assert set(h) == {"saturated_frac", "underflow_frac", "amax_max"}
