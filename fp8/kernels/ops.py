@@ -7,8 +7,8 @@ autograd.Function, where grad mode is off.
 
 Each op runs the Triton kernel when Triton can run on the input's device (CUDA/ROCm, or CPU under the
 interpreter) and the pure-PyTorch reference otherwise, so a compiled model also runs on a CPU-only machine.
-The launchers are looked up on the `quantize` module at call time, so a test that reloads that module under
-TRITON_INTERPRET=1 redirects these ops too.
+In eager mode fp8.kernels calls the launchers directly (the dispatcher costs host time); these ops are what
+torch.compile sees.
 """
 
 from __future__ import annotations

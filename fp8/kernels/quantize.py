@@ -8,7 +8,7 @@ Kernels (all memory-bound: the work is one or two reads of x and one write per f
   the scale is computed in-kernel from the amax, so no scale kernel). With a given amax only the cast runs.
 - rowwise: `_rowwise_kernel`, one read of x: a program holds BM whole rows in registers when N fits one tile,
   else it loops over N twice (the second loop mostly hits L2).
-- rowwise + colwise: `_row_col_amax_kernel` (one read, row amax exact per program, column amax via int32 atomics)
+- rowwise + colwise: `_row_col_amax_kernel` (one read, row and column amax merged with relaxed int32 atomics)
   then `_row_col_cast_kernel` (one read, writes the row-scaled fp8 row-major and the column-scaled fp8 transposed).
   Column scales need every row, so two reads of x is the floor for full-column scales.
 - jagged per expert: `_jagged_amax_kernel` then `_jagged_cast_kernel`, each over (column block, chunk of at most
@@ -544,6 +544,3 @@ def quantize_jagged_per_expert_triton(
                               num_warps=JAGGED_WARPS, **_grid_consts(fp8_dtype))
     return out, scale_EK
 
-
-def env_interpret_requested() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
