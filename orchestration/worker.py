@@ -292,6 +292,7 @@ class Trainer:
             step_range = [self.state.cursor, self.state.cursor + job.train.global_batch_size]
             if action == "proceed":
                 self.optimizer.step()
+                self.update_router_bias()
                 self.state.consumed_ranges = merge_ranges(self.state.consumed_ranges + [step_range])
             else:  # skipped: the bad step never updates the weights
                 self.state.skipped_ranges = merge_ranges(self.state.skipped_ranges + [step_range])
@@ -312,6 +313,20 @@ class Trainer:
         if status == "completed":
             self.save_checkpoint()
         return status
+
+    def update_router_bias(self) -> None:
+        """DeepSeek-V3 aux-loss-free balancing: one bias update per kept step from the expert loads of all ranks."""
+        update = getattr(self.model, "update_load_balance_bias", None)
+        if update is None:
+            return
+        if self.world_size > 1:
+            def all_ranks_sum(counts: torch.Tensor) -> torch.Tensor:
+                torch.distributed.all_reduce(counts)
+                return counts
+
+            update(all_ranks_sum)
+        else:
+            update()
 
     def maybe_mark_good(self) -> None:
         """A checkpoint is good once monitor.good_after_steps steps after it passed the monitors (DESIGN.md)."""

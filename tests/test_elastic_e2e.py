@@ -25,10 +25,10 @@ from tests.conftest import REPO, launch, which_ray
 
 pytestmark = pytest.mark.slow
 
-STEPS = 800
-GLOBAL_BATCH = 8
+STEPS = 500
+GLOBAL_BATCH = 16
 COMMON = ["model=debug_dense", "precision=bf16", "precision.compute_dtype=float32", f"train.steps={STEPS}",
-          f"train.global_batch_size={GLOBAL_BATCH}", "train.micro_batch_size=4", "data.seq_len=64",
+          f"train.global_batch_size={GLOBAL_BATCH}", "train.micro_batch_size=8", "data.seq_len=128",
           "train.warmup_steps=10", "train.log_every=1", "checkpoint.every_steps=20", "logging.wandb=false",
           "logging.progress_every_s=10", "monitor=off"]
 # Monitors off: these tests compare trajectories to 1e-3, and a detector decision at a borderline value could

@@ -1,0 +1,298 @@
+"""End-to-end training step on one GPU: bf16 vs our FP8 recipes vs torchao, with our monitors in our timings.
+
+    PYTHONUNBUFFERED=1 python3 benchmarks/train_step.py --out $OUT [--configs dense,moe] [--loss-steps 150]
+
+One step = forward, cross-entropy, backward, grad-norm clip, divergence check (ours: fp8 health + StepMonitor +
+agreement + policy, exactly what the worker loop runs), AdamW step, zero_grad. No Ray (not on the GPU image).
+Both sides compiled per transformer block (torch.compile, as torchtitan does). Timed with CUDA events over
+`--steps` steps after warm-up; the median per-step time gives tokens/s and MFU (model FLOPs / datasheet peak of the
+precision in use). Also a short real-data run (bytes of the Python standard library) comparing the FP8 loss with
+BF16's at the same step. Writes train_step.json to --out.
+
+Configurations (ISSUE 9):
+- dense: Llama3-8B layers at full width (dim 4096, GQA 32/8, ffn 14336, vocab 128256), reduced depth, seq 8192, bs 1
+- moe:   DeepSeek-MoE-16B layers at full width (64 routed experts of 1408, top-6, 2 shared), reduced depth, 16384
+         tokens per step (bs 4 x seq 4096)
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+import os
+import statistics
+import sys
+import time
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import torch._dynamo  # noqa: E402
+
+torch._dynamo.config.recompile_limit = 1024
+torch._dynamo.config.accumulated_recompile_limit = 4096
+
+from benchmarks.common import env_info, write_json  # noqa: E402
+
+CONFIGS = {
+    # Variant order is priority order: a time budget stops starting new ones (skips are recorded).
+    "dense": {"model": "llama3_8b", "overrides": {"n_layers": 8}, "batch": 1, "seq": 8192,
+              "variants": ["bf16", "ours:tensorwise", "torchao:tensorwise", "ours:rowwise", "torchao:rowwise",
+                           "ours_nomon:tensorwise", "ours:rowwise_gw_hp"]},
+    "moe": {"model": "deepseek_moe16b", "overrides": {"n_layers": 4}, "batch": 4, "seq": 4096,
+            "variants": ["bf16", "ours:rowwise", "torchao:moe", "ours_nomon:rowwise", "ours:tensorwise"]},
+}
+
+
+def build(model_name: str, overrides: dict, variant: str, device: torch.device, compile_blocks: bool,
+          dtype: torch.dtype = torch.bfloat16):
+    from models.registry import build_model
+
+    model = build_model(model_name, device="meta", overrides=overrides)
+    model.to_empty(device=device)
+    model.init_weights(seed=0)
+    # Throughput: bf16 parameters on every side (AdamW states in bf16 too, the same for all). Loss parity: fp32
+    # master weights under bf16 autocast, as the worker loop trains.
+    model.to(dtype)
+    impl, _, recipe = variant.partition(":")
+    if impl in ("ours", "ours_nomon"):
+        import fp8
+
+        fp8.convert_to_fp8(model, recipe)
+    elif impl == "torchao":
+        convert_torchao(model, recipe)
+    if compile_blocks:
+        for block in model.layers.values():
+            block.compile()
+    return model
+
+
+def convert_torchao(model, recipe: str) -> None:
+    if recipe == "moe":
+        # torchao's MoE FP8 training: wraps expert weights so torch._grouped_mm dispatches to its FP8 path.
+        from torchao.prototype.moe_training.conversion_utils import MoETrainingConfig
+        from torchao.quantization import quantize_
+
+        def only_experts(module, fqn):
+            return fqn.endswith("experts")
+
+        quantize_(model, config=MoETrainingConfig(), filter_fn=only_experts)
+        return
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    name = {"tensorwise": "tensorwise", "rowwise": "rowwise", "rowwise_gw_hp": "rowwise_with_gw_hp"}[recipe]
+    config = Float8LinearConfig.from_recipe_name(name)
+
+    def keep(module, fqn):  # same filter as ours: no output head, no router, 16-aligned dims
+        return "output" not in fqn and "gate" != fqn.rsplit(".", 1)[-1] and \
+            module.in_features % 16 == 0 and module.out_features % 16 == 0
+
+    convert_to_float8_training(model, config=config, module_filter_fn=keep)
+
+
+class Guard:
+    """The worker loop's divergence check, world size 1 (agree() is the identity plus its one host read)."""
+
+    def __init__(self, fp8_model: bool):
+        from orchestration.monitor import MonitorConfig, StepMonitor
+        from orchestration.policy import DivergencePolicy
+
+        self.fp8_model = fp8_model
+        self.monitor = StepMonitor(MonitorConfig())
+        self.policy = DivergencePolicy(MonitorConfig(), precision="fp8" if fp8_model else "bf16")
+
+    def check(self, model, loss, grad_norm, step):
+        from orchestration.agreement import agree
+
+        health = None
+        if self.fp8_model:
+            import fp8
+
+            health = fp8.fp8_health(model)
+        verdict = self.monitor.local_verdict(loss, grad_norm, health)
+        report = self.monitor.evaluate(agree(verdict), step)
+        return self.policy.decide(report, step)
+
+
+def make_step(model, optimizer, guard: Guard | None):
+    state = {"step": 0}
+
+    def step(inputs, targets):
+        logits = model(inputs)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten()) + model.aux_loss()
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if guard is not None:
+            decision = guard.check(model, loss.detach(), grad_norm, state["step"])
+            if decision.applies_update:
+                optimizer.step()
+        else:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        state["step"] += 1
+        return loss.detach()
+
+    return step
+
+
+def time_steps(step, batches, warmup: int, steps: int) -> list[float]:
+    for i in range(warmup):
+        step(*batches[i % len(batches)])
+    torch.cuda.synchronize()
+    times = []
+    for i in range(steps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step(*batches[i % len(batches)])
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return times
+
+
+def random_batches(vocab: int, batch: int, seq: int, device, n: int = 3):
+    g = torch.Generator(device="cpu").manual_seed(0)
+    out = []
+    for _ in range(n):
+        tokens = torch.randint(0, vocab, (batch, seq + 1), generator=g)
+        out.append((tokens[:, :-1].to(device), tokens[:, 1:].to(device)))
+    return out
+
+
+def bench_config(name: str, cfg: dict, args, device) -> dict:
+    from models.planning import plan_model
+    from orchestration.mfu import compute_mfu, peak_flops_per_s
+
+    plan = plan_model(cfg["model"], world_size=1, seq_len=cfg["seq"], micro_batch=cfg["batch"],
+                      overrides=cfg["overrides"])
+    tokens = cfg["batch"] * cfg["seq"]
+    rows = []
+    for variant in cfg["variants"]:
+        if args.only and variant not in args.only.split(","):
+            continue
+        row = {"config": name, "variant": variant}
+        if time.time() - START > args.budget_s:
+            row["error"] = f"skipped: time budget of {args.budget_s:.0f} s spent"
+            rows.append(row)
+            continue
+        t0 = time.time()
+        try:
+            torch.manual_seed(0)
+            model = build(cfg["model"], cfg["overrides"], variant, device, compile_blocks=not args.eager)
+            vocab = model.args.vocab_size
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+            impl = variant.split(":")[0]
+            guard = Guard(fp8_model=impl == "ours") if impl == "ours" else None
+            step = make_step(model, optimizer, guard)
+            times = time_steps(step, random_batches(vocab, cfg["batch"], cfg["seq"], device), args.warmup,
+                               args.steps)
+            ms = statistics.median(times)
+            precision = "bf16" if impl == "bf16" else "fp8"
+            peak = peak_flops_per_s(torch.cuda.get_device_name(device), "bf16")
+            row.update(ms=ms, ms_min=min(times), tokens_per_s=tokens / (ms / 1e3),
+                       mfu_bf16_peak=compute_mfu(plan.flops_per_token, tokens / (ms / 1e3), peak),
+                       precision=precision, max_mem_gib=torch.cuda.max_memory_allocated(device) / 2**30,
+                       setup_s=round(time.time() - t0, 1))
+        except Exception as exc:  # record and go on: one failing variant must not lose the others
+            row["error"] = f"{type(exc).__name__}: {exc}"
+            traceback.print_exc()
+        rows.append(row)
+        print(f"[{name}] {variant:24s} " + (f"{row['ms']:8.2f} ms  {row['tokens_per_s']:10,.0f} tok/s"
+                                             if "ms" in row else row["error"][:200]), flush=True)
+        model = optimizer = step = None
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    base = next((r for r in rows if r["variant"] == "bf16" and "ms" in r), None)
+    for r in rows:
+        if base and "ms" in r:
+            r["speedup_vs_bf16"] = base["ms"] / r["ms"]
+    return {"config": name, "model": cfg["model"], "overrides": cfg["overrides"], "batch": cfg["batch"],
+            "seq": cfg["seq"], "tokens_per_step": tokens, "flops_per_token": plan.flops_per_token,
+            "total_params": plan.total_params, "active_params": plan.active_params, "rows": rows}
+
+
+def loss_parity(args, device) -> dict:
+    """Short real-data run: FP8 loss vs BF16 loss at the same steps (same init, same data order)."""
+    from orchestration.data import ByteTextDataset, collect_text_files, python_stdlib_dir
+
+    files = collect_text_files(python_stdlib_dir(), "*.py", 400)
+    seq, batch = 1024, 8
+    data = ByteTextDataset(files, seq, seed=1234)
+    overrides = {"n_layers": 4, "vocab_size": 256, "max_seq_len": seq}
+    curves = {}
+    for variant in ("bf16", "ours:tensorwise"):
+        torch.manual_seed(0)
+        model = build("llama3_1b", overrides, variant, device, compile_blocks=not args.eager, dtype=torch.float32)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1,
+                                      fused=True)
+        warm = 20
+        sched = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / args.loss_steps))))
+        losses = []
+        for s in range(args.loss_steps):
+            inputs, targets = data.batch(s * batch, (s + 1) * batch)
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                logits = model(inputs.to(device))
+            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.to(device).flatten())
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            sched.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+        curves[variant] = losses
+        print(f"[loss] {variant:18s} first {losses[0]:.4f} last10 {statistics.mean(losses[-10:]):.4f}", flush=True)
+        model = optimizer = None
+        gc.collect()
+        torch.cuda.empty_cache()
+    ref = statistics.mean(curves["bf16"][-10:])
+    summary = {v: {"last10_mean": statistics.mean(c[-10:]),
+                   "rel_diff_vs_bf16": (statistics.mean(c[-10:]) - ref) / ref} for v, c in curves.items()}
+    return {"steps": args.loss_steps, "seq": seq, "batch": batch, "model": "llama3_1b shape, 4 layers, byte vocab",
+            "summary": summary, "curves": curves}
+
+
+START = time.time()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--configs", default="dense,loss,moe", help="dense, moe and loss (the loss-parity run)")
+    ap.add_argument("--only", default="", help="comma-separated variants to run (default all)")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=4)
+    ap.add_argument("--loss-steps", type=int, default=150)
+    ap.add_argument("--eager", action="store_true")
+    ap.add_argument("--budget-s", type=float, default=1e9, help="start no new variant after this many seconds")
+    args = ap.parse_args()
+    assert torch.cuda.is_available(), "benchmarks/train_step.py needs a CUDA GPU"
+    device = torch.device("cuda", 0)
+    result = {"command": "python3 " + " ".join(sys.argv), "env": env_info(), "configs": []}
+    for name in args.configs.split(","):
+        if name == "loss":
+            if args.loss_steps > 0 and time.time() - START < args.budget_s:
+                result["loss_parity"] = loss_parity(args, device)
+        elif name:
+            result["configs"].append(bench_config(name, CONFIGS[name], args, device))
+        write_json(os.path.join(args.out, "train_step.json"), result)
+    print("\nconfig  variant                  ms/step   tokens/s   vs bf16")
+    for c in result["configs"]:
+        for r in c["rows"]:
+            if "ms" in r:
+                print(f"{c['config']:6s}  {r['variant']:24s} {r['ms']:8.2f} {r['tokens_per_s']:10,.0f}  "
+                      f"{r.get('speedup_vs_bf16', float('nan')):.3f}x")
+            else:
+                print(f"{c['config']:6s}  {r['variant']:24s} ERROR {r['error'][:80]}")
+    if "loss_parity" in result:
+        for v, s in result["loss_parity"]["summary"].items():
+            print(f"loss  {v:18s} last10 {s['last10_mean']:.4f}  rel diff vs bf16 {s['rel_diff_vs_bf16']:+.4%}")
+
+
+if __name__ == "__main__":
+    main()
