@@ -70,6 +70,10 @@ class ClusterConfig:
     max_failures: int = 3
     worker_group_start_timeout_s: float = 60.0
     health_check_interval_s: float = 0.2
+    # How often a healthy elastic group checks whether more workers could run (Ray's default is 60 s). A grow
+    # restarts the group from the latest checkpoint, so checking much more often than checkpoints are written
+    # buys nothing.
+    elastic_resize_interval_s: float = 60.0
 
 
 @dataclass
@@ -188,6 +192,7 @@ def validate(job: JobConfig) -> None:
     _require(c.max_failures >= 0, "cluster.max_failures", "must be >= 0 (-1 is not supported: bound restarts)")
     _require(c.worker_group_start_timeout_s > 0, "cluster.worker_group_start_timeout_s", "must be > 0")
     _require(c.health_check_interval_s > 0, "cluster.health_check_interval_s", "must be > 0")
+    _require(c.elastic_resize_interval_s >= 0, "cluster.elastic_resize_interval_s", "must be >= 0")
     if c.storage_path is not None and "://" not in c.storage_path:
         _require(os.path.isabs(c.storage_path), "cluster.storage_path",
                  f"must be absolute (Ray workers run in another cwd), got '{c.storage_path}'")

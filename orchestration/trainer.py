@@ -64,6 +64,7 @@ class RayPlan:
     max_failures: int
     backend: str
     address: str | None
+    elastic_resize_interval_s: float
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -79,7 +80,8 @@ def ray_plan(job: JobConfig, run_name: str, run_root: Path) -> RayPlan:
     return RayPlan(num_workers=(c.min_workers, c.max_workers) if elastic else c.min_workers, use_gpu=use_gpu,
                    resources_per_worker=resources, storage_path=ray_storage_path(job, run_root), name=run_name,
                    max_failures=c.max_failures, backend="nccl" if use_gpu else "gloo",
-                   address=c.address or os.environ.get("RAY_ADDRESS"))
+                   address=c.address or os.environ.get("RAY_ADDRESS"),
+                   elastic_resize_interval_s=c.elastic_resize_interval_s)
 
 
 class ProgressPrinter:
@@ -168,7 +170,8 @@ def run_job(job: JobConfig) -> dict[str, Any]:
             train_loop_config={"job": to_dict(job), "run_dir": str(run_dir.path), "run_name": run_name,
                                "env": worker_env(job)},
             scaling_config=ScalingConfig(num_workers=plan.num_workers, use_gpu=plan.use_gpu,
-                                         resources_per_worker=plan.resources_per_worker),
+                                         resources_per_worker=plan.resources_per_worker,
+                                         elastic_resize_monitor_interval_s=plan.elastic_resize_interval_s),
             torch_config=TorchConfig(backend=plan.backend),
             run_config=RunConfig(name=run_name, storage_path=plan.storage_path,
                                  failure_config=FailureConfig(max_failures=plan.max_failures),

@@ -122,7 +122,7 @@ def test_lose_a_node_shrink_then_grow_back(tmp_path, reference_loss):
         run_dir = tmp_path / "elastic"
         args = [sys.executable, str(REPO / "launch.py"), *COMMON, f"run_root={tmp_path}", "run_name=elastic",
                 f"cluster.address={cluster.address}", "cluster.min_workers=1", "cluster.max_workers=2",
-                "cluster.worker_group_start_timeout_s=30"]
+                "cluster.worker_group_start_timeout_s=30", "cluster.elastic_resize_interval_s=10"]
         log = open(tmp_path / "driver.log", "w")
         driver = subprocess.Popen(args, cwd=REPO, env=cluster.env, stdout=log, stderr=subprocess.STDOUT)
         wait_for(lambda: any(e["world_size"] == 2 for e in events_of(run_dir, "worker_group_start")), 180,
