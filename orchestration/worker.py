@@ -22,7 +22,7 @@ from orchestration.config import JobConfig, from_dict
 from orchestration.data import ByteTextDataset, collect_text_files, python_stdlib_dir
 from orchestration.distributed import all_reduce_grads_if_unsharded, init_distributed, parallelize
 from orchestration.elastic import BatchPlan, count_in_ranges, merge_ranges, plan_batch
-from orchestration.events import EVENTS_FILE, FINAL_STATE_FILE, RunDir, read_jsonl
+from orchestration.events import EVENTS_FILE, FINAL_STATE_FILE, METRICS_FILE, RunDir, read_jsonl
 from orchestration.guard import StepGuard
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -178,12 +178,18 @@ class Trainer:
                    recipe=self.recipe)
         if info is not None:
             last_group = [e for e in previous if e["event"] == "worker_group_start"]
-            last_seen = max((e["time"] for e in previous), default=time.time())
+            # Last sign of life of the previous group: its newest event or metrics line.
+            last_metrics = read_jsonl(self.run_dir.path / METRICS_FILE)[-1:]
+            last_seen = max([e["time"] for e in previous] + [m["time"] for m in last_metrics if "time" in m],
+                            default=time.time())
             unfinished = bool(last_group) and not any(
                 e["event"] == "run_end" and e["time"] >= last_group[-1]["time"] for e in previous)
             if unfinished:
-                self.event("worker_lost", previous_world_size=last_group[-1]["world_size"],
-                           world_size=self.world_size, last_event_time=last_seen)
+                # Ray Train restarted the group: smaller or equal size = a worker was lost (node gone, process
+                # crashed); larger = the cluster gained room and the elastic policy grew the group.
+                before = last_group[-1]["world_size"]
+                self.event("worker_lost" if self.world_size <= before else "workers_added",
+                           previous_world_size=before, world_size=self.world_size, last_seen_time=last_seen)
             self.event("resume", from_step=self.state.step, world_size=self.world_size,
                        checkpoint=str(info.path), downtime_s=round(time.time() - last_seen, 3),
                        setup_s=round(self.setup_s, 3), checkpoint_load_s=round(load_s, 3))

@@ -51,7 +51,7 @@ def test_default_job_end_to_end(tmp_path, isolated_env, no_ray_leftovers):
 
 def test_resume_same_run_name_repeats_no_step(tmp_path, isolated_env, no_ray_leftovers):
     common = [f"run_root={tmp_path / 'runs'}", "run_name=resumed", "model=debug_dense", "checkpoint.every_steps=10",
-              "train.log_every=1", "logging.wandb=false", "train.warmup_steps=2"]
+              "train.log_every=1", "train.warmup_steps=2"]
     first = launch(isolated_env, *common, "train.steps=20")
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     second = launch(isolated_env, *common, "train.steps=30")
@@ -64,6 +64,16 @@ def test_resume_same_run_name_repeats_no_step(tmp_path, isolated_env, no_ray_lef
     assert steps == list(range(1, 31)), steps  # every step once, none repeated
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["final_step"] == 30 and summary["consumed_ranges"] == [[0, 30 * 16]]
+
+    # One W&B run across both starts: the same id resumed, its offline history equal to metrics.jsonl.
+    from orchestration.wandb_logger import offline_segments, read_offline_history
+
+    assert len(offline_segments(run_dir)) == 2
+    metrics = {m["step"]: m for m in read_jsonl(run_dir / "metrics.jsonl")}
+    history = [row for row in read_offline_history(run_dir) if "loss" in row]
+    assert [row["step"] for row in history] == list(range(1, 31))
+    for row in history:
+        assert row["loss"] == pytest.approx(metrics[row["step"]]["loss"], rel=1e-6)
 
 
 def test_ctrl_c_stops_workers_and_leaves_no_ray_processes(tmp_path, isolated_env, no_ray_leftovers):

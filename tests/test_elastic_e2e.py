@@ -81,37 +81,51 @@ def last_step(run_dir: Path) -> int:
 
 
 class LoopbackCluster:
-    """A head node and one worker node, one CPU each, as separate `ray start` processes."""
+    """A head node and one worker node, one CPU each, as separate `ray start --block` process groups, so each can
+    be killed alone (never `ray stop`, which would stop every Ray cluster on the machine)."""
 
     def __init__(self, tmp: Path):
         self.port = free_port()
         self.env = _env(tmp)
         self.ray = which_ray()
         self.node: subprocess.Popen | None = None
-        subprocess.run([self.ray, "start", "--head", f"--port={self.port}", "--num-cpus=1",
-                        "--include-dashboard=false", "--disable-usage-stats"], env=self.env, check=True,
-                       capture_output=True, timeout=120)
+        self.head = self._start(["--head", f"--port={self.port}", "--include-dashboard=false",
+                                 "--disable-usage-stats"])
+        wait_for(self._head_up, 120, "the head node's GCS port")
+
+    def _start(self, args: list[str]) -> subprocess.Popen:
+        return subprocess.Popen([self.ray, "start", "--num-cpus=1", "--block", *args], env=self.env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+
+    def _head_up(self) -> bool:
+        with socket.socket() as s:
+            return s.connect_ex(("127.0.0.1", self.port)) == 0
 
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
     def add_node(self) -> None:
-        self.node = subprocess.Popen([self.ray, "start", f"--address={self.address}", "--num-cpus=1", "--block"],
-                                     env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                     start_new_session=True)
+        self.node = self._start([f"--address={self.address}"])
+
+    @staticmethod
+    def _kill(proc: subprocess.Popen) -> None:
+        """SIGKILL the node's whole process group (raylet and its workers): a lost machine, no goodbye."""
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=30)
 
     def kill_node(self) -> None:
-        """SIGKILL the node's whole process group (raylet and its workers): a lost machine, no goodbye."""
         assert self.node is not None
-        os.killpg(self.node.pid, signal.SIGKILL)
-        self.node.wait(timeout=30)
+        self._kill(self.node)
         self.node = None
 
     def stop(self) -> None:
         if self.node is not None:
             self.kill_node()
-        subprocess.run([self.ray, "stop", "--force"], env=self.env, capture_output=True, timeout=120)
+        self._kill(self.head)
 
 
 def test_lose_a_node_shrink_then_grow_back(tmp_path, reference_loss):
