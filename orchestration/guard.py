@@ -29,7 +29,11 @@ class StepGuard:
         job = trainer.job
         self.enabled = job.monitor.enabled
         self.fp8_run = trainer.recipe is not None
-        self.monitor = StepMonitor(job.monitor)
+        # Per-block FP8 saturation slots let the policy fall back only the offending blocks (fallback_scope=layers).
+        self.layer_names: tuple[str, ...] = ()
+        if self.fp8_run and job.monitor.fallback_scope == "layers":
+            self.layer_names = tuple(f"layers.{name}" for name in trainer.model.layers.keys())
+        self.monitor = StepMonitor(job.monitor, self.layer_names)
         self.policy = DivergencePolicy(job.monitor, precision="fp8" if self.fp8_run else "bf16")
         self.faults = FaultInjector(job.faults, rank=trainer.rank, marker_dir=trainer.run_dir.path / "faults")
         self.last_bad_step: int | None = None
@@ -65,14 +69,16 @@ class StepGuard:
         t0 = time.perf_counter()
         t = self.trainer
         step = t.state.step
-        health = None
+        health, layer_health = None, None
         if self.fp8_run and self.policy.precision == "fp8":
             import fp8
 
             health = fp8.fp8_health(t.model)
-            health = self.faults.maybe_corrupt_fp8_health(health, step)
+            if self.layer_names:
+                layer_health = {name: fp8.fp8_health(t.model.get_submodule(name))["saturated_frac"]
+                                for name in self.layer_names}
         shadow = self.shadow_losses()
-        verdict = self.monitor.local_verdict(loss, grad_norm, health, shadow)
+        verdict = self.monitor.local_verdict(loss, grad_norm, health, shadow, layer_health)
         report = self.monitor.evaluate(agree(verdict), step)
         decision = self.policy.decide(report, step)
         self.check_seconds += time.perf_counter() - t0

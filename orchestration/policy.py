@@ -267,8 +267,11 @@ class DivergencePolicy:
         permanent = s.relapses >= cfg.max_relapses
         until = None if permanent else step + cfg.cooldown_steps
         s.cooldown_until = until
-        layers = [f.layer for f in evidence]
-        if cfg.fallback_scope == "layers" and all(layers):
+        layers = [f.layer for f in evidence if f.layer]
+        # The model-wide saturation finding is the aggregate of the per-layer ones: explained by them, it does not
+        # force a whole-model fallback. Any other unattributed finding (non-finite, spike, underflow) does.
+        unexplained = [f for f in evidence if not f.layer and f.detector != "fp8_saturation"]
+        if cfg.fallback_scope == "layers" and layers and not unexplained:
             # Only the FP8 layers named by the evidence go to BF16; the rest of the model stays FP8.
             s.bf16_scope = sorted(set(s.bf16_scope or []) | set(layers))
             s.recent_bad.clear()  # those layers are dealt with; later bad steps count anew

@@ -286,10 +286,15 @@ class Trainer:
             self.guard.faults.maybe_crash(self.state.step, self.rank)
             loss, weighted_loss, aux = self.forward_backward()
             self.guard.faults.maybe_corrupt_grads(self.model, self.state.step, self.rank)
+            local_norm = self.local_grad_norm()
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), job.train.grad_clip)
             if hasattr(grad_norm, "full_tensor"):
                 grad_norm = grad_norm.full_tensor()
-            action = self.guard.check(loss, grad_norm)
+            # The global norm is the same on every rank, so a NaN in one rank's shard would show everywhere and
+            # hide which rank produced it: a rank reports a non-finite norm only if its own shard is non-finite.
+            monitored_norm = torch.where(torch.isfinite(local_norm), torch.nan_to_num(grad_norm, nan=0.0, posinf=0.0),
+                                         local_norm)
+            action = self.guard.check(loss, monitored_norm)
             if action == "stop":
                 status = "stopped_divergence"
                 break
@@ -319,6 +324,14 @@ class Trainer:
         if status == "completed":
             self.save_checkpoint()
         return status
+
+    def local_grad_norm(self) -> torch.Tensor:
+        """L2 norm of this rank's gradient shards (no collective): one fused multi-tensor kernel."""
+        grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                 for p in self.model.parameters() if p.grad is not None]
+        if not grads:
+            return torch.zeros((), device=self.device)
+        return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)).float())
 
     def update_router_bias(self) -> None:
         """DeepSeek-V3 aux-loss-free balancing: one bias update per kept step from the expert loads of all ranks."""
