@@ -74,13 +74,15 @@ def build(model_name: str, overrides: dict, variant: str, device: torch.device, 
 def convert_torchao(model, recipe: str) -> None:
     if recipe == "moe":
         # torchao's MoE FP8 training: wraps expert weights so torch._grouped_mm dispatches to its FP8 path.
-        from torchao.prototype.moe_training.conversion_utils import MoETrainingConfig
+        # torchao 0.18: Float8TrainingOpConfig (prototype.moe_training.config), applied with quantize_.
+        from torchao.prototype.moe_training.config import Float8TrainingOpConfig
         from torchao.quantization import quantize_
 
         def only_experts(module, fqn):
             return fqn.endswith("experts")
 
-        quantize_(model, config=MoETrainingConfig(), filter_fn=only_experts)
+        quantize_(model, config=Float8TrainingOpConfig(pad_token_groups_for_grouped_mm=True),
+                  filter_fn=only_experts)
         return
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 

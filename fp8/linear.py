@@ -92,7 +92,15 @@ def health_stats(x_hp: torch.Tensor, x_fp8: torch.Tensor, scale: torch.Tensor, d
     step = max(1, x_hp.shape[0] // _HEALTH_SAMPLE_ROWS)
     xs_hp, xs_fp8 = x_hp.detach()[::step], x_fp8[::step].float()
     fp8_max = float(torch.finfo(dtype).max)
-    saturated = (xs_fp8.abs() >= fp8_max).float().mean()
+    # Saturated = clipped: the scaled value lay beyond the largest fp8 value by more than half a step there (it
+    # would not have rounded to max). Counting values *at* max would flag the amax element that every dynamic
+    # scale maps exactly onto max, a false alarm on healthy steps.
+    scale_s = scale.detach().float()
+    if scale_s.dim() > 0 and scale_s.shape[0] == x_hp.shape[0]:
+        scale_s = scale_s[::step]
+    mantissa_bits = 2 if dtype in (torch.float8_e5m2, torch.float8_e5m2fnuz) else 3
+    clip_limit = fp8_max * (1 + 2.0 ** -(mantissa_bits + 1))
+    saturated = (xs_hp.float().abs() * scale_s > clip_limit).float().mean()
     underflow = ((xs_hp != 0) & (xs_fp8 == 0)).float().mean()
     amax = fp8_max / scale.detach().float().min()
     return torch.stack([saturated, underflow, amax])

@@ -140,8 +140,23 @@ def test_health_stats_on_device_no_sync():
     _, _, _, mod = run_fp8("tensorwise", x, w, gy, emulate=True)
     sat, under, amax = mod.fp8_health_stats.tolist()
     assert amax == pytest.approx(x.abs().max().item(), rel=1e-6)
-    assert 0 < sat < 0.01  # only the amax element sits at +-448
+    assert sat == 0.0  # a dynamic scale maps amax onto +-448: nothing is clipped, even the outlier channel
     assert under > 0
+
+
+def test_health_stats_count_clipped_values_not_values_at_max():
+    from fp8.linear import health_stats
+
+    x = torch.randn(256, 64)
+    e4m3 = torch.float8_e4m3fn
+    exact = 448.0 / x.abs().max()
+    x_fp8 = (x * exact).clamp(-448, 448).to(e4m3)
+    assert health_stats(x, x_fp8, exact, e4m3)[0].item() == 0.0
+    stale = exact * 4  # a scale 4x too large (e.g. a delayed scale after the amax grew): values clip
+    x_fp8 = (x * stale).clamp(-448, 448).to(e4m3)
+    clipped = ((x * stale).abs() > 448 * 1.0625).float().mean().item()
+    assert clipped > 0.005
+    assert health_stats(x, x_fp8, stale, e4m3)[0].item() == pytest.approx(clipped, rel=0.5)
 
 
 def test_bias_and_leading_dims():
