@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -10,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from orchestration.config import REPO_ROOT, JobConfig, redact_secrets, to_dict
-from orchestration.events import METRICS_FILE, SUMMARY_FILE, RunDir, read_jsonl, summarize
+from orchestration.events import FINAL_STATE_FILE, METRICS_FILE, SUMMARY_FILE, RunDir, read_jsonl, summarize
 
 
 def default_run_name(job: JobConfig) -> str:
@@ -161,6 +162,9 @@ def run_job(job: JobConfig) -> dict[str, Any]:
 
     from orchestration.worker import train_loop
 
+    # Written by the workers when their loop ends; a stale one from an earlier start of this run must not make an
+    # aborted start look completed.
+    (run_dir.path / FINAL_STATE_FILE).unlink(missing_ok=True)
     started = start_ray(job, plan)
     progress = ProgressPrinter(run_dir.path, job.logging.progress_every_s, job.train.steps)
     status = "failed"
@@ -179,19 +183,19 @@ def run_job(job: JobConfig) -> dict[str, Any]:
         )
         progress.start()
         trainer.fit()
-        final = run_dir.path / "final_state.json"
-        status = "completed"
-        if final.exists():
-            import json
-
-            status = json.loads(final.read_text()).get("status", "completed")
-    except KeyboardInterrupt:
+        # Workers write final_state.json when their loop ends; a fit that returns without it was aborted
+        # (Ray Train's own SIGINT handler aborts the controller and lets fit() return or exit).
+        final = run_dir.path / FINAL_STATE_FILE
+        status = json.loads(final.read_text()).get("status", "completed") if final.exists() else "interrupted"
+    except (KeyboardInterrupt, SystemExit):
+        # Ray Train installs a SIGINT handler that aborts the run and may call sys.exit(0).
         status = "interrupted"
-        print("Interrupted: stopping workers and the Ray cluster.", flush=True)
     except Exception as exc:  # a failed fit (max_failures exhausted) still gets a summary
         status = "failed"
         print(f"Training failed: {type(exc).__name__}: {exc}", flush=True)
     finally:
+        if status == "interrupted":
+            print("Interrupted: stopping workers and the Ray cluster.", flush=True)
         progress.stop()
         run_dir.event("run_end", step=_last_step(run_dir.path), status=status)
         summary = summarize(run_dir.path, status, wall_time_s=round(time.time() - t_start, 2))
