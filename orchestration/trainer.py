@@ -133,7 +133,8 @@ def start_ray(job: JobConfig, plan: RayPlan) -> bool:
         started = False
     else:
         cpus = max(job.cluster.max_workers * job.cluster.cpus_per_worker + 1, os.cpu_count() or 1)
-        ctx = ray.init(num_cpus=int(cpus), runtime_env=runtime_env, include_dashboard=True,
+        # address="local": always a fresh cluster of our own, never a stray one found via /tmp/ray.
+        ctx = ray.init(address="local", num_cpus=int(cpus), runtime_env=runtime_env, include_dashboard=True,
                        dashboard_host="127.0.0.1", log_to_driver=True)
         started = True
     url = getattr(ctx, "dashboard_url", None)

@@ -103,3 +103,22 @@ def test_ctrl_c_stops_workers_and_leaves_no_ray_processes(tmp_path, isolated_env
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "interrupted"
     time.sleep(2)  # raylet/gcs exit asynchronously after ray.shutdown(); the fixture then checks none is left
+
+
+def test_same_worker_loop_under_torchrun_without_ray(tmp_path, isolated_env):
+    """The launcher the multi-GPU machines use (they cannot carry Ray): 2 processes, gloo, FSDP2, fp8."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           "-m", "orchestration.torchrun", f"run_root={tmp_path}", "run_name=tr", "model=debug_moe",
+                           "train.steps=30", "logging.wandb=false", "logging.ray_metrics=false"],
+                          cwd=REPO, env=isolated_env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "tr" / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["final_step"] == 30
+    assert summary["world_sizes_seen"] == [2]
+    assert summary["consumed_ranges"] == [[0, 30 * 16]]
+    assert summary["final_loss"] < summary["first_loss"] - 1.0

@@ -1,0 +1,65 @@
+"""The same worker loop without Ray, for machines that cannot carry Ray (the multi-GPU device image) or for
+debugging:
+
+    torchrun --nproc_per_node=8 -m orchestration.torchrun model=llama3_8b cluster.device=cuda run_name=x ...
+
+Hydra overrides as for launch.py. No elasticity here (torchrun restarts are up to the caller); everything else -
+FSDP2, FP8, monitors, checkpoints, the run directory - is the worker loop of a Ray run.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+from orchestration.config import REPO_ROOT, ConfigError, load_job_config, redact_secrets, to_dict
+
+
+def main(argv: list[str]) -> int:
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(REPO_ROOT / "conf"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=argv)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    # torchrun fixes the world size: the elastic range is this one size.
+    cfg.cluster.min_workers = cfg.cluster.max_workers = world
+    try:
+        job = load_job_config(cfg)
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
+
+    from orchestration.events import FINAL_STATE_FILE, SUMMARY_FILE, RunDir, summarize
+    from orchestration.trainer import default_run_name, print_summary, resolve_run_root
+    from orchestration.worker import train_loop
+
+    rank = int(os.environ.get("RANK", "0"))
+    run_name = job.run_name or os.environ.get("TORCHELASTIC_RUN_ID") or default_run_name(job)
+    run_dir = RunDir(resolve_run_root(job) / run_name)
+    t_start = time.time()
+    if rank == 0:
+        config = redact_secrets(to_dict(job))
+        config["run_name"] = run_name
+        run_dir.write_config(config)
+        (run_dir.path / FINAL_STATE_FILE).unlink(missing_ok=True)
+        run_dir.event("run_start", step=0, run_name=run_name, model=job.model.name, precision=job.precision.name,
+                      launcher="torchrun", world_size=world)
+        print(f"Run directory: {run_dir.path}", flush=True)
+    train_loop({"job": to_dict(job), "run_dir": str(run_dir.path), "run_name": run_name})
+    if rank == 0:
+        import json
+
+        final = run_dir.path / FINAL_STATE_FILE
+        status = json.loads(final.read_text()).get("status", "completed") if final.exists() else "failed"
+        run_dir.event("run_end", step=0, status=status)
+        summary = summarize(run_dir.path, status, wall_time_s=round(time.time() - t_start, 2))
+        summary["run_dir"] = str(run_dir.path)
+        run_dir.write_json(SUMMARY_FILE, summary)
+        print_summary(summary)
+        return 0 if status == "completed" else 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
