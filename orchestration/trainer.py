@@ -173,7 +173,7 @@ def run_job(job: JobConfig) -> dict[str, Any]:
         trainer = TorchTrainer(
             train_loop,
             train_loop_config={"job": to_dict(job), "run_dir": str(run_dir.path), "run_name": run_name,
-                               "env": worker_env(job)},
+                               "env": worker_env(job), "launcher": "ray"},
             scaling_config=ScalingConfig(num_workers=plan.num_workers, use_gpu=plan.use_gpu,
                                          resources_per_worker=plan.resources_per_worker,
                                          elastic_resize_monitor_interval_s=plan.elastic_resize_interval_s),

@@ -58,25 +58,6 @@ def lr_at(step: int, job: JobConfig) -> float:
     return t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def _in_ray() -> bool:
-    try:
-        import ray.train
-
-        ray.train.get_context().get_world_size()
-        return bool(os.environ.get("RAY_TRAIN_WORKER", "1")) and _ray_session_active()
-    except Exception:
-        return False
-
-
-def _ray_session_active() -> bool:
-    try:
-        import ray
-
-        return ray.is_initialized()
-    except Exception:
-        return False
-
-
 def build_dataset(job: JobConfig) -> ByteTextDataset:
     source = python_stdlib_dir() if job.data.source == "python_stdlib" else Path(job.data.source)
     files = collect_text_files(source, job.data.glob, job.data.max_files)
@@ -114,6 +95,8 @@ class Trainer:
         self.rank, self.world_size, self.device = self.info.rank, self.info.world_size, self.info.device
         self.run_dir = RunDir(config["run_dir"], self.rank)
         self.group_id = config.get("group_id") or f"{int(t_setup)}"
+        # Set by the Ray driver (orchestration.trainer); torchrun and in-process tests run without Ray reports.
+        self.under_ray = config.get("launcher") == "ray"
         self.plan: BatchPlan = plan_batch(job.train.global_batch_size, job.train.micro_batch_size, self.world_size)
         self.dataset = build_dataset(job)
         torch.manual_seed(job.train.seed)
@@ -230,7 +213,7 @@ class Trainer:
         return path
 
     def report_to_ray(self, path: Path | None) -> None:
-        if not (_in_ray() and self.job.checkpoint.report_to_ray):
+        if not (self.under_ray and self.job.checkpoint.report_to_ray):
             return
         import ray.train
 
@@ -399,7 +382,7 @@ class Trainer:
             final["status"] = status
             self.run_dir.write_json(FINAL_STATE_FILE, final)
         self.guard.finish(status)
-        if _in_ray():
+        if self.under_ray:
             import ray.train
 
             ray.train.report({"step": self.state.step, "status": status, "done": True})
