@@ -152,6 +152,7 @@ class Trainer:
         info = self.ckpt.latest(collective=True) if job.checkpoint.resume else None
         t_load = time.time()
         if info is not None:
+            self.check_resumable(info)
             extra = self.ckpt.load(info, self.model, self.optimizer, self.scheduler)
             self.restore_extra(extra)
         load_s = time.time() - t_load
@@ -180,6 +181,23 @@ class Trainer:
             # A step-0 checkpoint, good by definition: a rollback always has somewhere to go.
             self.save_checkpoint(good=True)
 
+    def check_resumable(self, info: Any) -> None:
+        """Refuse, with what to change, a checkpoint of another model or corpus (same run_name reused)."""
+        import json
+
+        from orchestration.checkpoint import EXTRA_STATE
+
+        extra = json.loads((Path(info.path) / EXTRA_STATE).read_text())
+        saved_model = extra.get("model")
+        if saved_model is not None and saved_model != self.job.model.name:
+            raise ValueError(f"run directory {self.run_dir.path} holds checkpoints of model '{saved_model}', not "
+                             f"'{self.job.model.name}': choose a new run_name (nothing was changed on disk)")
+        saved_data = extra.get("data_fingerprint")
+        if saved_data is not None and saved_data != self.dataset.fingerprint:
+            raise ValueError(f"run directory {self.run_dir.path} was trained on another corpus (fingerprint "
+                             f"{saved_data}, now {self.dataset.fingerprint}): resuming would not replay the same "
+                             "samples; restore data.* or choose a new run_name (nothing was changed on disk)")
+
     def restore_extra(self, extra: dict[str, Any]) -> None:
         self.state = TrainState.from_dict(extra["train_state"])
         if self.recipe is not None:
@@ -194,6 +212,7 @@ class Trainer:
 
     def extra_state(self) -> dict[str, Any]:
         extra: dict[str, Any] = {"train_state": self.state.to_dict(), "plan": self.plan.to_dict(),
+                                 "model": self.job.model.name,
                                  "guard": self.guard.state_dict(), "data_fingerprint": self.dataset.fingerprint}
         if self.recipe is not None:
             import fp8

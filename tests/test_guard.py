@@ -59,3 +59,16 @@ def test_shadow_check_compares_fp8_and_bf16_losses_without_false_alarm(tmp_path)
     import fp8
 
     assert set(fp8.precision_state(trainer.model)["modules"].values()) == {"fp8"}
+
+
+def test_resuming_a_run_of_another_model_is_refused_and_loses_nothing(tmp_path):
+    import pytest
+
+    first = make_trainer(tmp_path, "train.steps=2")
+    first.start()
+    assert first.run() == "completed"
+    checkpoints = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
+    other = make_trainer(tmp_path, "train.steps=2", "model=debug_moe")
+    with pytest.raises(ValueError, match="choose a new run_name"):
+        other.start()
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == checkpoints
