@@ -186,8 +186,11 @@ class StepGuard:
         if self.ray_metrics is not None:
             self.ray_metrics.record_event(record)
 
+    def policy_metrics(self) -> dict[str, Any]:
+        """Decision counters for metrics.jsonl, W&B and Ray (skips, fallbacks, retries, relapses, rollbacks)."""
+        return {f"policy_{k}": v for k, v in self.policy.counters().items() if k != "precision"}
+
     def on_metrics(self, record: dict[str, Any]) -> None:
-        record = {**record, **{f"policy_{k}": v for k, v in self.policy.counters().items() if k != "precision"}}
         if self.wandb is not None:
             self.wandb.log_metrics(record["step"], record)
         if self.ray_metrics is not None:

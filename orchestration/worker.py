@@ -370,7 +370,7 @@ class Trainer:
                   "lr": self.optimizer.param_groups[0]["lr"], "grad_norm": gn_v, "tokens_per_s": tokens_per_s,
                   "step_time_s": step_time_s, "world_size": self.world_size, "precision": self.state.precision,
                   "samples_consumed": count_in_ranges(self.state.consumed_ranges), "mfu": self.mfu(tokens_per_s),
-                  "time": time.time()}
+                  "time": time.time(), **self.guard.policy_metrics()}
         if self.rank == 0:
             self.run_dir.metrics(record)
             self.guard.on_metrics(record)

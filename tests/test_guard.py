@@ -47,6 +47,9 @@ def test_saturation_in_one_block_falls_back_only_that_block(tmp_path):
     assert all(v == "fp8" for k, v in modules.items() if not k.startswith("layers.1."))
     # The bad step never updated the weights; the other steps did.
     assert [e["step"] for e in events if e["event"] == "policy_decision"] == [2]
+    # The decision is reflected in metrics.jsonl from that step on.
+    metrics = {m["step"]: m for m in read_jsonl(tmp_path / "run" / "metrics.jsonl")}
+    assert metrics[2]["policy_fallbacks"] == 0 and metrics[3]["policy_fallbacks"] == 1
 
 
 def test_shadow_check_compares_fp8_and_bf16_losses_without_false_alarm(tmp_path):
