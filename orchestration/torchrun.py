@@ -47,6 +47,13 @@ def main(argv: list[str]) -> int:
                       launcher="torchrun", world_size=world)
         print(f"Run directory: {run_dir.path}", flush=True)
     train_loop({"job": to_dict(job), "run_dir": str(run_dir.path), "run_name": run_name})
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        # Tear gloo/NCCL down before interpreter exit: live communicator threads at exit abort the process
+        # ("terminate called without an active exception") and torchrun reports the run as failed.
+        dist.barrier()
+        dist.destroy_process_group()
     if rank == 0:
         import json
 
