@@ -265,10 +265,16 @@ def from_dict(data: dict[str, Any]) -> JobConfig:
 SECRET_MARKERS = ("key", "token", "password", "secret")
 
 
+def is_secret_key(key: Any) -> bool:
+    """The one rule for what counts as a credential (config.yaml masks it, W&B drops it)."""
+    k = str(key).lower()
+    return any(marker in k for marker in SECRET_MARKERS)
+
+
 def redact_secrets(data: Any) -> Any:
-    """Drop values whose key looks like a credential, recursively (config.yaml and W&B must never hold them)."""
+    """Mask values whose key looks like a credential, recursively (config.yaml must never hold them)."""
     if isinstance(data, dict):
-        return {k: ("<redacted>" if any(m in str(k).lower() for m in SECRET_MARKERS) else redact_secrets(v))
+        return {k: ("<redacted>" if is_secret_key(k) else redact_secrets(v))
                 for k, v in data.items()}
     if isinstance(data, list):
         return [redact_secrets(v) for v in data]

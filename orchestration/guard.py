@@ -170,10 +170,10 @@ class StepGuard:
             except Exception as exc:  # outside Ray (torchrun, tests) there is no metrics agent
                 print(f"[rank 0] Ray metrics disabled: {exc}", flush=True)
         if job.logging.wandb and job.logging.wandb_mode != "disabled":
-            from orchestration.config import redact_secrets, to_dict
+            from orchestration.config import to_dict
             from orchestration.wandb_logger import WandbRun, tags_from_config
 
-            config = redact_secrets(to_dict(job))
+            config = to_dict(job)  # WandbRun drops secrets itself
             if t.recipe:
                 config["precision"]["recipe"] = t.recipe  # the resolved recipe, not "auto"
             self.wandb = WandbRun(t.run_dir.path, config, project=job.logging.project,

@@ -13,7 +13,7 @@ import os
 import sys
 import time
 
-from orchestration.config import REPO_ROOT, ConfigError, load_job_config, redact_secrets, to_dict
+from orchestration.config import REPO_ROOT, ConfigError, load_job_config, to_dict
 
 
 def main(argv: list[str]) -> int:
@@ -30,22 +30,18 @@ def main(argv: list[str]) -> int:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
 
-    from orchestration.events import FINAL_STATE_FILE, SUMMARY_FILE, RunDir, summarize
-    from orchestration.trainer import default_run_name, print_summary, resolve_run_root
+    from orchestration.events import RunDir
+    from orchestration.trainer import (close_run_dir, default_run_name, final_status, open_run_dir, print_summary,
+                                       resolve_run_root)
     from orchestration.worker import train_loop
 
     rank = int(os.environ.get("RANK", "0"))
     run_name = job.run_name or os.environ.get("TORCHELASTIC_RUN_ID") or default_run_name(job)
-    run_dir = RunDir(resolve_run_root(job) / run_name)
     t_start = time.time()
     if rank == 0:
-        config = redact_secrets(to_dict(job))
-        config["run_name"] = run_name
-        run_dir.write_config(config)
-        (run_dir.path / FINAL_STATE_FILE).unlink(missing_ok=True)
-        run_dir.event("run_start", step=0, run_name=run_name, model=job.model.name, precision=job.precision.name,
-                      launcher="torchrun", world_size=world)
-        print(f"Run directory: {run_dir.path}", flush=True)
+        run_dir = open_run_dir(job, run_name, launcher="torchrun", world_size=world)
+    else:
+        run_dir = RunDir(resolve_run_root(job) / run_name)
     train_loop({"job": to_dict(job), "run_dir": str(run_dir.path), "run_name": run_name})
     import torch.distributed as dist
 
@@ -55,15 +51,8 @@ def main(argv: list[str]) -> int:
         dist.barrier()
         dist.destroy_process_group()
     if rank == 0:
-        import json
-
-        final = run_dir.path / FINAL_STATE_FILE
-        status = json.loads(final.read_text()).get("status", "completed") if final.exists() else "failed"
-        run_dir.event("run_end", step=0, status=status)
-        summary = summarize(run_dir.path, status, wall_time_s=round(time.time() - t_start, 2))
-        summary["run_dir"] = str(run_dir.path)
-        run_dir.write_json(SUMMARY_FILE, summary)
-        print_summary(summary)
+        status = final_status(run_dir) or "failed"
+        print_summary(close_run_dir(run_dir, status, t_start))
         return 0 if status == "completed" else 1
     return 0
 

@@ -143,19 +143,42 @@ def start_ray(job: JobConfig, plan: RayPlan) -> bool:
     return started
 
 
-def run_job(job: JobConfig) -> dict[str, Any]:
-    """The whole job on Ray; returns summary.json's content. Ctrl-C stops workers and the embedded cluster."""
-    run_name = job.run_name or default_run_name(job)
-    run_root = resolve_run_root(job)
-    run_dir = RunDir(run_root / run_name)
+def open_run_dir(job: JobConfig, run_name: str, **start_fields: Any) -> RunDir:
+    """Driver side of a start (Ray or torchrun): config.yaml, the run_start event, no stale final state."""
+    run_dir = RunDir(resolve_run_root(job) / run_name)
     config = redact_secrets(to_dict(job))
     config["run_name"] = run_name
     run_dir.write_config(config)
-    plan = ray_plan(job, run_name, run_root)
-    print(f"Run directory: {run_dir.path}", flush=True)
-    t_start = time.time()
+    # Written by the workers when their loop ends; a stale one from an earlier start of this run must not make an
+    # aborted start look completed.
+    (run_dir.path / FINAL_STATE_FILE).unlink(missing_ok=True)
     run_dir.event("run_start", step=0, run_name=run_name, model=job.model.name, precision=job.precision.name,
-                  ray=plan.to_dict())
+                  **start_fields)
+    print(f"Run directory: {run_dir.path}", flush=True)
+    return run_dir
+
+
+def final_status(run_dir: RunDir) -> str | None:
+    """The status the workers wrote when their loop ended; None when they never got there."""
+    final = run_dir.path / FINAL_STATE_FILE
+    return json.loads(final.read_text()).get("status", "completed") if final.exists() else None
+
+
+def close_run_dir(run_dir: RunDir, status: str, t_start: float) -> dict[str, Any]:
+    """The run_end event and summary.json, built from the run directory alone."""
+    run_dir.event("run_end", step=_last_step(run_dir.path), status=status)
+    summary = summarize(run_dir.path, status, wall_time_s=round(time.time() - t_start, 2))
+    summary["run_dir"] = str(run_dir.path)
+    run_dir.write_json(SUMMARY_FILE, summary)
+    return summary
+
+
+def run_job(job: JobConfig) -> dict[str, Any]:
+    """The whole job on Ray; returns summary.json's content. Ctrl-C stops workers and the embedded cluster."""
+    run_name = job.run_name or default_run_name(job)
+    plan = ray_plan(job, run_name, resolve_run_root(job))
+    t_start = time.time()
+    run_dir = open_run_dir(job, run_name, ray=plan.to_dict())
 
     import ray
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
@@ -163,9 +186,6 @@ def run_job(job: JobConfig) -> dict[str, Any]:
 
     from orchestration.worker import train_loop
 
-    # Written by the workers when their loop ends; a stale one from an earlier start of this run must not make an
-    # aborted start look completed.
-    (run_dir.path / FINAL_STATE_FILE).unlink(missing_ok=True)
     started = start_ray(job, plan)
     progress = ProgressPrinter(run_dir.path, job.logging.progress_every_s, job.train.steps)
     status = "failed"
@@ -186,8 +206,7 @@ def run_job(job: JobConfig) -> dict[str, Any]:
         trainer.fit()
         # Workers write final_state.json when their loop ends; a fit that returns without it was aborted
         # (Ray Train's own SIGINT handler aborts the controller and lets fit() return or exit).
-        final = run_dir.path / FINAL_STATE_FILE
-        status = json.loads(final.read_text()).get("status", "completed") if final.exists() else "interrupted"
+        status = final_status(run_dir) or "interrupted"
     except (KeyboardInterrupt, SystemExit):
         # Ray Train installs a SIGINT handler that aborts the run and may call sys.exit(0).
         status = "interrupted"
@@ -198,10 +217,7 @@ def run_job(job: JobConfig) -> dict[str, Any]:
         if status == "interrupted":
             print("Interrupted: stopping workers and the Ray cluster.", flush=True)
         progress.stop()
-        run_dir.event("run_end", step=_last_step(run_dir.path), status=status)
-        summary = summarize(run_dir.path, status, wall_time_s=round(time.time() - t_start, 2))
-        summary["run_dir"] = str(run_dir.path)
-        run_dir.write_json(SUMMARY_FILE, summary)
+        summary = close_run_dir(run_dir, status, t_start)
         if started:
             ray.shutdown()
     print_summary(summary)

@@ -38,13 +38,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Self
 
+from orchestration.config import is_secret_key
 from orchestration.events import EVENTS_FILE, METRICS_FILE, read_jsonl
 from orchestration.ray_metrics import precision_code  # one mapping for W&B and Ray
 
 log = logging.getLogger(__name__)
 
 RUN_ID_FILE = "wandb_run_id"
-SECRET_MARKERS = ("key", "token", "password", "secret")
 MODES = ("online", "offline", "disabled")
 # Events worth a W&B alert (online only: offline alerts would fire hours later at sync time).
 ALERT_EVENTS = ("divergence_detected", "rollback", "worker_lost")
@@ -55,11 +55,6 @@ EVENT_TABLE_COLUMNS = ["time", "event", "step", "rank", "details"]
 
 # ----------------------------------------------------------------------------------------------------------------
 # Pure helpers
-
-
-def is_secret_key(key: str) -> bool:
-    k = str(key).lower()
-    return any(marker in k for marker in SECRET_MARKERS)
 
 
 def scrub_secrets(value: Any) -> Any:
