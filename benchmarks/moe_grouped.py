@@ -4,12 +4,15 @@
 
 DeepSeek-MoE-16B routed experts (ANCHORS.md): 64 experts, dim 2048, expert hidden 1408, top-6 of 16384
 tokens = 98304 routed rows, groups padded to multiples of 16 rows (as the FP8 grouped GEMM wants). One step
-is the SwiGLU expert FFN forward + backward (grads of x, w1, w3, w2):
+is the models' GroupedExperts (models/deepseek_moe.py) forward + backward (grads of x, w13, w2):
 
-    h_MI = silu(gmm(x_MD, w1_EDI)) * gmm(x_MD, w3_EDI);  out_MD = gmm(h_MI, w2_EID)
+    y_MJ = gmm(x_MD, w13_EJD^T);  h_MI = silu(y[:, :I]) * y[:, I:];  out_MD = gmm(h_MI, w2_EDI^T)
 
-Our weights use the models' layout ([E, in, out] row-major); torchao gets its preferred column-major
-layout (a transposed [E, out, in] parameter), so no variant pays a layout copy it would not pay in training.
+Every variant runs that same module, weights stored [E, out, in] (torchtitan's layout, torchao's preferred one),
+swapping only its `grouped_mm`: bf16 torch._grouped_mm; ours fp8.Fp8GroupedMM with "global" (default),
+"per_expert" (ours_pe) or "hp" (ours_hp: bf16 weight gradient) grad-weight GEMMs; torchao's FP8 rowwise grouped
+GEMM. --breakdown also times each grouped GEMM
+alone (bf16 vs fp8 operands already cast) and each cast, so the step time can be split into GEMMs and casts.
 Writes moe_grouped.json to --out.
 
 Legend: M routed rows, D model dim, I expert hidden dim, E experts.
@@ -37,8 +40,9 @@ torch._dynamo.config.accumulated_recompile_limit = 4096
 
 from benchmarks.common import Budget, bench_ms, env_info, run_workers, sqnr_db, write_json
 
-CASES = ("bf16_compiled", "ours_eager", "ours_compiled", "torchao_compiled", "torchao_eager", "bf16_eager")
-COMPILED = ("bf16_compiled", "ours_compiled", "torchao_compiled")
+CASES = ("bf16_compiled", "ours_eager", "ours_compiled", "ours_pe_compiled", "ours_hp_compiled", "torchao_compiled",
+         "torchao_eager", "bf16_eager")
+COMPILED = ("bf16_compiled", "ours_compiled", "ours_pe_compiled", "ours_hp_compiled", "torchao_compiled")
 
 
 def group_offsets(m: int, e: int, align: int, device: str, seed: int = 0) -> torch.Tensor:
@@ -53,13 +57,16 @@ def group_offsets(m: int, e: int, align: int, device: str, seed: int = 0) -> tor
 
 
 def grouped_fn(impl: str):
-    """(x_MK, w, offs) -> out_MN for one implementation; w in that implementation's layout."""
+    """(x_MK, w_EKN, offs) -> out_MN for one implementation (w_EKN: the column-major view of [E, N, K])."""
     if impl.startswith("bf16"):
-        return lambda x, w, offs: torch._grouped_mm(x, w, offs)
+        from models.deepseek_moe import grouped_mm_hp
+
+        return grouped_mm_hp
     if impl.startswith("ours"):
         from fp8 import Fp8GroupedMM
 
-        return Fp8GroupedMM()
+        scaling = {"ours_pe": "per_expert", "ours_hp": "hp"}.get(impl.rsplit("_", 1)[0], "global")
+        return Fp8GroupedMM(wgrad_scaling=scaling)
     from torchao.prototype.moe_training.fp8_grouped_mm import _to_fp8_rowwise_then_scaled_grouped_mm
 
     return lambda x, w, offs: _to_fp8_rowwise_then_scaled_grouped_mm(
@@ -67,45 +74,31 @@ def grouped_fn(impl: str):
     )
 
 
-def make_weights(impl: str, e: int, d: int, i: int, device: str, gen) -> list[torch.Tensor]:
-    """w1, w3, w2 leaves: [E, in, out] row-major, or [E, out, in] for torchao (column-major views)."""
-    leaves = []
-    for s in [(e, d, i), (e, d, i), (e, i, d)]:
-        w = (torch.randn(*s, device=device, generator=gen) / s[1] ** 0.5).to(torch.bfloat16)
-        if impl.startswith("torchao"):
-            w = w.transpose(-2, -1).contiguous()  # stored [E, out, in]; ffn passes the transposed view
-        leaves.append(w.requires_grad_())
-    return leaves
+def make_experts(impl: str, e: int, d: int, i: int, device: str):
+    from models.deepseek_moe import GroupedExperts
 
-
-def ffn(gmm, x_MD, w1, w3, w2, offs, col_major: bool):
-    if col_major:
-        w1, w3, w2 = (w.transpose(-2, -1) for w in (w1, w3, w2))
-    h_MI = F.silu(gmm(x_MD, w1, offs)) * gmm(x_MD, w3, offs)
-    return gmm(h_MI, w2, offs)
+    experts = GroupedExperts(e, d, i).to(device)
+    torch.manual_seed(0)
+    experts.init_weights(d**-0.5, i**-0.5)
+    experts.to(torch.bfloat16)
+    experts.grouped_mm = grouped_fn(impl)
+    return experts
 
 
 def build_step(impl: str, m: int, e: int, d: int, i: int, device: str):
     gen = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(m, d, device=device, dtype=torch.bfloat16, generator=gen).requires_grad_()
     gy = torch.randn(m, d, device=device, dtype=torch.bfloat16, generator=gen)
-    ws = make_weights(impl, e, d, i, device, gen)
+    experts = make_experts(impl, e, d, i, device)
     offs = group_offsets(m, e, 16, device)
-    gmm = grouped_fn(impl)
-    col_major = impl.startswith("torchao")
-
-    def fwd(x, w1, w3, w2, offs):
-        return ffn(gmm, x, w1, w3, w2, offs, col_major)
-
-    f = torch.compile(fwd) if impl in COMPILED else fwd
+    f = torch.compile(experts) if impl in COMPILED else experts
 
     def step():
         x.grad = None
-        for w in ws:
-            w.grad = None
-        f(x, *ws, offs).backward(gy)
+        experts.zero_grad(set_to_none=True)
+        f(x, offs).backward(gy)
 
-    return step, (x, ws, offs, gy, fwd)
+    return step, (x, experts, offs, gy)
 
 
 def numerics(device: str) -> dict:
@@ -113,34 +106,81 @@ def numerics(device: str) -> dict:
     m, e, d, i = (8192, 8, 1024, 512) if device == "cuda" else (256, 4, 64, 32)
     res = {}
     ref = None
-    for impl in ("bf16_eager", "ours_eager", "torchao_eager"):
+    for impl in ("bf16_eager", "ours_eager", "ours_pe_eager", "ours_hp_eager", "torchao_eager"):
         try:
-            _, (x, ws, offs, gy, fwd) = build_step(impl, m, e, d, i, device)
+            _, (x, experts, offs, gy) = build_step(impl, m, e, d, i, device)
             with torch.no_grad():
                 x[:, :4] *= 30.0  # outlier channels
                 x[:16] = 0.0  # all-zero rows
-            out = fwd(x, *ws, offs)
+            out = experts(x, offs)
             out.backward(gy)
-            got = {"out": out, "gx": x.grad}
-            if impl.startswith("torchao"):
-                got.update({f"g{n}": w.grad.transpose(-2, -1) for n, w in zip(("w1", "w3", "w2"), ws)})
-            else:
-                got.update({f"g{n}": w.grad for n, w in zip(("w1", "w3", "w2"), ws)})
+            got = {"out": out, "gx": x.grad, "gw13": experts.w13.grad, "gw2": experts.w2.grad}
             if ref is None:
                 x64 = x.detach().double().requires_grad_()
-                w64 = [w.detach().double().requires_grad_() for w in ws]
+                w13, w2 = (w.detach().double().requires_grad_() for w in (experts.w13, experts.w2))
                 bounds = [0, *offs.tolist()]
 
-                def gmm64(a, b, bounds=bounds):
-                    return torch.cat([a[s:t] @ b[g] for g, (s, t) in enumerate(itertools.pairwise(bounds))])
+                def gmm64(a, b_ENK, bounds=bounds):
+                    return torch.cat([a[s:t] @ b_ENK[g].t() for g, (s, t) in enumerate(itertools.pairwise(bounds))])
 
-                o64 = gmm64(F.silu(gmm64(x64, w64[0])) * gmm64(x64, w64[1]), w64[2])
+                y64 = gmm64(x64, w13)
+                o64 = gmm64(F.silu(y64[:, :i]) * y64[:, i:], w2)
                 o64.backward(gy.double())
-                ref = {"out": o64, "gx": x64.grad, "gw1": w64[0].grad, "gw3": w64[1].grad, "gw2": w64[2].grad}
+                ref = {"out": o64, "gx": x64.grad, "gw13": w13.grad, "gw2": w2.grad}
             res[impl] = {k: sqnr_db(v, ref[k]) for k, v in got.items()}
         except Exception as ex:  # noqa: BLE001
             res[impl] = {"error": f"{type(ex).__name__}: {ex}"[:300]}
     return res
+
+
+def gemm_breakdown(m: int, e: int, d: int, i: int, device: str) -> dict:
+    """Each of the step's six grouped GEMMs alone, bf16 vs fp8 operands already cast (torch._scaled_grouped_mm,
+    the layouts fp8/grouped.py uses), and the casts fp8/grouped.py runs: the step splits into GEMMs + casts."""
+    from fp8 import quant
+
+    f8 = torch.float8_e4m3fn
+    gen = torch.Generator(device=device).manual_seed(0)
+    offs = group_offsets(m, e, 16, device)
+
+    def rnd(*shape):
+        return torch.randn(*shape, device=device, dtype=torch.bfloat16, generator=gen)
+
+    def q(t):  # fp8 copy with unit scales (GEMM timing only)
+        return t.clamp(-448, 448).to(f8)
+
+    out = {}
+    one_m, j = torch.ones(m, device=device), 2 * i
+    for name, (k, n) in {"13": (d, j), "2": (i, d)}.items():
+        a_MK, w_ENK, g_MN = rnd(m, k), rnd(e, n, k), rnd(m, n)
+        a8, w8, g8 = q(a_MK), q(w_ENK), q(g_MN)
+        w8_EKN = q(w_ENK.transpose(-2, -1).contiguous())
+        a8_t, g8_t = q(a_MK.t().contiguous()), q(g_MN.t().contiguous())
+        ones_en, ones_ek = torch.ones(e, n, device=device), torch.ones(e, k, device=device)
+        cases = {
+            f"fwd{name}_bf16": lambda: torch._grouped_mm(a_MK, w_ENK.transpose(-2, -1), offs),
+            f"fwd{name}_fp8": lambda: torch._scaled_grouped_mm(a8, w8.transpose(-2, -1), one_m, ones_en, offs,
+                                                                 out_dtype=torch.bfloat16, use_fast_accum=True),
+            f"dgrad{name}_bf16": lambda: torch._grouped_mm(g_MN, w_ENK, offs),
+            f"dgrad{name}_fp8": lambda: torch._scaled_grouped_mm(g8, w8_EKN.transpose(-2, -1), one_m, ones_ek, offs,
+                                                                   out_dtype=torch.bfloat16),
+            f"wgrad{name}_bf16": lambda: torch._grouped_mm(g_MN.t(), a_MK, offs),
+            f"wgrad{name}_fp8": lambda: torch._scaled_grouped_mm(g8_t, a8_t.t(), torch.ones(e * n, device=device),
+                                                                   torch.ones(e * k, device=device), offs,
+                                                                   out_dtype=torch.bfloat16),
+            f"cast_rowcol_act{name}": lambda: quant.quantize_rowwise_and_colwise(a_MK, f8, True),
+            f"cast_rowcol_grad{name}": lambda: quant.quantize_rowwise_and_colwise(g_MN, f8, True),
+            f"cast_rowwise_act{name}": lambda: quant.quantize_rowwise(a_MK, f8, -1, True),
+            f"cast_w_fwd{name}": lambda: quant.quantize_colwise_3d(w_ENK.transpose(-2, -1), f8, True),
+            f"cast_w_bwd{name}": lambda: quant.quantize_rowwise(w_ENK.transpose(-2, -1), f8, -1, True)[0].contiguous(),
+            f"cast_jagged_act{name}": lambda: quant.quantize_jagged_colwise(a_MK, offs, f8, True),
+        }
+        for key, fn in cases.items():
+            try:
+                out[key] = bench_ms(fn)
+            except Exception as ex:  # noqa: BLE001
+                out[key] = f"{type(ex).__name__}: {ex}"[:200]
+            print(f"  {key:22s} {out[key] if isinstance(out[key], str) else f'{out[key]:.3f} ms'}", flush=True)
+    return out
 
 
 def profile_top(step, top: int = 14) -> list[dict]:
@@ -185,7 +225,8 @@ def main() -> None:
     p.add_argument("--prewarm", type=int, default=0)
     p.add_argument("--skip-numerics", action="store_true")
     p.add_argument("--cases", nargs="*", default=list(CASES))
-    p.add_argument("--profile", action="store_true", help="print the top GPU kernels of one ours_eager step")
+    p.add_argument("--profile", nargs="*", default=[], help="print the top GPU kernels of one step of these cases")
+    p.add_argument("--breakdown", action="store_true", help="time each grouped GEMM and cast alone")
     p.add_argument("--worker", type=int, default=-1)
     p.add_argument("--nworkers", type=int, default=1)
     args = p.parse_args()
@@ -226,8 +267,16 @@ def main() -> None:
             traceback.print_exc()
         result["cases"].append(rec)
         print(rec, flush=True)
-    if args.profile and device == "cuda" and budget.left() > 0:
-        result["profile_ours_eager"] = profile_top(build_step("ours_eager", m, e, d, i, device)[0])
+    if args.breakdown and device == "cuda" and budget.left() > 0:
+        print("breakdown (ms):", flush=True)
+        result["breakdown_ms"] = gemm_breakdown(m, e, d, i, device)
+    for impl in args.profile:
+        if device == "cuda" and budget.left() > 0:
+            print(f"profile {impl}:", flush=True)
+            try:
+                result[f"profile_{impl}"] = profile_top(build_step(impl, m, e, d, i, device)[0])
+            except Exception as ex:  # noqa: BLE001
+                print(f"profile {impl} failed: {type(ex).__name__}: {ex}"[:300], flush=True)
     by = {c["impl"]: c.get("ms") for c in result["cases"]}
     base = by.get("bf16_compiled") or by.get("bf16_eager")
     result["speedup_vs_bf16_grouped"] = {k: base / v for k, v in by.items() if v and base}

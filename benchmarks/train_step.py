@@ -40,11 +40,15 @@ from benchmarks.common import env_info, write_json  # noqa: E402
 
 CONFIGS = {
     # Variant order is priority order: a time budget stops starting new ones (skips are recorded).
+    # "+nomix": inductor's mix-order reductions off (what orchestration.worker.compile_blocks does for fp8).
     "dense": {"model": "llama3_8b", "overrides": {"n_layers": 8}, "batch": 1, "seq": 8192,
-              "variants": ["bf16", "ours:tensorwise", "torchao:tensorwise", "ours:rowwise", "torchao:rowwise",
-                           "ours_nomon:tensorwise", "ours:rowwise_gw_hp"]},
+              "variants": ["bf16", "ours:tensorwise+nomix", "torchao:tensorwise", "ours:tensorwise",
+                           "torchao:tensorwise+nomix", "ours:rowwise+nomix", "torchao:rowwise", "ours:rowwise",
+                           "ours:rowwise_gw_hp+nomix", "bf16+nomix", "ours_nomon:tensorwise+nomix",
+                           "torchao:rowwise+nomix"]},
     "moe": {"model": "deepseek_moe16b", "overrides": {"n_layers": 4}, "batch": 4, "seq": 4096,
-            "variants": ["bf16", "ours:rowwise", "torchao:moe", "ours_nomon:rowwise", "ours:tensorwise"]},
+            "variants": ["bf16", "ours:rowwise+nomix", "torchao:moe", "ours:rowwise", "ours_nomon:rowwise+nomix",
+                         "torchao:moe+nomix", "ours:tensorwise+nomix"]},
 }
 
 
@@ -81,8 +85,13 @@ def convert_torchao(model, recipe: str) -> None:
         def only_experts(module, fqn):
             return fqn.endswith("experts")
 
-        quantize_(model, config=Float8TrainingOpConfig(pad_token_groups_for_grouped_mm=True),
+        # Its padding option asserts "not yet supported" under torch.compile (0.18), so the model pads the token
+        # groups to 16 rows itself, as it does for ours.
+        quantize_(model, config=Float8TrainingOpConfig(pad_token_groups_for_grouped_mm=False),
                   filter_fn=only_experts)
+        for module in model.modules():
+            if hasattr(module, "token_group_align"):
+                module.token_group_align = 16
         return
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
@@ -156,6 +165,42 @@ def time_steps(step, batches, warmup: int, steps: int) -> list[float]:
     return times
 
 
+# Kernel-name patterns -> category, first match wins (cuBLASLt/CUTLASS GEMMs have many spellings).
+_KERNEL_CATEGORIES = (
+    ("attention", ("flash", "fmha", "attn", "sdpa")),
+    ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "wgmma", "grouped_mm", "cublas")),
+    ("optimizer", ("adam", "multi_tensor", "foreach")),
+    ("triton (fused elementwise, casts, norms)", ("triton",)),
+    ("other", ("",)),
+)
+
+
+def kernel_profile(step, batch, top: int = 15) -> dict:
+    """GPU time by kernel over one step (torch.profiler): top kernels and per-category totals."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step(*batch)
+        torch.cuda.synchronize()
+    kernels = []
+    for ev in prof.key_averages():
+        t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+        if t > 0 and not ev.key.startswith("ProfilerStep"):
+            kernels.append({"kernel": ev.key[:110], "ms": t / 1e3, "calls": ev.count})
+    kernels.sort(key=lambda r: -r["ms"])
+    categories: dict[str, float] = {}
+    for k in kernels:
+        name = k["kernel"].lower()
+        cat = next(c for c, pats in _KERNEL_CATEGORIES if any(p in name for p in pats))
+        categories[cat] = categories.get(cat, 0.0) + k["ms"]
+    for cat, ms in sorted(categories.items(), key=lambda kv: -kv[1]):
+        print(f"      {ms:9.2f} ms  {cat}", flush=True)
+    for k in kernels[:top]:
+        print(f"      {k['ms']:9.2f} ms {k['calls']:5d}x  {k['kernel'][:100]}", flush=True)
+    return {"categories_ms": categories, "top_kernels": kernels[:top]}
+
+
 def random_batches(vocab: int, batch: int, seq: int, device, n: int = 3):
     g = torch.Generator(device="cpu").manual_seed(0)
     out = []
@@ -184,14 +229,18 @@ def bench_config(name: str, cfg: dict, args, device) -> dict:
         t0 = time.time()
         try:
             torch.manual_seed(0)
-            model = build(cfg["model"], cfg["overrides"], variant, device, compile_blocks=not args.eager)
+            import torch._inductor.config as inductor_config
+
+            base_variant, _, flag = variant.partition("+")
+            inductor_config.triton.mix_order_reduction = flag != "nomix"
+            model = build(cfg["model"], cfg["overrides"], base_variant, device, compile_blocks=not args.eager)
             vocab = model.args.vocab_size
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
-            impl = variant.split(":")[0]
+            impl = base_variant.split(":")[0]
             guard = Guard(fp8_model=impl == "ours") if impl == "ours" else None
             step = make_step(model, optimizer, guard)
-            times = time_steps(step, random_batches(vocab, cfg["batch"], cfg["seq"], device), args.warmup,
-                               args.steps)
+            batches = random_batches(vocab, cfg["batch"], cfg["seq"], device)
+            times = time_steps(step, batches, args.warmup, args.steps)
             ms = statistics.median(times)
             precision = "bf16" if impl == "bf16" else "fp8"
             peak = peak_flops_per_s(torch.cuda.get_device_name(device), "bf16")
@@ -199,6 +248,9 @@ def bench_config(name: str, cfg: dict, args, device) -> dict:
                        mfu_bf16_peak=compute_mfu(plan.flops_per_token, tokens / (ms / 1e3), peak),
                        precision=precision, max_mem_gib=torch.cuda.max_memory_allocated(device) / 2**30,
                        setup_s=round(time.time() - t0, 1))
+            if args.profile:
+                print(f"[{name}] {variant} profile of one step:", flush=True)
+                row["profile"] = kernel_profile(step, batches[0])
         except Exception as exc:  # record and go on: one failing variant must not lose the others
             row["error"] = f"{type(exc).__name__}: {exc}"
             traceback.print_exc()
@@ -271,10 +323,16 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--loss-steps", type=int, default=150)
     ap.add_argument("--eager", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="torch.profiler kernel table of one step per variant")
+    ap.add_argument("--dense-layers", type=int, default=CONFIGS["dense"]["overrides"]["n_layers"],
+                    help="depth of the dense config (full-width Llama3-8B layers)")
+    ap.add_argument("--moe-layers", type=int, default=CONFIGS["moe"]["overrides"]["n_layers"])
     ap.add_argument("--budget-s", type=float, default=1e9, help="start no new variant after this many seconds")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "benchmarks/train_step.py needs a CUDA GPU"
     device = torch.device("cuda", 0)
+    CONFIGS["dense"]["overrides"]["n_layers"] = args.dense_layers
+    CONFIGS["moe"]["overrides"]["n_layers"] = args.moe_layers
     result = {"command": "python3 " + " ".join(sys.argv), "env": env_info(), "configs": []}
     for name in args.configs.split(","):
         if name == "loss":

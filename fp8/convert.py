@@ -62,11 +62,14 @@ def convert_to_fp8(
     model: nn.Module,
     recipe: str | Recipe = "tensorwise",
     module_filter: Callable[[str, nn.Module], bool] | None = None,
+    moe_wgrad: str = "hp",
 ) -> nn.Module:
     """Swap eligible layers of `model` to FP8 in place and return it.
 
-    recipe: "tensorwise" | "rowwise" | "rowwise_gw_hp" (dense linears; MoE experts always use rowwise).
+    recipe: "tensorwise" | "rowwise" | "rowwise_gw_hp" (dense linears; MoE experts always use rowwise
+    grouped GEMMs, with the weight gradient in high precision under rowwise_gw_hp, see fp8/grouped.py).
     module_filter(name, module) -> bool: which modules to convert; default `default_module_filter`.
+    moe_wgrad: the experts' weight-gradient GEMM, "hp" | "global" | "per_expert" (fp8.grouped.WGRAD_SCALINGS).
     Converting twice is an error (ValueError) so a recipe change cannot half-apply.
     """
     rec = get_recipe(recipe)
@@ -80,7 +83,9 @@ def convert_to_fp8(
             swaps.append((model.get_submodule(parent_name), child, module))
         elif _is_grouped(module) and keep(name, module):
             setattr(module, _HP_OP, module.grouped_mm)
-            setattr(module, _FP8_OP, Fp8GroupedMM())
+            # Experts are always rowwise grouped; rowwise_gw_hp keeps their weight gradient in high precision too.
+            wgrad = "hp" if rec.name == "rowwise_gw_hp" else moe_wgrad
+            setattr(module, _FP8_OP, Fp8GroupedMM(wgrad_scaling=wgrad))
             setattr(module, _RECIPE_ATTR, rec.name)
             if hasattr(module, "token_group_align"):
                 setattr(module, _HP_ALIGN, module.token_group_align)

@@ -10,12 +10,28 @@ are left unspecified, as in torch.
 The three GEMMs and their fp8 operands (scales always along the contraction dim):
     forward      out  = x @ w[e]          x rowwise (M,), w per expert per column (E, N)
     grad_input   gx   = gy @ w[e]^T       gy rowwise (M,), w per expert per row (E, K)
-    grad_weight  gw[e] = x_e^T @ gy_e     jagged: per expert per column of x (E, K) and of gy (E, N)
+    grad_weight  gw[e] = x_e^T @ gy_e     contraction over the group's tokens; two scalings of x and gy columns:
+        "global"      one scale per column of x (K,) and of gy (N,) over all rows. Both fp8 layouts of x come
+                      from ONE fused rowwise+colwise cast in forward, which saves the 1-byte transposed copy
+                      for backward instead of the 2-byte x; the same for gy in backward.
+        "per_expert"  one scale per (expert, column) (E, K) and (E, N): finer when experts' activations differ
+                      in magnitude by orders, at the cost of two extra jagged casts over x and gy in backward.
+        "hp"          no fp8 at all: a bf16 grouped GEMM on x and gy (the rowwise_gw_hp recipe's choice for
+                      dense layers): only row casts remain, the weight gradient keeps full precision. The
+                      default: on the H200 (torch 2.11) the fp8 grouped GEMM that contracts over the jagged
+                      token dim is barely faster than bf16 at DeepSeek-MoE-16B shapes (w13: 1.72 vs 1.88 ms) or
+                      slower (w2: 2.03 vs 1.07 ms), so fp8 there only adds casts (BENCHMARKS.md, MoE section).
+
+The weight may be any [E, K, N] layout. Stored [E, N, K] (nn.Linear's out x in, passed as the column-major view
+w.transpose(-2, -1)), the forward cast is a plain row cast of that storage and grad_weight is computed directly
+in the storage layout (gw^T = gy^T x), so no transposed copy of a weight-sized tensor is made.
 
 Paths: torch._scaled_grouped_mm on CUDA sm90 and on ROCm (torch routes it to Composable Kernel); on any
 other device an emulated path runs the same fp8 operands dequantized to float32 through torch._grouped_mm.
 The CUDA kernel reads fp8 groups at 16-element alignment: token groups should be padded to multiples
 of 16 rows (torchtitan does the same) for the grad_weight GEMM, whose contraction dim is the token dim.
+Rows past offs[-1] take part in the "global" column scales: callers keep them zero (models/deepseek_moe pads
+with zero rows and gives the slack to the last group, so there are none).
 
 Legend: M routed tokens, K in dim, N out dim, E experts.
 """
@@ -37,74 +53,126 @@ def _grouped_emulated(a32: torch.Tensor, b32: torch.Tensor, offs_E: torch.Tensor
     return torch._grouped_mm(a32, b32, offs_E)
 
 
+WGRAD_SCALINGS = ("global", "per_expert", "hp")
+
+
+def _is_column_major(w_EKN: torch.Tensor) -> bool:
+    """[E, K, N] stored as [E, N, K] row-major (the transposed view of an [E, out, in] parameter)."""
+    return w_EKN.stride(-2) == 1 and w_EKN.stride(-1) == w_EKN.shape[-2]
+
+
+def _scaled_or_emulated_2d3d(a_fp8, sa_M1, b_fp8, sb_E1N, offs_E, use_scaled: bool, fast_accum: bool):
+    """out[rows of e] = a[rows of e] @ b[e], fp8 operands with scales along K (a: per row, b: per expert column)."""
+    if use_scaled:
+        return torch._scaled_grouped_mm(
+            a_fp8,
+            b_fp8,
+            sa_M1.reciprocal().reshape(-1),
+            sb_E1N.reciprocal().reshape(b_fp8.shape[0], -1),
+            offs_E,
+            out_dtype=torch.bfloat16,
+            use_fast_accum=fast_accum,
+        )
+    return _grouped_emulated(a_fp8.float() / sa_M1, b_fp8.float() / sb_E1N, offs_E)
+
+
+def _wgrad(x_fp8_t_KM, sx_EK, gy_fp8_t_NM, sg_EN, offs_E, use_scaled: bool, out_ENK: bool) -> torch.Tensor:
+    """gw[e] = x_e^T @ gy_e from the transposed fp8 operands and their per-(group, column) scales.
+
+    out_ENK: compute gw^T = gy^T x instead, laid out [E, N, K] row-major, and return its [E, K, N] view, so the
+    gradient of an [E, N, K]-stored weight lands in the weight's own layout.
+    """
+    if use_scaled:
+        if out_ENK:
+            gw_ENK = torch._scaled_grouped_mm(
+                gy_fp8_t_NM, x_fp8_t_KM.t(), sg_EN.reciprocal().reshape(-1), sx_EK.reciprocal().reshape(-1),
+                offs_E, out_dtype=torch.bfloat16,
+            )
+            return gw_ENK.transpose(-2, -1)
+        return torch._scaled_grouped_mm(
+            x_fp8_t_KM, gy_fp8_t_NM.t(), sx_EK.reciprocal().reshape(-1), sg_EN.reciprocal().reshape(-1),
+            offs_E, out_dtype=torch.bfloat16,
+        )
+    # Dequantize each row with its group's scales (rows past offs[-1] belong to no group: zeros).
+    gid_M = group_ids(offs_E, x_fp8_t_KM.shape[1]).long()
+    inv_x_GK = torch.cat([sx_EK.reciprocal(), sx_EK.new_zeros(1, sx_EK.shape[1])])
+    inv_g_GN = torch.cat([sg_EN.reciprocal(), sg_EN.new_zeros(1, sg_EN.shape[1])])
+    x32_KM = x_fp8_t_KM.float() * inv_x_GK[gid_M].t()
+    g32_MN = gy_fp8_t_NM.float().t() * inv_g_GN[gid_M]
+    return _grouped_emulated(x32_KM, g32_MN, offs_E)
+
+
+def _wgrad_hp(x_MK, gy_MN, offs_E, out_ENK: bool) -> torch.Tensor:
+    """gw[e] = x_e^T @ gy_e in the activations' precision (bf16 grouped GEMM; float32 emulated off CUDA)."""
+    a, b = (gy_MN.t(), x_MK) if out_ENK else (x_MK.t(), gy_MN)
+    if a.dtype == torch.bfloat16 and a.is_cuda:
+        gw = torch._grouped_mm(a, b, offs=offs_E)
+    else:
+        gw = _grouped_emulated(a.float(), b.float(), offs_E)
+    return gw.transpose(-2, -1) if out_ENK else gw
+
+
 class _Fp8GroupedMMFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_MK, w_EKN, offs_E, backend: Fp8Backend, use_scaled: bool, pow2: bool):
+    def forward(ctx, x_MK, w_EKN, offs_E, backend: Fp8Backend, use_scaled: bool, pow2: bool, wgrad_scaling: str):
         e4m3 = backend.e4m3
-        x_fp8, sx_M1 = quant.quantize_rowwise(x_MK, e4m3, -1, pow2)
-        # Per expert, per output column n, scaled along K; stored column-major (strides (K*N, 1, K)) as
-        # the grouped GEMM's right operand wants.
-        w_fp8, sw_E1N = quant.quantize_colwise_3d(w_EKN, e4m3, pow2)
-        if use_scaled:
-            out_MN = torch._scaled_grouped_mm(
-                x_fp8,
-                w_fp8,
-                sx_M1.reciprocal().reshape(-1),
-                sw_E1N.reciprocal().reshape(w_EKN.shape[0], -1),
-                offs_E,
-                out_dtype=torch.bfloat16,
-                use_fast_accum=True,
-            ).to(x_MK.dtype)
+        x_MK = x_MK.contiguous()
+        needs_wgrad = ctx.needs_input_grad[1]
+        global_wgrad = needs_wgrad and wgrad_scaling == "global"
+        if global_wgrad:
+            # Both layouts from one fused cast; backward keeps the 1-byte transposed copy, not x.
+            x_fp8, sx_M1, x_fp8_t_KM, sx_1K = quant.quantize_rowwise_and_colwise(x_MK, e4m3, pow2)
+            saved_x = (x_fp8_t_KM, sx_1K)
         else:
-            x32 = x_fp8.float() / sx_M1
-            w32 = w_fp8.float() / sw_E1N
-            out_MN = _grouped_emulated(x32, w32, offs_E).to(x_MK.dtype)
+            x_fp8, sx_M1 = quant.quantize_rowwise(x_MK, e4m3, -1, pow2)
+            saved_x = (x_MK,) if needs_wgrad else ()
+        # Per expert, per output column n, scaled along K, column-major (strides (K*N, 1, K)) as the grouped
+        # GEMM's right operand wants: a plain row cast when w is already stored [E, N, K].
+        w_fp8, sw_E1N = quant.quantize_colwise_3d(w_EKN, e4m3, pow2)
+        out_MN = _scaled_or_emulated_2d3d(x_fp8, sx_M1, w_fp8, sw_E1N, offs_E, use_scaled, fast_accum=True)
         stats = health_stats(x_MK, x_fp8, sx_M1, e4m3)
-        ctx.save_for_backward(x_MK, w_EKN, offs_E)
+        ctx.save_for_backward(w_EKN, offs_E, *saved_x)
         ctx.backend, ctx.use_scaled, ctx.pow2 = backend, use_scaled, pow2
+        ctx.global_wgrad = global_wgrad
+        ctx.hp_wgrad = wgrad_scaling == "hp"
         ctx.mark_non_differentiable(stats)
-        return out_MN, stats
+        return out_MN.to(x_MK.dtype), stats
 
     @staticmethod
     def backward(ctx, gy_MN, _grad_stats):
-        x_MK, w_EKN, offs_E = ctx.saved_tensors
-        backend: Fp8Backend = ctx.backend
-        e4m3, pow2 = backend.e4m3, ctx.pow2
-        gy_MN = gy_MN.contiguous()
+        w_EKN, offs_E, *saved_x = ctx.saved_tensors
+        e4m3, pow2, use_scaled = ctx.backend.e4m3, ctx.pow2, ctx.use_scaled
         num_experts = w_EKN.shape[0]
-        gy_fp8, sg_M1 = quant.quantize_rowwise(gy_MN, e4m3, -1, pow2)
-        w_fp8_r, sw_EK1 = quant.quantize_rowwise(w_EKN, e4m3, -1, pow2)  # scales along N
-        x_fp8_t_KM, sx_EK = quant.quantize_jagged_colwise(x_MK, offs_E, e4m3, pow2)
-        gy_fp8_t_NM, sg_EN = quant.quantize_jagged_colwise(gy_MN, offs_E, e4m3, pow2)
-        if ctx.use_scaled:
-            gx_MK = torch._scaled_grouped_mm(
-                gy_fp8,
-                w_fp8_r.transpose(-2, -1),  # (E, N, K), column-major as stored
-                sg_M1.reciprocal().reshape(-1),
-                sw_EK1.reciprocal().reshape(num_experts, -1),
-                offs_E,
-                out_dtype=torch.bfloat16,
-            )
-            gw_EKN = torch._scaled_grouped_mm(
-                x_fp8_t_KM,  # (K, M) row-major
-                gy_fp8_t_NM.t(),  # (M, N) column-major
-                sx_EK.reciprocal().reshape(-1),
-                sg_EN.reciprocal().reshape(-1),
-                offs_E,
-                out_dtype=torch.bfloat16,
-            )
+        gy_MN = gy_MN.contiguous()
+        gx_MK = gw_EKN = None
+        if ctx.global_wgrad:
+            gy_fp8, sg_M1, gy_fp8_t_NM, sg_1N = quant.quantize_rowwise_and_colwise(gy_MN, e4m3, pow2)
         else:
-            gy32 = gy_fp8.float() / sg_M1
-            w32 = w_fp8_r.float() / sw_EK1
-            gx_MK = _grouped_emulated(gy32, w32.transpose(-2, -1), offs_E)
-            # Dequantize the jagged operands with their rows' group scales (rows past offs[-1] are zeros).
-            gid_M = group_ids(offs_E, x_MK.shape[0]).long()
-            inv_x_GK = torch.cat([sx_EK.reciprocal(), sx_EK.new_zeros(1, sx_EK.shape[1])])
-            inv_g_GN = torch.cat([sg_EN.reciprocal(), sg_EN.new_zeros(1, sg_EN.shape[1])])
-            x32_KM = x_fp8_t_KM.float() * inv_x_GK[gid_M].t()
-            g32_MN = gy_fp8_t_NM.float().t() * inv_g_GN[gid_M]
-            gw_EKN = _grouped_emulated(x32_KM, g32_MN, offs_E)
-        return gx_MK.to(x_MK.dtype), gw_EKN.to(w_EKN.dtype), None, None, None, None
+            gy_fp8, sg_M1 = quant.quantize_rowwise(gy_MN, e4m3, -1, pow2)
+        if ctx.needs_input_grad[0]:
+            # w per (expert, row k) along N, laid out [E, K, N] row-major: its transpose is the column-major
+            # [E, N, K] right operand of gx = gy @ w^T.
+            w_fp8_r, sw_EK1 = quant.quantize_rowwise(w_EKN, e4m3, -1, pow2)
+            w_fp8_r = w_fp8_r.contiguous()
+            gx_MK = _scaled_or_emulated_2d3d(
+                gy_fp8, sg_M1, w_fp8_r.transpose(-2, -1), sw_EK1.transpose(-2, -1), offs_E, use_scaled, False
+            ).to(gy_MN.dtype)
+        if ctx.needs_input_grad[1]:
+            if ctx.hp_wgrad:
+                (x_MK,) = saved_x
+                gw_EKN = _wgrad_hp(x_MK, gy_MN, offs_E, out_ENK=_is_column_major(w_EKN)).to(w_EKN.dtype)
+                return gx_MK, gw_EKN, None, None, None, None, None
+            if ctx.global_wgrad:
+                x_fp8_t_KM, sx_1K = saved_x
+                sx_EK, sg_EN = sx_1K.expand(num_experts, -1), sg_1N.expand(num_experts, -1)
+            else:
+                (x_MK,) = saved_x
+                x_fp8_t_KM, sx_EK = quant.quantize_jagged_colwise(x_MK, offs_E, e4m3, pow2)
+                gy_fp8_t_NM, sg_EN = quant.quantize_jagged_colwise(gy_MN, offs_E, e4m3, pow2)
+            gw_EKN = _wgrad(
+                x_fp8_t_KM, sx_EK, gy_fp8_t_NM, sg_EN, offs_E, use_scaled, out_ENK=_is_column_major(w_EKN)
+            ).to(w_EKN.dtype)
+        return gx_MK, gw_EKN, None, None, None, None, None
 
 
 class Fp8GroupedMM:
@@ -114,9 +182,12 @@ class Fp8GroupedMM:
     `last_stats` holds the on-device health scalars of its last call (see fp8_health).
     """
 
-    def __init__(self, emulate: bool | None = None, pow2: bool = True):
+    def __init__(self, emulate: bool | None = None, pow2: bool = True, wgrad_scaling: str = "hp"):
+        if wgrad_scaling not in WGRAD_SCALINGS:
+            raise ValueError(f"wgrad_scaling must be one of {WGRAD_SCALINGS}, got {wgrad_scaling!r}")
         self.emulate = emulate
         self.pow2 = pow2
+        self.wgrad_scaling = wgrad_scaling
         self.last_stats: torch.Tensor | None = None
 
     def __call__(self, x_MK: torch.Tensor, w_EKN: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
@@ -129,14 +200,22 @@ class Fp8GroupedMM:
             w_EKN = w_EKN.to(x_MK.dtype)
         backend = get_backend(x_MK.device)
         use_scaled = backend.has_scaled_grouped_mm if self.emulate is None else not self.emulate
-        out_MN, stats = _Fp8GroupedMMFn.apply(x_MK, w_EKN, offs_E, backend, use_scaled, self.pow2)
+        out_MN, stats = _Fp8GroupedMMFn.apply(
+            x_MK, w_EKN, offs_E, backend, use_scaled, self.pow2, self.wgrad_scaling
+        )
         self.last_stats = stats
         return out_MN
 
     def __repr__(self) -> str:
-        return f"Fp8GroupedMM(rowwise, emulate={self.emulate})"
+        return f"Fp8GroupedMM(rowwise, wgrad_scaling={self.wgrad_scaling}, emulate={self.emulate})"
 
 
-def fp8_grouped_mm(x_MK: torch.Tensor, w_EKN: torch.Tensor, offs_E: torch.Tensor, emulate: bool | None = None):
+def fp8_grouped_mm(
+    x_MK: torch.Tensor,
+    w_EKN: torch.Tensor,
+    offs_E: torch.Tensor,
+    emulate: bool | None = None,
+    wgrad_scaling: str = "hp",
+):
     """Functional form of Fp8GroupedMM."""
-    return Fp8GroupedMM(emulate=emulate)(x_MK, w_EKN, offs_E)
+    return Fp8GroupedMM(emulate=emulate, wgrad_scaling=wgrad_scaling)(x_MK, w_EKN, offs_E)

@@ -15,8 +15,8 @@ The per-expert loop (`routed_experts_reference`, `grouped_mm_reference`) is kept
 
 Shape legend (suffixes of tensor names):
   B batch, T sequence position, S tokens (B*T), D model dim, E routed experts, A experts per token (top-k),
-  R routed rows (S*A, plus alignment padding), I expert hidden dim, H heads, C head dim, P rotary pairs,
-  V vocabulary; in the grouped GEMM helpers M rows, K inner dim, N output dim.
+  R routed rows (S*A, plus alignment padding), I expert hidden dim, J = 2I (gate and up projections side by
+  side), H heads, C head dim, P rotary pairs, V vocabulary; in the grouped GEMM helpers M rows, K inner dim, N output dim.
 """
 
 from __future__ import annotations
@@ -266,7 +266,12 @@ def grouped_mm_reference(x_MK: torch.Tensor, w_EKN: torch.Tensor, offs_E: torch.
 
 
 class GroupedExperts(nn.Module):
-    """E SwiGLU experts, weights stacked [E, K, N] so each is x @ w (no transpose), computed with grouped GEMMs.
+    """E SwiGLU experts computed with two grouped GEMMs.
+
+    Weights are stored [E, out, in] like nn.Linear's (and torchtitan's and the Hugging Face checkpoints'):
+    w13 [E, 2I, D] holds the gate projection w1 (rows :I) and the up projection w3 (rows I:) of every expert, so
+    the tokens go through ONE grouped GEMM for both (an FP8 path quantizes x once) and w2 is [E, D, I]. The GEMMs
+    see the column-major views w.transpose(-2, -1) ([E, in, out], torch._grouped_mm's right operand).
 
     `grouped_mm` is the swap point: fp8.convert_to_fp8 replaces it with an FP8 grouped GEMM of the same
     signature, and may raise `token_group_align` (rows per expert group padded to a multiple of it).
@@ -275,20 +280,32 @@ class GroupedExperts(nn.Module):
     def __init__(self, n_experts: int, dim: int, hidden_dim: int):
         super().__init__()
         self.n_experts = n_experts
-        self.w1 = nn.Parameter(torch.empty(n_experts, dim, hidden_dim))
-        self.w2 = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))
-        self.w3 = nn.Parameter(torch.empty(n_experts, dim, hidden_dim))
+        self.hidden_dim = hidden_dim
+        self.w13 = nn.Parameter(torch.empty(n_experts, 2 * hidden_dim, dim))
+        self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden_dim))
         self.grouped_mm: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] = grouped_mm_hp
         self.token_group_align = 1
 
+    @property
+    def w1(self) -> torch.Tensor:
+        """Gate projection [E, I, D] (a view of w13)."""
+        return self.w13[:, : self.hidden_dim]
+
+    @property
+    def w3(self) -> torch.Tensor:
+        """Up projection [E, I, D] (a view of w13)."""
+        return self.w13[:, self.hidden_dim :]
+
     def forward(self, x_RD: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
-        h_RI = F.silu(self.grouped_mm(x_RD, self.w1, offs_E)) * self.grouped_mm(x_RD, self.w3, offs_E)
-        return self.grouped_mm(h_RI, self.w2, offs_E)
+        y13_RJ = self.grouped_mm(x_RD, self.w13.transpose(-2, -1), offs_E)
+        h_RI = F.silu(y13_RJ[:, : self.hidden_dim]) * y13_RJ[:, self.hidden_dim :]
+        return self.grouped_mm(h_RI, self.w2.transpose(-2, -1), offs_E)
 
     def init_weights(self, init_std: float, out_std: float) -> None:
-        nn.init.trunc_normal_(self.w1, mean=0.0, std=init_std)
+        with torch.no_grad():
+            nn.init.trunc_normal_(self.w13[:, : self.hidden_dim], mean=0.0, std=init_std)
+            nn.init.trunc_normal_(self.w13[:, self.hidden_dim :], mean=0.0, std=out_std)
         nn.init.trunc_normal_(self.w2, mean=0.0, std=out_std)
-        nn.init.trunc_normal_(self.w3, mean=0.0, std=out_std)
 
 
 def routed_experts_reference(
@@ -300,8 +317,8 @@ def routed_experts_reference(
     for e in range(experts.n_experts):
         token_idx, slot_idx = torch.nonzero(expert_SA == e, as_tuple=True)
         x_nD = x_SD[token_idx]
-        w1, w2, w3 = (w[e].to(x_SD.dtype) for w in (experts.w1, experts.w2, experts.w3))
-        y_nD = (F.silu(x_nD @ w1) * (x_nD @ w3)) @ w2
+        w1_ID, w3_ID, w2_DI = (w[e].to(x_SD.dtype) for w in (experts.w1, experts.w3, experts.w2))
+        y_nD = (F.silu(x_nD @ w1_ID.t()) * (x_nD @ w3_ID.t())) @ w2_DI.t()
         out_SD = out_SD.index_add(0, token_idx, y_nD.float() * weight_SA[token_idx, slot_idx, None])
     return out_SD.to(x_SD.dtype)
 

@@ -28,6 +28,9 @@ DTYPES = ("float32", "bfloat16")
 ENV_PRESET_NAMES = ("none", "nccl_h100", "nccl_h200", "rccl_mi300x", "rccl_mi350x")
 
 
+MOE_WGRADS = ("hp", "global", "per_expert")  # fp8.grouped.WGRAD_SCALINGS, without importing torch here
+
+
 class ConfigError(ValueError):
     """A user-facing configuration error; the message names the key and what is allowed."""
 
@@ -46,6 +49,9 @@ class PrecisionConfig:
     name: str = "fp8"  # bf16 | fp8
     # auto = the recommended recipe for the device (fp8.recommended_recipe); ignored for bf16.
     recipe: str = "auto"
+    # MoE expert weight-gradient GEMM: hp (bf16 grouped GEMM: faster than the fp8 one on H200 at
+    # DeepSeek-MoE shapes, see BENCHMARKS.md), global or per_expert (fp8 with those column scales).
+    moe_wgrad: str = "hp"
     # Dtype of the matmul inputs outside the fp8 layers (autocast); float32 keeps CPU tests exact.
     compute_dtype: str = "bfloat16"
     # FSDP2 MixedPrecisionPolicy: parameters gathered in this dtype, gradients reduced in reduce_dtype.
@@ -173,6 +179,8 @@ def validate(job: JobConfig) -> None:
              f"'{job.precision.name}' is not one of {PRECISIONS}")
     _require(job.precision.recipe in RECIPES, "precision.recipe",
              f"'{job.precision.recipe}' is not one of {RECIPES}")
+    _require(job.precision.moe_wgrad in MOE_WGRADS, "precision.moe_wgrad",
+             f"'{job.precision.moe_wgrad}' is not one of {MOE_WGRADS}")
     for key in ("compute_dtype", "fsdp_param_dtype", "fsdp_reduce_dtype"):
         value = getattr(job.precision, key)
         _require(value in DTYPES, f"precision.{key}", f"'{value}' is not one of {DTYPES}")

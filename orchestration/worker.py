@@ -77,11 +77,30 @@ def build_training_model(job: JobConfig, world_size: int, device: torch.device):
         import fp8
 
         recipe = job.precision.recipe if job.precision.recipe != "auto" else fp8.recommended_recipe(device)
-        fp8.convert_to_fp8(model, recipe)
+        fp8.convert_to_fp8(model, recipe, moe_wgrad=job.precision.moe_wgrad)
     model = parallelize(model, world_size, job.train.sharding, job.precision.fsdp_param_dtype,
                         job.precision.fsdp_reduce_dtype, job.model.activation_checkpointing)
     model.to(device)
+    if job.model.compile:
+        compile_blocks(model, fp8=recipe is not None)
     return model, recipe
+
+
+def compile_blocks(model: torch.nn.Module, fp8: bool) -> None:
+    """torch.compile each transformer block (torchtitan's granularity: one graph per block, reused by all).
+
+    fp8: turn off inductor's mix-order reductions (on by default since torch 2.10). They fuse the RMSNorm
+    backward's row and column reductions into one kernel, and with FP8 they also pull in the transposed fp8
+    casts of the next linear's weight-gradient operand; that kernel took 1.75 ms per Llama3-8B layer on the
+    H200 (14 ms of a 207 ms step; inductor_kernel_source.py found it), for both ours and torchao. The
+    measured effect on the whole step is in BENCHMARKS.md (end-to-end section, "+nomix" rows).
+    """
+    if fp8:
+        import torch._inductor.config as inductor_config
+
+        inductor_config.triton.mix_order_reduction = False
+    for block in model.layers.values():
+        block.compile()
 
 
 class Trainer:

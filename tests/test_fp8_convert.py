@@ -23,7 +23,7 @@ class TinyExperts(nn.Module):
         super().__init__()
         self.w1 = nn.Parameter(torch.randn(E, DIM, HID) / DIM**0.5)
         self.w3 = nn.Parameter(torch.randn(E, DIM, HID) / DIM**0.5)
-        self.w2 = nn.Parameter(torch.randn(E, HID, DIM) / HID**0.5)
+        self.w2 = nn.Parameter(torch.randn(E, HID, DIM) / HID**0.5)  # [E, in, out] here; the models store [E, out, in]
         self.grouped_mm = torch._grouped_mm  # the swap point
         self.token_group_align = 1  # rows per group the routing pads to (raised by fp8)
 

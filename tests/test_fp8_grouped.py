@@ -34,17 +34,28 @@ def make(dtype=torch.float32, seed=0):
     return x.to(dtype), w.to(dtype), gy.to(dtype), offs
 
 
-def run_grouped(x, w, gy, offs, emulate=True):
-    xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
-    op = Fp8GroupedMM(emulate=emulate)
+def run_grouped(x, w, gy, offs, emulate=True, wgrad_scaling="global", stored_enk=False):
+    """stored_enk: the weight is an [E, N, K] parameter passed as its column-major [E, K, N] view (the models'
+    layout); its gradient must then come back in the parameter's own layout."""
+    xi = x.clone().requires_grad_()
+    if stored_enk:
+        param = w.transpose(-2, -1).contiguous().requires_grad_()
+        wi = param.transpose(-2, -1)
+    else:
+        param = wi = w.clone().requires_grad_()
+    op = Fp8GroupedMM(emulate=emulate, wgrad_scaling=wgrad_scaling)
     out = op(xi, wi, offs)
     out.backward(gy)
-    return out, xi.grad, wi.grad, op
+    gw = param.grad.transpose(-2, -1) if stored_enk else param.grad
+    if stored_enk:
+        assert param.grad.is_contiguous()
+    return out, xi.grad, gw, op
 
 
 def test_grouped_equals_per_group_dense_fp8():
+    """per_expert wgrad scaling: every group is exactly the dense rowwise FP8 linear on its rows."""
     x, w, gy, offs = make()
-    out, gx, gw, _ = run_grouped(x, w, gy, offs)
+    out, gx, gw, _ = run_grouped(x, w, gy, offs, wgrad_scaling="per_expert")
     bounds = [0, *offs.tolist()]
     backend = get_backend("cpu")
     for e in range(E):
@@ -61,10 +72,33 @@ def test_grouped_equals_per_group_dense_fp8():
         torch.testing.assert_close(gw[e], we_NK.grad.t(), rtol=1e-5, atol=1e-5)
 
 
+def test_global_wgrad_scaling_uses_one_column_scale_over_all_groups():
+    """global wgrad scaling: out and grad_input as per_expert; grad_weight from x and gy quantized per column over
+    all rows (recipes.quantize_rowwise_and_colwise_ref's column-scaled copies), contracted group by group."""
+    from fp8.recipes import quantize_rowwise_and_colwise_ref
+
+    x, w, gy, offs = make(seed=3)
+    x[80:] /= 64.0  # the last group's activations are 64x smaller: its own column scales would be 64x larger
+    out_g, gx_g, gw_g, _ = run_grouped(x, w, gy, offs, wgrad_scaling="global")
+    out_p, gx_p, gw_p, _ = run_grouped(x, w, gy, offs, wgrad_scaling="per_expert")
+    torch.testing.assert_close(out_g, out_p, rtol=0, atol=0)
+    torch.testing.assert_close(gx_g, gx_p, rtol=0, atol=0)
+    e4m3 = get_backend("cpu").e4m3
+    _, _, x_t_KM, sx_1K = quantize_rowwise_and_colwise_ref(x, e4m3, True)
+    _, _, g_t_NM, sg_1N = quantize_rowwise_and_colwise_ref(gy, e4m3, True)
+    x_deq, g_deq = x_t_KM.float().t() / sx_1K, g_t_NM.float().t() / sg_1N
+    bounds = [0, *offs.tolist()]
+    want = torch.stack([x_deq[s:t].t() @ g_deq[s:t] for s, t in itertools.pairwise(bounds)])
+    torch.testing.assert_close(gw_g, want, rtol=1e-5, atol=1e-5)
+    assert not torch.equal(gw_g[3], gw_p[3]) and torch.equal(gw_g[0], gw_p[0])  # group 0: same pow2 scales
+
+
+@pytest.mark.parametrize("stored_enk", [False, True])
+@pytest.mark.parametrize("wgrad_scaling", ["global", "per_expert", "hp"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_grouped_sqnr_vs_float64(dtype):
+def test_grouped_sqnr_vs_float64(dtype, wgrad_scaling, stored_enk):
     x, w, gy, offs = make(dtype, seed=1)
-    out, gx, gw, op = run_grouped(x, w, gy, offs)
+    out, gx, gw, op = run_grouped(x, w, gy, offs, wgrad_scaling=wgrad_scaling, stored_enk=stored_enk)
     assert out.dtype == dtype and gw.dtype == dtype
     bounds = [0, *offs.tolist()]
     x64, w64, g64 = x.double(), w.double(), gy.double()
@@ -72,6 +106,8 @@ def test_grouped_sqnr_vs_float64(dtype):
     ref_gx = torch.cat([g64[s:t] @ w64[e].t() for e, (s, t) in enumerate(itertools.pairwise(bounds))])
     ref_gw = torch.stack([x64[s:t].t() @ g64[s:t] for s, t in itertools.pairwise(bounds)])
     assert sqnr(out, ref_out) > 25 and sqnr(gx, ref_gx) > 25 and sqnr(gw, ref_gw) > 25
+    if wgrad_scaling == "hp":  # the weight gradient never went through fp8: the activations' own precision
+        assert sqnr(gw, ref_gw) > (45 if dtype == torch.bfloat16 else 100)
     assert (out[:8] == 0).all()
     assert op.last_stats is not None and torch.isfinite(op.last_stats).all()
 
@@ -100,13 +136,21 @@ def fake_scaled_grouped_mm(a, b, scale_a, scale_b, offs, out_dtype=None, use_fas
     return out.to(out_dtype)
 
 
-def test_gpu_path_plumbing_matches_emulation(monkeypatch):
+@pytest.mark.parametrize("stored_enk", [False, True])
+@pytest.mark.parametrize("wgrad_scaling", ["global", "per_expert", "hp"])
+def test_gpu_path_plumbing_matches_emulation(monkeypatch, wgrad_scaling, stored_enk):
     monkeypatch.setattr(torch, "_scaled_grouped_mm", fake_scaled_grouped_mm, raising=False)
     x, w, gy, offs = make(torch.bfloat16, seed=2)
-    emu = run_grouped(x, w, gy, offs, emulate=True)[:3]
-    real = run_grouped(x, w, gy, offs, emulate=False)[:3]
+    kw = dict(wgrad_scaling=wgrad_scaling, stored_enk=stored_enk)
+    emu = run_grouped(x, w, gy, offs, emulate=True, **kw)[:3]
+    real = run_grouped(x, w, gy, offs, emulate=False, **kw)[:3]
     for a, b in zip(emu, real):
         assert ((a.float() - b.float()).norm() / b.float().norm()).item() < 1e-2
+
+
+def test_unknown_wgrad_scaling_is_rejected():
+    with pytest.raises(ValueError, match="wgrad_scaling"):
+        Fp8GroupedMM(wgrad_scaling="tensorwise")
 
 
 def test_offsets_must_be_int32():

@@ -54,13 +54,13 @@ def test_grouped_path_equals_per_expert_loop_forward_and_grads(align):
         else:
             out = routed_experts_reference(moe.experts, x, expert_SA, weight_SA)
         out.backward(grad_out)
-        params = [moe.gate.weight, moe.experts.w1, moe.experts.w2, moe.experts.w3]
+        params = [moe.gate.weight, moe.experts.w13, moe.experts.w2]
         results.append([out.detach(), x.grad] + [p.grad.clone() for p in params])
     got, want = results
     assert got[0].abs().max() > 0.1
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
-    assert moe.experts.w1.grad[5].abs().max() == 0  # the empty expert gets no gradient
+    assert moe.experts.w13.grad[5].abs().max() == 0  # the empty expert gets no gradient
     assert moe.gate.weight.grad.abs().max() > 0  # gradient reaches the router through the mixing weights
 
 
@@ -210,7 +210,8 @@ def test_deepseek_moe16b_counts_on_meta():
     assert abs(total / flavor.published_total_params - 1) < 0.01
     assert abs(counts.active / flavor.published_active_params - 1) < 0.011
     layer = model.layers["1"].moe
-    assert layer.experts.w1.shape == (64, 2048, 1408) and layer.experts.w2.shape == (64, 1408, 2048)
+    assert layer.experts.w13.shape == (64, 2 * 1408, 2048) and layer.experts.w2.shape == (64, 2048, 1408)
+    assert layer.experts.w1.shape == layer.experts.w3.shape == (64, 1408, 2048)
     assert isinstance(layer.gate, torch.nn.Linear) and model.layers["0"].feed_forward.w1.out_features == 10944
 
 
