@@ -91,7 +91,7 @@ def build_step(impl: str, m: int, e: int, d: int, i: int, device: str):
     gy = torch.randn(m, d, device=device, dtype=torch.bfloat16, generator=gen)
     experts = make_experts(impl, e, d, i, device)
     offs = group_offsets(m, e, 16, device)
-    f = torch.compile(experts) if impl in COMPILED else experts
+    f = torch.compile(experts, dynamic=False) if impl in COMPILED else experts
 
     def step():
         x.grad = None

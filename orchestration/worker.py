@@ -100,7 +100,7 @@ def compile_blocks(model: torch.nn.Module, fp8: bool) -> None:
 
         inductor_config.triton.mix_order_reduction = False
     for block in model.layers.values():
-        block.compile()
+        block.compile(dynamic=False)  # fixed sequence length: no symbolic-shape kernels
 
 
 class Trainer:
