@@ -82,23 +82,18 @@ def build_training_model(job: JobConfig, world_size: int, device: torch.device):
                         job.precision.fsdp_reduce_dtype, job.model.activation_checkpointing)
     model.to(device)
     if job.model.compile:
-        compile_blocks(model, fp8=recipe is not None)
+        compile_blocks(model)
     return model, recipe
 
 
-def compile_blocks(model: torch.nn.Module, fp8: bool) -> None:
+def compile_blocks(model: torch.nn.Module) -> None:
     """torch.compile each transformer block (torchtitan's granularity: one graph per block, reused by all).
 
-    fp8: turn off inductor's mix-order reductions (on by default since torch 2.10). They fuse the RMSNorm
-    backward's row and column reductions into one kernel, and with FP8 they also pull in the transposed fp8
-    casts of the next linear's weight-gradient operand; that kernel took 1.75 ms per Llama3-8B layer on the
-    H200 (14 ms of a 207 ms step; inductor_kernel_source.py found it), for both ours and torchao. The
-    measured effect on the whole step is in BENCHMARKS.md (end-to-end section, "+nomix" rows).
+    Static shapes: the sequence length is fixed, and a graph that went dynamic after a shape change ran the fp8
+    step 5-20% slower on the H200 (BENCHMARKS.md). Inductor's defaults otherwise: turning its mix-order
+    reductions off (they fuse the RMSNorm backward with the next fp8 cast, a 1.75 ms kernel per Llama3-8B layer
+    in the profile) measured no faster for the whole step (198.3 vs 196.9 ms), so they stay on.
     """
-    if fp8:
-        import torch._inductor.config as inductor_config
-
-        inductor_config.triton.mix_order_reduction = False
     for block in model.layers.values():
         block.compile(dynamic=False)  # fixed sequence length: no symbolic-shape kernels
 

@@ -23,19 +23,33 @@ def linear_run(recipe):
     return y, x.grad, lin.weight.grad
 
 
-def grouped_run():
+def grouped_run(wgrad_scaling: str, stored_enk: bool):
+    """stored_enk: the models' layout, an [E, N, K] parameter used through its strided [E, K, N] view."""
     torch.manual_seed(1)
     x = torch.randn(64, 32, dtype=torch.bfloat16).requires_grad_()
-    w = torch.randn(3, 32, 48, dtype=torch.bfloat16).requires_grad_()
+    param = torch.randn(3, 48, 32, dtype=torch.bfloat16) if stored_enk else torch.randn(3, 32, 48, dtype=torch.bfloat16)
+    param.requires_grad_()
+    w = param.transpose(-2, -1) if stored_enk else param
     offs = torch.tensor([16, 16, 64], dtype=torch.int32)
-    out = Fp8GroupedMM(emulate=True)(x, w, offs)
+    out = Fp8GroupedMM(emulate=True, wgrad_scaling=wgrad_scaling)(x, w, offs)
     out.backward(torch.randn_like(out))
-    return out, x.grad, w.grad
+    return out, x.grad, param.grad
 
 
-@pytest.mark.parametrize("case", [*RECIPES, "grouped"])
+GROUPED_CASES = [f"grouped:{s}:{layout}" for s in ("hp", "global", "per_expert") for layout in ("ekn", "enk")]
+
+
+@pytest.mark.parametrize("case", [*RECIPES, *GROUPED_CASES])
 def test_kernel_dispatch_matches_references(monkeypatch, case):
-    run = grouped_run if case == "grouped" else lambda: linear_run(case)
+    if case.startswith("grouped"):
+        _, scaling, layout = case.split(":")
+
+        def run():
+            return grouped_run(scaling, stored_enk=layout == "enk")
+    else:
+
+        def run():
+            return linear_run(case)
     ref = run()
     monkeypatch.setattr(quant, "_kernel_fn", lambda x, name: getattr(kernels, name))
     got = run()
