@@ -41,7 +41,8 @@ class ModelConfig:
     # Flavor fields to change, e.g. {n_layers: 2} for a reduced-depth benchmark; unknown keys fail at build time.
     overrides: dict[str, Any] = field(default_factory=dict)
     activation_checkpointing: bool = False
-    compile: bool = False
+    # torch.compile every transformer block (it fuses the FP8 casts): None = on CUDA/ROCm devices, off on CPU.
+    compile: bool | None = None
 
 
 @dataclass

@@ -81,7 +81,8 @@ def build_training_model(job: JobConfig, world_size: int, device: torch.device):
     model = parallelize(model, world_size, job.train.sharding, job.precision.fsdp_param_dtype,
                         job.precision.fsdp_reduce_dtype, job.model.activation_checkpointing)
     model.to(device)
-    if job.model.compile:
+    compile_on = job.model.compile if job.model.compile is not None else device.type == "cuda"  # ROCm included
+    if compile_on:
         compile_blocks(model)
     return model, recipe
 

@@ -32,6 +32,7 @@ def test_default_config_composes_and_validates():
     (["train.global_batch_size=1"], "train.global_batch_size", "at least one sequence"),
     (["model.name=gpt5"], "model.name", "known: "),
     (["precision.recipe=blockwise"], "precision.recipe", "tensorwise"),
+    (["precision.moe_wgrad=fp4"], "precision.moe_wgrad", "per_expert"),
     (["cluster.device=tpu"], "cluster.device", "cpu"),
     (["train.warmup_steps=1000"], "train.warmup_steps", "must be in"),
     (["data.source=relative/path"], "data.source", "absolute path"),
