@@ -133,6 +133,34 @@ def numerics(device: str) -> dict:
     return res
 
 
+def _breakdown_cases(name, a_MK, w_ENK, g_MN, offs, one_m, q, quant, f8) -> dict:
+    """The timed callables of one GEMM family (w13 or w2): bf16 and fp8 GEMMs, then the casts around them."""
+    e, n, k = w_ENK.shape
+    device = a_MK.device
+    a8, w8, g8 = q(a_MK), q(w_ENK), q(g_MN)
+    w8_EKN = q(w_ENK.transpose(-2, -1).contiguous())
+    a8_t, g8_t = q(a_MK.t().contiguous()), q(g_MN.t().contiguous())
+    ones_en, ones_ek = torch.ones(e, n, device=device), torch.ones(e, k, device=device)
+    ones_e_n, ones_e_k = torch.ones(e * n, device=device), torch.ones(e * k, device=device)
+    bf16 = torch.bfloat16
+    return {
+        f"fwd{name}_bf16": lambda: torch._grouped_mm(a_MK, w_ENK.transpose(-2, -1), offs),
+        f"fwd{name}_fp8": lambda: torch._scaled_grouped_mm(a8, w8.transpose(-2, -1), one_m, ones_en, offs,
+                                                             out_dtype=bf16, use_fast_accum=True),
+        f"dgrad{name}_bf16": lambda: torch._grouped_mm(g_MN, w_ENK, offs),
+        f"dgrad{name}_fp8": lambda: torch._scaled_grouped_mm(g8, w8_EKN.transpose(-2, -1), one_m, ones_ek, offs,
+                                                               out_dtype=bf16),
+        f"wgrad{name}_bf16": lambda: torch._grouped_mm(g_MN.t(), a_MK, offs),
+        f"wgrad{name}_fp8": lambda: torch._scaled_grouped_mm(g8_t, a8_t.t(), ones_e_n, ones_e_k, offs, out_dtype=bf16),
+        f"cast_rowcol_act{name}": lambda: quant.quantize_rowwise_and_colwise(a_MK, f8, True),
+        f"cast_rowcol_grad{name}": lambda: quant.quantize_rowwise_and_colwise(g_MN, f8, True),
+        f"cast_rowwise_act{name}": lambda: quant.quantize_rowwise(a_MK, f8, -1, True),
+        f"cast_w_fwd{name}": lambda: quant.quantize_colwise_3d(w_ENK.transpose(-2, -1), f8, True),
+        f"cast_w_bwd{name}": lambda: quant.quantize_rowwise(w_ENK.transpose(-2, -1), f8, -1, True)[0].contiguous(),
+        f"cast_jagged_act{name}": lambda: quant.quantize_jagged_colwise(a_MK, offs, f8, True),
+    }
+
+
 def gemm_breakdown(m: int, e: int, d: int, i: int, device: str) -> dict:
     """Each of the step's six grouped GEMMs alone, bf16 vs fp8 operands already cast (torch._scaled_grouped_mm,
     the layouts fp8/grouped.py uses), and the casts fp8/grouped.py runs: the step splits into GEMMs + casts."""
@@ -152,28 +180,7 @@ def gemm_breakdown(m: int, e: int, d: int, i: int, device: str) -> dict:
     one_m, j = torch.ones(m, device=device), 2 * i
     for name, (k, n) in {"13": (d, j), "2": (i, d)}.items():
         a_MK, w_ENK, g_MN = rnd(m, k), rnd(e, n, k), rnd(m, n)
-        a8, w8, g8 = q(a_MK), q(w_ENK), q(g_MN)
-        w8_EKN = q(w_ENK.transpose(-2, -1).contiguous())
-        a8_t, g8_t = q(a_MK.t().contiguous()), q(g_MN.t().contiguous())
-        ones_en, ones_ek = torch.ones(e, n, device=device), torch.ones(e, k, device=device)
-        cases = {
-            f"fwd{name}_bf16": lambda: torch._grouped_mm(a_MK, w_ENK.transpose(-2, -1), offs),
-            f"fwd{name}_fp8": lambda: torch._scaled_grouped_mm(a8, w8.transpose(-2, -1), one_m, ones_en, offs,
-                                                                 out_dtype=torch.bfloat16, use_fast_accum=True),
-            f"dgrad{name}_bf16": lambda: torch._grouped_mm(g_MN, w_ENK, offs),
-            f"dgrad{name}_fp8": lambda: torch._scaled_grouped_mm(g8, w8_EKN.transpose(-2, -1), one_m, ones_ek, offs,
-                                                                   out_dtype=torch.bfloat16),
-            f"wgrad{name}_bf16": lambda: torch._grouped_mm(g_MN.t(), a_MK, offs),
-            f"wgrad{name}_fp8": lambda: torch._scaled_grouped_mm(g8_t, a8_t.t(), torch.ones(e * n, device=device),
-                                                                   torch.ones(e * k, device=device), offs,
-                                                                   out_dtype=torch.bfloat16),
-            f"cast_rowcol_act{name}": lambda: quant.quantize_rowwise_and_colwise(a_MK, f8, True),
-            f"cast_rowcol_grad{name}": lambda: quant.quantize_rowwise_and_colwise(g_MN, f8, True),
-            f"cast_rowwise_act{name}": lambda: quant.quantize_rowwise(a_MK, f8, -1, True),
-            f"cast_w_fwd{name}": lambda: quant.quantize_colwise_3d(w_ENK.transpose(-2, -1), f8, True),
-            f"cast_w_bwd{name}": lambda: quant.quantize_rowwise(w_ENK.transpose(-2, -1), f8, -1, True)[0].contiguous(),
-            f"cast_jagged_act{name}": lambda: quant.quantize_jagged_colwise(a_MK, offs, f8, True),
-        }
+        cases = _breakdown_cases(name, a_MK, w_ENK, g_MN, offs, one_m, q, quant, f8)
         for key, fn in cases.items():
             try:
                 out[key] = bench_ms(fn)

@@ -141,7 +141,7 @@ def fake_scaled_grouped_mm(a, b, scale_a, scale_b, offs, out_dtype=None, use_fas
 def test_gpu_path_plumbing_matches_emulation(monkeypatch, wgrad_scaling, stored_enk):
     monkeypatch.setattr(torch, "_scaled_grouped_mm", fake_scaled_grouped_mm, raising=False)
     x, w, gy, offs = make(torch.bfloat16, seed=2)
-    kw = dict(wgrad_scaling=wgrad_scaling, stored_enk=stored_enk)
+    kw = {"wgrad_scaling": wgrad_scaling, "stored_enk": stored_enk}
     emu = run_grouped(x, w, gy, offs, emulate=True, **kw)[:3]
     real = run_grouped(x, w, gy, offs, emulate=False, **kw)[:3]
     for a, b in zip(emu, real):
