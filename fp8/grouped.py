@@ -117,35 +117,31 @@ class _Fp8GroupedMMFn(torch.autograd.Function):
     def forward(ctx, x_MK, w_EKN, offs_E, backend: Fp8Backend, use_scaled: bool, pow2: bool, wgrad_scaling: str):
         e4m3 = backend.e4m3
         x_MK = x_MK.contiguous()
-        needs_wgrad = ctx.needs_input_grad[1]
-        global_wgrad = needs_wgrad and wgrad_scaling == "global"
-        if global_wgrad:
+        wgrad = wgrad_scaling if ctx.needs_input_grad[1] else None
+        if wgrad == "global":
             # Both layouts from one fused cast; backward keeps the 1-byte transposed copy, not x.
             x_fp8, sx_M1, x_fp8_t_KM, sx_1K = quant.quantize_rowwise_and_colwise(x_MK, e4m3, pow2)
             saved_x = (x_fp8_t_KM, sx_1K)
         else:
             x_fp8, sx_M1 = quant.quantize_rowwise(x_MK, e4m3, -1, pow2)
-            saved_x = (x_MK,) if needs_wgrad else ()
+            saved_x = (x_MK,) if wgrad else ()
         # Per expert, per output column n, scaled along K, column-major (strides (K*N, 1, K)) as the grouped
         # GEMM's right operand wants: a plain row cast when w is already stored [E, N, K].
         w_fp8, sw_E1N = quant.quantize_colwise_3d(w_EKN, e4m3, pow2)
         out_MN = _scaled_or_emulated_2d3d(x_fp8, sx_M1, w_fp8, sw_E1N, offs_E, use_scaled, fast_accum=True)
         stats = health_stats(x_MK, x_fp8, sx_M1, e4m3)
         ctx.save_for_backward(w_EKN, offs_E, *saved_x)
-        ctx.backend, ctx.use_scaled, ctx.pow2 = backend, use_scaled, pow2
-        ctx.global_wgrad = global_wgrad
-        ctx.hp_wgrad = wgrad_scaling == "hp"
+        ctx.backend, ctx.use_scaled, ctx.pow2, ctx.wgrad = backend, use_scaled, pow2, wgrad
         ctx.mark_non_differentiable(stats)
         return out_MN.to(x_MK.dtype), stats
 
     @staticmethod
     def backward(ctx, gy_MN, _grad_stats):
         w_EKN, offs_E, *saved_x = ctx.saved_tensors
-        e4m3, pow2, use_scaled = ctx.backend.e4m3, ctx.pow2, ctx.use_scaled
-        num_experts = w_EKN.shape[0]
+        e4m3, pow2, use_scaled, wgrad = ctx.backend.e4m3, ctx.pow2, ctx.use_scaled, ctx.wgrad
         gy_MN = gy_MN.contiguous()
         gx_MK = gw_EKN = None
-        if ctx.global_wgrad:
+        if wgrad == "global":
             gy_fp8, sg_M1, gy_fp8_t_NM, sg_1N = quant.quantize_rowwise_and_colwise(gy_MN, e4m3, pow2)
         else:
             gy_fp8, sg_M1 = quant.quantize_rowwise(gy_MN, e4m3, -1, pow2)
@@ -157,21 +153,21 @@ class _Fp8GroupedMMFn(torch.autograd.Function):
             gx_MK = _scaled_or_emulated_2d3d(
                 gy_fp8, sg_M1, w_fp8_r.transpose(-2, -1), sw_EK1.transpose(-2, -1), offs_E, use_scaled, False
             ).to(gy_MN.dtype)
-        if ctx.needs_input_grad[1]:
-            if ctx.hp_wgrad:
+        if wgrad is not None:
+            out_ENK = _is_column_major(w_EKN)
+            if wgrad == "hp":
                 (x_MK,) = saved_x
-                gw_EKN = _wgrad_hp(x_MK, gy_MN, offs_E, out_ENK=_is_column_major(w_EKN)).to(w_EKN.dtype)
-                return gx_MK, gw_EKN, None, None, None, None, None
-            if ctx.global_wgrad:
-                x_fp8_t_KM, sx_1K = saved_x
-                sx_EK, sg_EN = sx_1K.expand(num_experts, -1), sg_1N.expand(num_experts, -1)
+                gw_EKN = _wgrad_hp(x_MK, gy_MN, offs_E, out_ENK)
             else:
-                (x_MK,) = saved_x
-                x_fp8_t_KM, sx_EK = quant.quantize_jagged_colwise(x_MK, offs_E, e4m3, pow2)
-                gy_fp8_t_NM, sg_EN = quant.quantize_jagged_colwise(gy_MN, offs_E, e4m3, pow2)
-            gw_EKN = _wgrad(
-                x_fp8_t_KM, sx_EK, gy_fp8_t_NM, sg_EN, offs_E, use_scaled, out_ENK=_is_column_major(w_EKN)
-            ).to(w_EKN.dtype)
+                if wgrad == "global":
+                    x_fp8_t_KM, sx_1K = saved_x
+                    sx_EK, sg_EN = sx_1K.expand(w_EKN.shape[0], -1), sg_1N.expand(w_EKN.shape[0], -1)
+                else:  # per_expert
+                    (x_MK,) = saved_x
+                    x_fp8_t_KM, sx_EK = quant.quantize_jagged_colwise(x_MK, offs_E, e4m3, pow2)
+                    gy_fp8_t_NM, sg_EN = quant.quantize_jagged_colwise(gy_MN, offs_E, e4m3, pow2)
+                gw_EKN = _wgrad(x_fp8_t_KM, sx_EK, gy_fp8_t_NM, sg_EN, offs_E, use_scaled, out_ENK)
+            gw_EKN = gw_EKN.to(w_EKN.dtype)
         return gx_MK, gw_EKN, None, None, None, None, None
 
 
