@@ -42,7 +42,7 @@ import torch
 
 from fp8 import quant
 from fp8.backend import Fp8Backend, get_backend
-from fp8.linear import health_stats
+from fp8.linear import health_stats, to_compute_dtype
 from fp8.recipes import group_ids
 
 
@@ -189,11 +189,7 @@ class Fp8GroupedMM:
     def __call__(self, x_MK: torch.Tensor, w_EKN: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
         if offs_E.dtype != torch.int32:
             raise ValueError(f"grouped_mm offsets must be int32 cumulative ends, got {offs_E.dtype}")
-        if torch.is_autocast_enabled(x_MK.device.type):
-            dt = torch.get_autocast_dtype(x_MK.device.type)
-            x_MK, w_EKN = x_MK.to(dt), w_EKN.to(dt)
-        elif w_EKN.dtype != x_MK.dtype:
-            w_EKN = w_EKN.to(x_MK.dtype)
+        x_MK, w_EKN = to_compute_dtype(x_MK, w_EKN)
         backend = get_backend(x_MK.device)
         use_scaled = backend.has_scaled_grouped_mm if self.emulate is None else not self.emulate
         out_MN, stats = _Fp8GroupedMMFn.apply(

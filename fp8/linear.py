@@ -106,6 +106,15 @@ def health_stats(x_hp: torch.Tensor, x_fp8: torch.Tensor, scale: torch.Tensor, d
     return torch.stack([saturated, underflow, amax])
 
 
+def to_compute_dtype(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The high-precision dtype the fp8 casts start from: autocast's when it is on (as the bf16 matmul it replaces
+    would run), else x's; the weight follows."""
+    if torch.is_autocast_enabled(x.device.type):
+        dt = torch.get_autocast_dtype(x.device.type)
+        return x.to(dt), w.to(dt)
+    return x, w if w.dtype == x.dtype else w.to(x.dtype)
+
+
 class _Fp8LinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_MK, w_NK, recipe: Recipe, backend: Fp8Backend, use_scaled_mm: bool):
@@ -194,12 +203,7 @@ class Float8Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.fp8_enabled:
             return F.linear(x, self.weight, self.bias)
-        w = self.weight
-        if torch.is_autocast_enabled(x.device.type):
-            dt = torch.get_autocast_dtype(x.device.type)
-            x, w = x.to(dt), w.to(dt)
-        elif w.dtype != x.dtype:
-            w = w.to(x.dtype)
+        x, w = to_compute_dtype(x, self.weight)
         backend = get_backend(x.device)
         use_scaled_mm = (not backend.emulate) if self.emulate is None else (not self.emulate)
         x_MK = x.reshape(-1, self.in_features)
