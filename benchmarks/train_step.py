@@ -7,7 +7,9 @@ agreement + policy, exactly what the worker loop runs), AdamW step, zero_grad. N
 Both sides compiled per transformer block (torch.compile, as torchtitan does). Timed with CUDA events over
 `--steps` steps after warm-up; the median per-step time gives tokens/s and MFU (model FLOPs / datasheet peak of the
 precision in use). Also a short real-data run (bytes of the Python standard library) comparing the FP8 loss with
-BF16's at the same step. Writes train_step.json to --out.
+BF16's at the same step. Writes train_step.json to --out. --profile adds a torch.profiler table per variant
+(GPU time by kernel category and the top kernels); a "+nomix" suffix on a variant turns inductor's mix-order
+reductions off for it (an experiment, BENCHMARKS.md).
 
 Configurations (ISSUE 9):
 - dense: Llama3-8B layers at full width (dim 4096, GQA 32/8, ffn 14336, vocab 128256), reduced depth, seq 8192, bs 1
