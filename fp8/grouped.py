@@ -10,7 +10,7 @@ are left unspecified, as in torch.
 The three GEMMs and their fp8 operands (scales always along the contraction dim):
     forward      out  = x @ w[e]          x rowwise (M,), w per expert per column (E, N)
     grad_input   gx   = gy @ w[e]^T       gy rowwise (M,), w per expert per row (E, K)
-    grad_weight  gw[e] = x_e^T @ gy_e     contraction over the group's tokens; two scalings of x and gy columns:
+    grad_weight  gw[e] = x_e^T @ gy_e     contraction over the group's tokens; three choices (wgrad_scaling):
         "global"      one scale per column of x (K,) and of gy (N,) over all rows. Both fp8 layouts of x come
                       from ONE fused rowwise+colwise cast in forward, which saves the 1-byte transposed copy
                       for backward instead of the 2-byte x; the same for gy in backward.

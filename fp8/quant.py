@@ -107,13 +107,13 @@ def quantize_rowwise(x_hp: torch.Tensor, dtype: torch.dtype, dim: int = -1, pow2
 def quantize_colwise_3d(w_EKN: torch.Tensor, dtype: torch.dtype, pow2: bool = True):
     """Expert weights scaled per (expert, column n) along K -> (w_fp8 [E, K, N] column-major, scale_E1N).
 
-    With the kernels: one transposed bf16 copy, then the row kernel on [E*N, K] rows (whose storage is the
-    column-major [E, K, N] layout). Otherwise the compiled reference plus an fp8 transposed copy.
+    With the kernels: the row kernel on the [E*N, K] rows of w's transpose, whose storage is the column-major
+    [E, K, N] layout (quantize_rowwise copies it first unless w is already stored [E, N, K]). Otherwise the
+    compiled reference plus an fp8 transposed copy.
     """
     e, _, n = w_EKN.shape
     if _kernel_fn(w_EKN, "quantize_rowwise") is not None:
-        w_t_NK = w_EKN.transpose(-2, -1).contiguous()
-        w_fp8_ENK, scale_EN1 = quantize_rowwise(w_t_NK, dtype, -1, pow2)
+        w_fp8_ENK, scale_EN1 = quantize_rowwise(w_EKN.transpose(-2, -1), dtype, -1, pow2)
         return w_fp8_ENK.transpose(-2, -1), scale_EN1.reshape(e, 1, n)
     w_fp8, scale_E1N = _ref(w_EKN, recipes.quantize_rowwise_ref)(w_EKN, dtype, -2, pow2)
     return w_fp8.transpose(-2, -1).contiguous().transpose(-2, -1), scale_E1N

@@ -16,7 +16,8 @@ The per-expert loop (`routed_experts_reference`, `grouped_mm_reference`) is kept
 Shape legend (suffixes of tensor names):
   B batch, T sequence position, S tokens (B*T), D model dim, E routed experts, A experts per token (top-k),
   R routed rows (S*A, plus alignment padding), I expert hidden dim, J = 2I (gate and up projections side by
-  side), H heads, C head dim, P rotary pairs, V vocabulary; in the grouped GEMM helpers M rows, K inner dim, N output dim.
+  side), H heads, C head dim, P rotary pairs, V vocabulary; in the grouped GEMM helpers M rows, K inner dim,
+  N output dim.
 """
 
 from __future__ import annotations
