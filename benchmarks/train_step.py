@@ -2,14 +2,18 @@
 
     PYTHONUNBUFFERED=1 python3 benchmarks/train_step.py --out $OUT [--configs dense,moe] [--loss-steps 150]
 
-One step = forward, cross-entropy, backward, grad-norm clip, divergence check (ours: fp8 health + StepMonitor +
-agreement + policy, exactly what the worker loop runs), AdamW step, zero_grad. No Ray (not on the GPU image).
-Both sides compiled per transformer block (torch.compile, as torchtitan does). Timed with CUDA events over
+One step = forward, cross-entropy (compiled, models/loss.py), backward, grad-norm clip, divergence check (ours:
+fp8 health + StepMonitor + agreement + policy, exactly what the worker loop runs), AdamW step, zero_grad. No Ray
+(not on the GPU image). Both sides compiled per transformer block (torch.compile, as torchtitan does). Timed with CUDA events over
 `--steps` steps after warm-up; the median per-step time gives tokens/s and MFU (model FLOPs / datasheet peak of the
 precision in use). Also a short real-data run (bytes of the Python standard library) comparing the FP8 loss with
 BF16's at the same step. Writes train_step.json to --out. --profile adds a torch.profiler table per variant
-(GPU time by kernel category and the top kernels); a "+nomix" suffix on a variant turns inductor's mix-order
-reductions off for it (an experiment, BENCHMARKS.md).
+(GPU time by kernel category and the top kernels). Suffixes on a variant, combinable ("ours:tensorwise+kern+cg"):
+"+nomix" turns inductor's mix-order reductions off; "+kern" makes our casts Triton kernels inside the compiled
+blocks too (FP8_KERNELS=always; by default inductor fuses the PyTorch references); "+cg" compiles the blocks with
+mode="reduce-overhead" (CUDA graphs); "+eagerloss" runs the cross-entropy eagerly (fp32 logits materialized).
+Every row also times the AdamW step alone and checks the gradients' layout
+(`optimizer_probe`), which localises optimizer-time differences between variants.
 
 Configurations (ISSUE 9):
 - dense: Llama3-8B layers at full width (dim 4096, GQA 32/8, ffn 14336, vocab 128256), reduced depth, seq 8192, bs 1
@@ -31,7 +35,6 @@ import traceback
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
 import torch._dynamo  # noqa: E402
 
@@ -39,13 +42,17 @@ torch._dynamo.config.recompile_limit = 1024
 torch._dynamo.config.accumulated_recompile_limit = 4096
 
 from benchmarks.common import env_info, write_json  # noqa: E402
+from models.loss import lm_loss  # noqa: E402
+
+# The loss is compiled with the blocks (as the worker does); --eager turns both off.
+COMPILED = True
 
 CONFIGS = {
     # Variant order is priority order: a time budget stops starting new ones (skips are recorded).
     # Blocks compile with dynamic=False: a run that compiled the loss-parity model first (other shapes, same code
     # objects) let dynamo mark dims dynamic, and the fp8 rows came out 5-20% slower (session2/
     # train_step_dense_dynamic_shapes.json); static shapes make every row independent of what ran before.
-    # "+nomix": inductor's mix-order reductions off (what orchestration.worker.compile_blocks does for fp8).
+    # "+nomix" / "+kern" / "+cg": see the module docstring.
     "dense": {"model": "llama3_8b", "overrides": {"n_layers": 8}, "batch": 1, "seq": 8192,
               "variants": ["bf16", "ours:tensorwise+nomix", "torchao:tensorwise", "ours:tensorwise",
                            "torchao:tensorwise+nomix", "ours:rowwise+nomix", "torchao:rowwise",
@@ -58,7 +65,7 @@ CONFIGS = {
 
 
 def build(model_name: str, overrides: dict, variant: str, device: torch.device, compile_blocks: bool,
-          dtype: torch.dtype = torch.bfloat16):
+          dtype: torch.dtype = torch.bfloat16, compile_mode: str | None = None):
     from models.registry import build_model
 
     model = build_model(model_name, device="meta", overrides=overrides)
@@ -76,7 +83,7 @@ def build(model_name: str, overrides: dict, variant: str, device: torch.device, 
         convert_torchao(model, recipe)
     if compile_blocks:
         for block in model.layers.values():
-            block.compile(dynamic=False)  # static shapes: see the note in bench_config
+            block.compile(dynamic=False, mode=compile_mode)  # static shapes: see the note on CONFIGS
     return model
 
 
@@ -134,12 +141,12 @@ class Guard:
         return self.policy.decide(report, step)
 
 
-def make_step(model, optimizer, guard: Guard | None):
+def make_step(model, optimizer, guard: Guard | None, compiled_loss: bool):
     state = {"step": 0}
 
     def step(inputs, targets):
         logits = model(inputs)
-        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten()) + model.aux_loss()
+        loss = lm_loss(logits, targets, compiled=compiled_loss) + model.aux_loss()
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         if guard is not None:
@@ -153,6 +160,44 @@ def make_step(model, optimizer, guard: Guard | None):
         return loss.detach()
 
     return step
+
+
+def optimizer_probe(model, optimizer, batch, compiled_loss: bool, reps: int = 5) -> dict:
+    """AdamW step alone (ms, median of `reps`) after one forward/backward, and the layout of the gradients it reads.
+
+    The fused AdamW kernel reads each gradient as a flat array; a gradient that is not dense in the parameter's
+    layout, or is misaligned for vector loads, would slow it down without showing up anywhere else.
+    """
+    inputs, targets = batch
+    logits = model(inputs)
+    loss = lm_loss(logits, targets, compiled=compiled_loss) + model.aux_loss()
+    loss.backward()
+    params = [p for p in model.parameters() if p.grad is not None]
+    layout = {
+        "params_with_grad": len(params),
+        "numel": sum(p.numel() for p in params),
+        "grad_dtypes": sorted({str(p.grad.dtype) for p in params}),
+        "param_dtypes": sorted({str(p.dtype) for p in params}),
+        "grad_stride_differs": [n for n, p in model.named_parameters() if p.grad is not None
+                                and p.grad.stride() != p.stride()][:10],
+        "grad_not_contiguous": sum(not p.grad.is_contiguous() for p in params),
+        "grad_misaligned_16B": sum(p.grad.data_ptr() % 16 != 0 for p in params),
+        "param_misaligned_16B": sum(p.data_ptr() % 16 != 0 for p in params),
+        "grad_storage_larger": sum(p.grad.untyped_storage().nbytes() > p.grad.numel() * p.grad.element_size()
+                                   for p in params),
+    }
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        optimizer.step()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    optimizer.zero_grad(set_to_none=True)
+    layout["adamw_step_ms"] = statistics.median(times)
+    print(f"      optimizer probe: {layout}", flush=True)
+    return layout
 
 
 def time_steps(step, batches, warmup: int, steps: int) -> list[float]:
@@ -236,14 +281,21 @@ def bench_config(name: str, cfg: dict, args, device) -> dict:
             torch.manual_seed(0)
             import torch._inductor.config as inductor_config
 
-            base_variant, _, flag = variant.partition("+")
-            inductor_config.triton.mix_order_reduction = flag != "nomix"
-            model = build(cfg["model"], cfg["overrides"], base_variant, device, compile_blocks=not args.eager)
+            base_variant, *flags = variant.split("+")
+            unknown = set(flags) - {"nomix", "kern", "cg", "eagerloss"}
+            if unknown:
+                raise ValueError(f"unknown variant suffix {sorted(unknown)} in {variant!r}: nomix, kern, cg, eagerloss")
+            inductor_config.triton.mix_order_reduction = "nomix" not in flags
+            os.environ["FP8_KERNELS"] = "always" if "kern" in flags else "1"
+            torch._dynamo.reset()  # fresh graphs per variant: the flags above are not part of dynamo's guards
+            model = build(cfg["model"], cfg["overrides"], base_variant, device, compile_blocks=not args.eager,
+                          compile_mode="reduce-overhead" if "cg" in flags else None)
             vocab = model.args.vocab_size
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
             impl = base_variant.split(":")[0]
             guard = Guard(fp8_model=impl == "ours") if impl == "ours" else None
-            step = make_step(model, optimizer, guard)
+            compiled_loss = COMPILED and "eagerloss" not in flags
+            step = make_step(model, optimizer, guard, compiled_loss)
             batches = random_batches(vocab, cfg["batch"], cfg["seq"], device)
             times = time_steps(step, batches, args.warmup, args.steps)
             ms = statistics.median(times)
@@ -253,6 +305,7 @@ def bench_config(name: str, cfg: dict, args, device) -> dict:
                        mfu_bf16_peak=compute_mfu(plan.flops_per_token, tokens / (ms / 1e3), peak),
                        precision=precision, max_mem_gib=torch.cuda.max_memory_allocated(device) / 2**30,
                        setup_s=round(time.time() - t0, 1))
+            row["optimizer_probe"] = optimizer_probe(model, optimizer, batches[0], compiled_loss)
             if args.profile:
                 print(f"[{name}] {variant} profile of one step:", flush=True)
                 row["profile"] = kernel_profile(step, batches[0])
@@ -297,7 +350,7 @@ def loss_parity(args, device) -> dict:
             inputs, targets = data.batch(s * batch, (s + 1) * batch)
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 logits = model(inputs.to(device))
-            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.to(device).flatten())
+            loss = lm_loss(logits, targets.to(device), compiled=COMPILED)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
@@ -334,6 +387,8 @@ def main() -> None:
     ap.add_argument("--moe-layers", type=int, default=CONFIGS["moe"]["overrides"]["n_layers"])
     ap.add_argument("--budget-s", type=float, default=1e9, help="start no new variant after this many seconds")
     args = ap.parse_args()
+    global COMPILED
+    COMPILED = not args.eager
     assert torch.cuda.is_available(), "benchmarks/train_step.py needs a CUDA GPU"
     device = torch.device("cuda", 0)
     CONFIGS["dense"]["overrides"]["n_layers"] = args.dense_layers

@@ -41,7 +41,7 @@ def _kernel_fn(x: torch.Tensor, name: str):
     if not x.is_cuda:
         return None
     # Under torch.compile the references are traced instead, so inductor can fuse the casts with their
-    # neighbours (transposes, health statistics); FP8_KERNELS=always keeps the custom ops there too. The
+    # neighbours (transposes, health statistics); FP8_KERNELS=always keeps the Triton ops there too. The
     # jagged per-expert cast stays a kernel: inductor lowers its scatter-amax to atomics.
     compiling_ok = name == "quantize_jagged_per_expert" or os.environ.get(_USE_KERNELS_ENV) == "always"
     if torch.compiler.is_compiling() and not compiling_ok:

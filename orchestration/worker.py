@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
+from models.loss import lm_loss as lm_loss_fn
 from orchestration.config import JobConfig, from_dict
 from orchestration.data import ByteTextDataset, collect_text_files, python_stdlib_dir
 from orchestration.distributed import all_reduce_grads_if_unsharded, init_distributed, parallelize
@@ -81,10 +81,14 @@ def build_training_model(job: JobConfig, world_size: int, device: torch.device):
     model = parallelize(model, world_size, job.train.sharding, job.precision.fsdp_param_dtype,
                         job.precision.fsdp_reduce_dtype, job.model.activation_checkpointing)
     model.to(device)
-    compile_on = job.model.compile if job.model.compile is not None else device.type == "cuda"  # ROCm included
-    if compile_on:
+    if compile_enabled(job, device):
         compile_blocks(model)
     return model, recipe
+
+
+def compile_enabled(job: JobConfig, device: torch.device) -> bool:
+    """model.compile, where null means: compile on GPUs (ROCm included), eager on CPU."""
+    return job.model.compile if job.model.compile is not None else device.type == "cuda"
 
 
 def compile_blocks(model: torch.nn.Module) -> None:
@@ -116,6 +120,7 @@ class Trainer:
         self.dataset = build_dataset(job)
         torch.manual_seed(job.train.seed)
         self.model, self.recipe = build_training_model(job, self.world_size, self.device)
+        self.compiled = compile_enabled(job, self.device)  # the loss follows the blocks
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=job.train.lr,
                                            betas=(job.train.beta1, job.train.beta2),
                                            weight_decay=job.train.weight_decay)
@@ -262,7 +267,7 @@ class Trainer:
         use_autocast = self.compute_dtype != torch.float32
         with torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=use_autocast):
             logits = self.model(inputs)
-            lm_loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+            lm_loss = lm_loss_fn(logits, targets, compiled=self.compiled)
             aux = self.model.aux_loss()
         return lm_loss, aux
 

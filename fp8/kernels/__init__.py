@@ -11,8 +11,8 @@ scale arguments are `scale.reciprocal()` (exact for pow2 scales). Layouts are do
 reference.py, which holds the pure-PyTorch definition of every result.
 
 Backend choice, per call: use_triton=None (default) runs the Triton kernels on CUDA/ROCm tensors (under
-torch.compile through the torch.library custom ops "elastic_fp8::*", which it traces as opaque nodes; in eager
-mode the launchers directly, saving the dispatcher's host time) and the reference on any other device;
+torch.compile through the torch.library Triton ops "elastic_fp8::*", whose kernels Inductor launches itself;
+in eager mode the launchers directly, saving the dispatcher's host time) and the reference on any other device;
 use_triton=True forces the kernels (on CPU only with TRITON_INTERPRET=1 set before this package is imported);
 use_triton=False forces the reference. `set_default_use_triton` changes the default for the process.
 
@@ -87,8 +87,8 @@ def will_use_triton(x: torch.Tensor, use_triton: bool | None = None) -> bool:
 
 def _run_triton(op, launcher, *args):
     # Eager: the launcher directly (the custom-op dispatcher adds tens of microseconds of host time per call,
-    # comparable to the kernels themselves at 8192x4096). Under torch.compile: the custom op, which Dynamo
-    # traces as one opaque node through its fake implementation.
+    # comparable to the kernels themselves at 8192x4096). Under torch.compile: the Triton op, whose body
+    # Inductor traces down to the kernels (see ops.py).
     if torch.compiler.is_compiling():
         return op(*args)
     return launcher(*args)

@@ -1,7 +1,7 @@
 """Triton kernels for FP8 quantization around the GEMMs, and their launchers.
 
 Each kernel matches a reference in `reference.py` (same scale formula, same saturating round-to-nearest-even cast).
-The launchers take and return torch tensors; `ops.py` wraps them as torch.library custom ops.
+The launchers take and return torch tensors; `ops.py` wraps them as torch.library Triton ops.
 
 Kernels (all memory-bound: the work is one or two reads of x and one write per fp8 output):
 - tensorwise: `_amax_kernel` (read x, one atomic per block) then `_cast_tensorwise_kernel` (read x, write fp8;
@@ -39,6 +39,7 @@ import os
 from dataclasses import dataclass
 
 import torch
+from torch.library import wrap_triton
 
 from .reference import EPS, amax_to_scale, check_fp8_dtype, fp8_max
 
@@ -379,6 +380,13 @@ def _grid_consts(fp8_dtype: torch.dtype) -> dict:  # cached: host time per launc
             "MIN_NORMAL": g.min_normal, "SUB_MAGIC": g.sub_magic, "NAN_BITS": g.nan_bits}
 
 
+def _launch(kernel):
+    # Through wrap_triton, so that when Inductor traces an fp8.kernels.ops op it records the kernel itself and
+    # launches it from the compiled code; called eagerly, the wrapper just runs the kernel. (The interpreter's
+    # kernels are not JIT functions; wrap_triton hands those back unchanged.)
+    return kernel if INTERPRETED else wrap_triton(kernel)
+
+
 def triton_usable(x: torch.Tensor) -> bool:
     """Triton runs on CUDA/ROCm tensors, and on CPU tensors only under the interpreter."""
     return HAS_TRITON and (x.is_cuda or (INTERPRETED and x.device.type == "cpu"))
@@ -417,7 +425,7 @@ def tensorwise_amax(x_hp: torch.Tensor) -> torch.Tensor:
     amax_bits = torch.zeros(1, dtype=torch.int32, device=x_hp.device)
     numel = x_flat.numel()
     grid = (max(1, triton.cdiv(numel, TENSORWISE_BLOCK)),)
-    _amax_kernel[grid](x_flat, amax_bits, numel, BLOCK=TENSORWISE_BLOCK, num_warps=TENSORWISE_WARPS)
+    _launch(_amax_kernel)[grid](x_flat, amax_bits, numel, BLOCK=TENSORWISE_BLOCK, num_warps=TENSORWISE_WARPS)
     return amax_bits.view(torch.float32).reshape(())
 
 
@@ -433,7 +441,7 @@ def quantize_tensorwise_triton(
     scale = torch.empty((), dtype=torch.float32, device=x_hp.device)
     numel = x_flat.numel()
     grid = (max(1, triton.cdiv(numel, TENSORWISE_BLOCK)),)
-    _cast_tensorwise_kernel[grid](x_flat, out.view(-1), amax, scale, numel, BLOCK=TENSORWISE_BLOCK,
+    _launch(_cast_tensorwise_kernel)[grid](x_flat, out.view(-1), amax, scale, numel, BLOCK=TENSORWISE_BLOCK,
                                   num_warps=TENSORWISE_WARPS, **_grid_consts(fp8_dtype))
     return out, scale
 
@@ -458,7 +466,7 @@ def quantize_rowwise_triton(
         return out_MN, scale_M1
     BM, BN, one_tile = rowwise_tile(N)
     grid = (triton.cdiv(M, BM),)
-    _rowwise_kernel[grid](x_hp_MN, out_MN, scale_M1, M, N, x_hp_MN.stride(0), x_hp_MN.stride(1), POW2=pow2,
+    _launch(_rowwise_kernel)[grid](x_hp_MN, out_MN, scale_M1, M, N, x_hp_MN.stride(0), x_hp_MN.stride(1), POW2=pow2,
                           BM=BM, BN=BN, ONE_TILE=one_tile, num_warps=ROWWISE_WARPS, **_grid_consts(fp8_dtype))
     return out_MN, scale_M1
 
@@ -477,7 +485,7 @@ def row_col_amax_triton(x_hp_MN: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
         splits = max(1, min(triton.cdiv(N, BN), triton.cdiv(1024, row_blocks)))
         n_per_prog = triton.cdiv(triton.cdiv(N, splits), BN) * BN
         grid = (row_blocks, triton.cdiv(N, n_per_prog))
-        _row_col_amax_kernel[grid](x_hp_MN, row_bits, col_bits, M, N, x_hp_MN.stride(0), x_hp_MN.stride(1),
+        _launch(_row_col_amax_kernel)[grid](x_hp_MN, row_bits, col_bits, M, N, x_hp_MN.stride(0), x_hp_MN.stride(1),
                                    BM=BM, BN=BN, N_PER_PROG=n_per_prog, num_warps=ROW_COL_AMAX_WARPS)
     return row_bits.view(torch.float32), col_bits.view(torch.float32)
 
@@ -508,7 +516,7 @@ def row_col_cast_into(x_hp_MN, row_amax_M, col_amax_N, fp8_dtype, pow2, row_out_
     M, N = x_hp_MN.shape
     BM, BN = ROW_COL_CAST_TILE
     grid = (triton.cdiv(M, BM), triton.cdiv(N, BN))
-    _row_col_cast_kernel[grid](x_hp_MN, row_out_MN, col_out_t_NM, row_amax_M, col_amax_N, scale_M1, scale_1N,
+    _launch(_row_col_cast_kernel)[grid](x_hp_MN, row_out_MN, col_out_t_NM, row_amax_M, col_amax_N, scale_M1, scale_1N,
                                M, N, x_hp_MN.stride(0), x_hp_MN.stride(1), POW2=pow2, BM=BM, BN=BN,
                                num_warps=ROW_COL_WARPS, **_grid_consts(fp8_dtype))
 
@@ -537,10 +545,10 @@ def quantize_jagged_per_expert_triton(
     grid = (triton.cdiv(K, BK), triton.cdiv(M, CH) + 2 * (E + 1))
     E_POW2 = triton.next_power_of_2(E + 1)
     strides = (x_hp_MK.stride(0), x_hp_MK.stride(1))
-    _jagged_amax_kernel[grid](x_hp_MK, offs_E, amax_bits_EK, M, K, *strides, E, BM=BM, BK=BK, CH=CH, E_POW2=E_POW2,
-                              num_warps=JAGGED_WARPS)
-    _jagged_cast_kernel[grid](x_hp_MK, offs_E, amax_bits_EK.view(torch.float32), out, scale_EK, M, K, *strides, E,
-                              POW2=pow2, BM=BM, BK=BK, CH=CH, E_POW2=E_POW2, TRANSPOSE_OUT=transpose_out,
-                              num_warps=JAGGED_WARPS, **_grid_consts(fp8_dtype))
+    _launch(_jagged_amax_kernel)[grid](x_hp_MK, offs_E, amax_bits_EK, M, K, *strides, E, BM=BM, BK=BK, CH=CH,
+                                       E_POW2=E_POW2, num_warps=JAGGED_WARPS)
+    _launch(_jagged_cast_kernel)[grid](x_hp_MK, offs_E, amax_bits_EK.view(torch.float32), out, scale_EK, M, K,
+                                       *strides, E, POW2=pow2, BM=BM, BK=BK, CH=CH, E_POW2=E_POW2,
+                                       TRANSPOSE_OUT=transpose_out, num_warps=JAGGED_WARPS, **_grid_consts(fp8_dtype))
     return out, scale_EK
 

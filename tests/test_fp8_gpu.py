@@ -1,0 +1,87 @@
+"""GPU-only checks of the Triton ops under torch.compile (skipped without CUDA; run on the H200 by the device tool).
+
+What they pin down: Inductor launches the quantize kernels itself (the compiled code holds no call back into the
+elastic_fp8 ops, which would cost a Python dispatch per cast at run time), the compiled ops give bit-identical
+results to the eager launchers, and a compiled Float8Linear whose casts are kernels (FP8_KERNELS=always) matches
+the eager one.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+E4M3 = torch.float8_e4m3fn
+
+
+def _x(m: int, n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(m, n, device="cuda", generator=g, dtype=torch.float32)
+    x[3] *= 50.0  # an outlier row, so row and column scales differ
+    return x.to(torch.bfloat16)
+
+
+def _cases():
+    from fp8.kernels import quantize as q
+
+    offs = torch.tensor([100, 100, 700, 1000], dtype=torch.int32, device="cuda")  # one empty group, a tail
+    ops = torch.ops.elastic_fp8
+    return [
+        ("tensorwise", lambda x: ops.quantize_tensorwise(x * 2, E4M3, None),
+         lambda x: q.quantize_tensorwise_triton(x * 2, E4M3, None)),
+        ("rowwise", lambda x: ops.quantize_rowwise(x * 2, E4M3, True),
+         lambda x: q.quantize_rowwise_triton(x * 2, E4M3, True)),
+        ("rowwise_and_colwise", lambda x: ops.quantize_rowwise_and_colwise(x * 2, E4M3, True),
+         lambda x: q.quantize_rowwise_and_colwise_triton(x * 2, E4M3, True)),
+        ("jagged", lambda x: ops.quantize_jagged_per_expert(x * 2, offs, E4M3, True, True),
+         lambda x: q.quantize_jagged_per_expert_triton(x * 2, offs, E4M3, True, True)),
+    ]
+
+
+@pytest.mark.parametrize("name", ["tensorwise", "rowwise", "rowwise_and_colwise", "jagged"])
+def test_compiled_ops_launch_the_kernels_inline_and_match_eager(name):
+    from torch._inductor.utils import run_and_get_code
+
+    import fp8.kernels  # noqa: F401  # registers the ops
+
+    torch._dynamo.reset()
+    _, op_fn, eager_fn = next(c for c in _cases() if c[0] == name)
+    x = _x(1024, 768, seed=1)
+    got, codes = run_and_get_code(torch.compile(op_fn, fullgraph=True), x)
+    want = eager_fn(x)
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        assert torch.equal(g.view(torch.uint8) if g.dtype == E4M3 else g, w.view(torch.uint8) if w.dtype == E4M3
+                           else w)
+    code = "\n".join(codes)
+    assert "elastic_fp8" not in code, "the compiled code calls back into the op instead of launching its kernels"
+    assert "_kernel" in code  # the user kernels appear by name in Inductor's wrapper
+
+
+def test_compiled_float8_linear_with_kernel_casts_matches_eager(monkeypatch):
+    import fp8
+
+    monkeypatch.setenv("FP8_KERNELS", "always")
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    for recipe in ("tensorwise", "rowwise"):
+        model = torch.nn.Sequential(torch.nn.Linear(512, 1024, bias=False), torch.nn.Linear(1024, 256, bias=False))
+        model = model.cuda().to(torch.bfloat16)
+        fp8.convert_to_fp8(model, recipe, module_filter=lambda m, fqn: True)
+        x = _x(2048, 512, seed=2).requires_grad_(True)
+        y_eager = model(x)
+        y_eager.float().square().mean().backward()
+        grads_eager = [p.grad.clone() for p in model.parameters()] + [x.grad.clone()]
+        for p in model.parameters():
+            p.grad = None
+        x.grad = None
+        y_comp = torch.compile(model)(x)
+        y_comp.float().square().mean().backward()
+        grads_comp = [p.grad for p in model.parameters()] + [x.grad]
+        # Same casts and GEMMs; Inductor may reorder the fp32 accumulation of the loss only.
+        torch.testing.assert_close(y_comp, y_eager, rtol=0, atol=0)
+        for g_c, g_e in zip(grads_comp, grads_eager, strict=True):
+            torch.testing.assert_close(g_c, g_e, rtol=1e-2, atol=1e-3)
+        torch._dynamo.reset()
