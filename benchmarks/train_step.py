@@ -233,6 +233,9 @@ def kernel_profile(step, batch, top: int = 15) -> dict:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         step(*batch)
         torch.cuda.synchronize()
+    busy_ms, span_ms = gpu_busy(prof)
+    print(f"      GPU busy {busy_ms:.2f} ms of a {span_ms:.2f} ms kernel span (idle {span_ms - busy_ms:.2f} ms)",
+          flush=True)
     kernels = []
     for ev in prof.key_averages():
         t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
@@ -248,7 +251,28 @@ def kernel_profile(step, batch, top: int = 15) -> dict:
         print(f"      {ms:9.2f} ms  {cat}", flush=True)
     for k in kernels[:top]:
         print(f"      {k['ms']:9.2f} ms {k['calls']:5d}x  {k['kernel'][:100]}", flush=True)
-    return {"categories_ms": categories, "top_kernels": kernels[:top]}
+    return {"categories_ms": categories, "top_kernels": kernels[:top], "gpu_busy_ms": busy_ms,
+            "kernel_span_ms": span_ms}
+
+
+def gpu_busy(prof) -> tuple[float, float]:
+    """(time some kernel was running, first kernel start to last kernel end), ms: their difference is the time the
+    GPU waited for the host (launch overhead, host syncs) inside the profiled step."""
+    from torch.autograd import DeviceType
+
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    if not spans:
+        return 0.0, 0.0
+    busy, cur_start, cur_end = 0.0, spans[0][0], spans[0][1]
+    for start, end in spans[1:]:
+        if start > cur_end:
+            busy += cur_end - cur_start
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    busy += cur_end - cur_start
+    return busy / 1e3, (spans[-1][1] - spans[0][0]) / 1e3
 
 
 def random_batches(vocab: int, batch: int, seq: int, device, n: int = 3):

@@ -85,3 +85,28 @@ def test_compiled_float8_linear_with_kernel_casts_matches_eager(monkeypatch):
         for g_c, g_e in zip(grads_comp, grads_eager, strict=True):
             torch.testing.assert_close(g_c, g_e, rtol=1e-2, atol=1e-3)
         torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_moe_block_compiles_to_one_graph(precision):
+    """A graph break inside a compiled MoE block leaves eager segments whose launches the GPU waits for."""
+    import fp8
+    from models.registry import build_model
+
+    torch._dynamo.reset()
+    model = build_model("deepseek_moe16b", device="cuda", overrides={
+        "n_layers": 2, "dim": 512, "moe_inter_dim": 256, "inter_dim": 1024, "n_routed_experts": 16,
+        "vocab_size": 1024, "n_heads": 4})
+    model.init_weights(seed=0)
+    model.to(torch.bfloat16).train()
+    if precision == "fp8":
+        fp8.convert_to_fp8(model, "rowwise")
+    block = list(model.layers.values())[-1]
+    captured = {}
+    handle = block.register_forward_pre_hook(lambda mod, args, kwargs: captured.update(args=args, kwargs=kwargs),
+                                             with_kwargs=True)
+    model(torch.randint(0, 1024, (2, 256), device="cuda"))
+    handle.remove()
+    explained = torch._dynamo.explain(block)(*captured["args"], **captured["kwargs"])
+    reasons = [str(b.reason)[:200] for b in explained.break_reasons]
+    assert explained.graph_break_count == 0, reasons
