@@ -66,11 +66,13 @@ CONFIGS = {
 
 def build(model_name: str, overrides: dict, variant: str, device: torch.device, compile_blocks: bool,
           dtype: torch.dtype = torch.bfloat16, compile_mode: str | None = None):
+    from models.deepseek_moe import set_forward_recompute
     from models.registry import build_model
 
     model = build_model(model_name, device="meta", overrides=overrides)
     model.to_empty(device=device)
     model.init_weights(seed=0)
+    set_forward_recompute(model, False)  # no activation checkpointing here, as in the worker without it
     # Throughput: bf16 parameters on every side (AdamW states in bf16 too, the same for all). Loss parity: fp32
     # master weights under bf16 autocast, as the worker loop trains.
     model.to(dtype)
@@ -292,9 +294,8 @@ def bench_config(name: str, cfg: dict, args, device) -> dict:
                       overrides=cfg["overrides"])
     tokens = cfg["batch"] * cfg["seq"]
     rows = []
-    for variant in cfg["variants"]:
-        if args.only and variant not in args.only.split(","):
-            continue
+    # --only names the variants to run, in its order (any variant string, flags included).
+    for variant in (args.only.split(",") if args.only else cfg["variants"]):
         row = {"config": name, "variant": variant}
         if time.time() - START > args.budget_s:
             row["error"] = f"skipped: time budget of {args.budget_s:.0f} s spent"
@@ -400,7 +401,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--configs", default="dense,loss,moe", help="dense, moe and loss (the loss-parity run)")
-    ap.add_argument("--only", default="", help="comma-separated variants to run (default all)")
+    ap.add_argument("--only", default="", help="comma-separated variants to run, in this order (default: the config's)")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--loss-steps", type=int, default=150)

@@ -330,6 +330,14 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+def set_forward_recompute(model: nn.Module, may_rerun: bool) -> None:
+    """Tell every MoE layer whether activation checkpointing can re-run its forward in backward (default True, the
+    safe answer; False lets a compiled MoE block be one graph)."""
+    for module in model.modules():
+        if isinstance(module, MoE):
+            module.forward_may_rerun_in_backward = may_rerun
+
+
 class MoE(nn.Module):
     """Routed experts (top-k of E) plus shared experts, one layer's FFN."""
 
@@ -347,6 +355,10 @@ class MoE(nn.Module):
         # Assignments per expert summed over training forwards since the last bias update (all micro-batches).
         self.register_buffer("tokens_per_expert", torch.zeros(E, dtype=torch.float32), persistent=False)
         self.last_aux_loss: torch.Tensor | None = None
+        # Whether activation checkpointing may re-run this forward inside backward (then the counts must skip the
+        # re-run). Asking autograd costs a graph break under torch.compile (a host call returning a Python int),
+        # so models that are never recomputed turn the question off: see set_forward_recompute.
+        self.forward_may_rerun_in_backward = True
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
         a = self.args
@@ -368,7 +380,7 @@ class MoE(nn.Module):
             self.last_aux_loss = a.aux_loss_alpha * load_balance_loss(
                 scores_SE.view(B, T, -1), expert_SA.view(B, T, -1), a.aux_loss_scope
             )
-        if self.training and not _in_backward():
+        if self.training and not (self.forward_may_rerun_in_backward and _in_backward()):
             with torch.no_grad():
                 self.tokens_per_expert += expert_counts(expert_SA, a.n_routed_experts, kept_SA)
 

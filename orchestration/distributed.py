@@ -66,6 +66,9 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 def parallelize(model: nn.Module, world_size: int, sharding: str, param_dtype: str, reduce_dtype: str,
                 activation_checkpointing: bool = False) -> nn.Module:
     """FSDP2: one fully_shard per transformer block, then the root. No-op on a single worker."""
+    from models.deepseek_moe import set_forward_recompute
+
+    set_forward_recompute(model, activation_checkpointing)
     if activation_checkpointing:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 

@@ -286,3 +286,21 @@ def test_counts_not_doubled_by_activation_checkpointing_recompute():
     out = checkpoint(block, x, model.rope_cos, model.rope_sin, use_reentrant=False)
     out.float().pow(2).mean().backward()  # the backward recomputes the block's forward
     assert block.moe.tokens_per_expert.sum().item() == 2 * 16 * 2
+
+
+def test_moe_block_compiles_to_one_graph_when_not_recomputed():
+    """Asking autograd whether backward is re-running the forward breaks a compiled block's graph; a model built
+    without activation checkpointing (set_forward_recompute(model, False)) must not ask."""
+    from models.deepseek_moe import set_forward_recompute
+
+    model = build_model("debug_moe", "cpu", seed=0).to(torch.bfloat16).train()
+    block = model.layers["1"]
+    x = torch.randn(2, 16, 128, dtype=torch.bfloat16)
+    args = (x, model.rope_cos[:16], model.rope_sin[:16])
+    assert torch._dynamo.explain(block)(*args).graph_break_count > 0  # the safe default asks
+    torch._dynamo.reset()
+    set_forward_recompute(model, False)
+    before = block.moe.tokens_per_expert.clone()
+    explained = torch._dynamo.explain(block)(*args)
+    assert explained.graph_break_count == 0, [str(b.reason)[:200] for b in explained.break_reasons]
+    assert block.moe.tokens_per_expert.sum() > before.sum()  # the counts are still kept
