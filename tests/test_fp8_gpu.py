@@ -8,12 +8,15 @@ the eager one.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 E4M3 = torch.float8_e4m3fn
+DEVICE = "cuda"
 
 
 def _x(m: int, n: int, seed: int) -> torch.Tensor:
@@ -95,7 +98,7 @@ def test_moe_block_compiles_to_one_graph(precision):
     from models.registry import build_model
 
     torch._dynamo.reset()
-    model = build_model("deepseek_moe16b", device="cuda", overrides={
+    model = build_model("deepseek_moe16b", device=DEVICE, overrides={
         "n_layers": 2, "dim": 512, "moe_inter_dim": 256, "inter_dim": 1024, "n_routed_experts": 16,
         "vocab_size": 1024, "n_heads": 4})
     model.init_weights(seed=0)
@@ -112,3 +115,82 @@ def test_moe_block_compiles_to_one_graph(precision):
     explained = torch._dynamo.explain(block)(*captured["args"], **captured["kwargs"])
     reasons = [str(b.reason)[:200] for b in explained.break_reasons]
     assert explained.graph_break_count == 0, reasons
+
+
+def _moe_model(precision: str, compiled: bool):
+    import fp8
+    from models.deepseek_moe import set_forward_recompute
+    from models.registry import build_model
+
+    model = build_model("deepseek_moe16b", device=DEVICE, overrides={
+        "n_layers": 2, "dim": 512, "moe_inter_dim": 256, "inter_dim": 1024, "n_routed_experts": 16,
+        "vocab_size": 1024, "n_heads": 4})
+    model.init_weights(seed=0)
+    model.to(torch.bfloat16).train()
+    set_forward_recompute(model, False)
+    if precision == "fp8":
+        fp8.convert_to_fp8(model, "rowwise")
+    if compiled:
+        for block in model.layers.values():
+            block.compile(dynamic=False)
+    return model
+
+
+def _keep_output(store: dict, module, args, out) -> None:
+    store["y"] = out.detach().clone()
+
+
+def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    return torch.nn.functional.cosine_similarity(a.float().flatten(), b.float().flatten(), dim=0).item()
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_fp8_moe_model_expert_grads_follow_bf16(compiled):
+    """Every routed expert's weight gradient in the FP8 model points where the bf16 model's does."""
+    torch._dynamo.reset()
+    tokens = torch.randint(0, 1024, (2, 512), device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(3))
+    grads, outs = {}, {}
+    for precision in ("bf16", "fp8"):
+        model = _moe_model(precision, compiled)
+        captured: dict[str, torch.Tensor] = {}
+        model.layers["1"].moe.experts.register_forward_hook(functools.partial(_keep_output, captured))
+        logits = model(tokens)
+        logits.float().square().mean().backward()
+        outs[precision] = captured["y"]
+        grads[precision] = {n: p.grad.detach().clone() for n, p in model.named_parameters() if "experts.w" in n}
+    y_bf16, y_fp8 = outs["bf16"], outs["fp8"]
+    # The fp8 rows are padded per expert group (zero rows in between), so compare magnitudes, not rows.
+    ratio = (y_fp8.float().abs().sum() / y_bf16.float().abs().sum()).item()
+    assert 0.9 < ratio < 1.1, f"sum |experts output| fp8 / bf16 = {ratio:.4f}"
+    report = {n: (_cosine(grads["fp8"][n], g), (grads["fp8"][n] == 0).float().mean().item(),
+                  (g == 0).float().mean().item()) for n, g in grads["bf16"].items()}
+    for name, (cos, zero_fp8, zero_bf16) in report.items():
+        assert cos > 0.9 and zero_fp8 <= zero_bf16 + 0.01, f"{name}: cos, zero frac fp8, bf16 = {report}"
+
+
+def test_fp8_grouped_experts_with_model_routing_match_bf16():
+    """The experts module alone on model-style routing (groups padded to 16 rows, slack in the last group)."""
+    from fp8.grouped import Fp8GroupedMM
+    from models.deepseek_moe import GroupedExperts, permute_by_expert
+
+    torch.manual_seed(0)
+    experts = GroupedExperts(16, 512, 256).cuda()
+    experts.init_weights(0.02, 0.02)
+    experts.to(torch.bfloat16)
+    expert_SA = torch.randint(0, 16, (1024, 6), device="cuda")
+    token_R, _slot_R, dest_R, offs_E, n_rows = permute_by_expert(expert_SA, 16, 16)
+    x_SD = torch.randn(1024, 512, device="cuda", dtype=torch.bfloat16)
+    x_RD = x_SD.new_zeros(n_rows, 512).index_copy(0, dest_R, x_SD[token_R])
+    results = {}
+    for name, op in (("bf16", experts.grouped_mm), ("fp8", Fp8GroupedMM())):
+        experts.grouped_mm = op
+        experts.zero_grad(set_to_none=True)
+        y = experts(x_RD, offs_E)
+        torch.manual_seed(1)
+        gy = torch.randn_like(y)
+        y.backward(gy)
+        results[name] = (y.detach().clone(), experts.w13.grad.clone(), experts.w2.grad.clone())
+    for i, what in enumerate(("y", "grad_w13", "grad_w2")):
+        cos = _cosine(results["fp8"][i], results["bf16"][i])
+        assert cos > 0.95, f"{what}: cos {cos:.4f}, fp8 |.| {results['fp8'][i].float().abs().mean():.3e}, bf16 " \
+                           f"{results['bf16'][i].float().abs().mean():.3e}, offs {offs_E.tolist()}"
