@@ -25,11 +25,18 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--variants", default="bf16,ours:rowwise")
+    ap.add_argument("--compiled-only", action="store_true")
+    ap.add_argument("--opaque", action="store_true",
+                    help="keep Fp8GroupedMM out of the compiled graphs (torch.compiler.disable): a fallback probe")
     args = ap.parse_args()
+    if args.opaque:
+        import fp8.grouped
+
+        fp8.grouped.Fp8GroupedMM.__call__ = torch.compiler.disable(fp8.grouped.Fp8GroupedMM.__call__)
     device = torch.device("cuda", 0)
     cfg = CONFIGS["moe"]
     for variant in args.variants.split(","):
-        for compiled in (False, True):
+        for compiled in (True,) if args.compiled_only else (False, True):
             torch._dynamo.reset()
             model = build(cfg["model"], dict(cfg["overrides"], n_layers=args.layers), variant, device,
                           compile_blocks=compiled)

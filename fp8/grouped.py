@@ -117,7 +117,10 @@ class _Fp8GroupedMMFn(torch.autograd.Function):
     def forward(ctx, x_MK, w_EKN, offs_E, backend: Fp8Backend, use_scaled: bool, pow2: bool, wgrad_scaling: str):
         e4m3 = backend.e4m3
         x_MK = x_MK.contiguous()
-        wgrad = wgrad_scaling if ctx.needs_input_grad[1] else None
+        # Always prepare the weight gradient, never asking ctx.needs_input_grad: inside a torch.compile'd MoE block
+        # on the H200 (torch 2.11) asking it here left every expert weight gradient exactly zero, while eager was
+        # right (session3/optimizer_gap.json, tests/test_fp8_gpu.py). Expert weights train whenever this runs.
+        wgrad = wgrad_scaling
         if wgrad == "global":
             # Both layouts from one fused cast; backward keeps the 1-byte transposed copy, not x.
             x_fp8, sx_M1, x_fp8_t_KM, sx_1K = quant.quantize_rowwise_and_colwise(x_MK, e4m3, pow2)
@@ -140,34 +143,31 @@ class _Fp8GroupedMMFn(torch.autograd.Function):
         w_EKN, offs_E, *saved_x = ctx.saved_tensors
         e4m3, pow2, use_scaled, wgrad = ctx.backend.e4m3, ctx.pow2, ctx.use_scaled, ctx.wgrad
         gy_MN = gy_MN.contiguous()
-        gx_MK = gw_EKN = None
         if wgrad == "global":
             gy_fp8, sg_M1, gy_fp8_t_NM, sg_1N = quant.quantize_rowwise_and_colwise(gy_MN, e4m3, pow2)
         else:
             gy_fp8, sg_M1 = quant.quantize_rowwise(gy_MN, e4m3, -1, pow2)
-        if ctx.needs_input_grad[0]:
-            # w per (expert, row k) along N, laid out [E, K, N] row-major: its transpose is the column-major
-            # [E, N, K] right operand of gx = gy @ w^T.
-            w_fp8_r, sw_EK1 = quant.quantize_rowwise(w_EKN, e4m3, -1, pow2)
-            w_fp8_r = w_fp8_r.contiguous()
-            gx_MK = _scaled_or_emulated_2d3d(
-                gy_fp8, sg_M1, w_fp8_r.transpose(-2, -1), sw_EK1.transpose(-2, -1), offs_E, use_scaled, False
-            ).to(gy_MN.dtype)
-        if wgrad is not None:
-            out_ENK = _is_column_major(w_EKN)
-            if wgrad == "hp":
+        # w per (expert, row k) along N, laid out [E, K, N] row-major: its transpose is the column-major
+        # [E, N, K] right operand of gx = gy @ w^T.
+        w_fp8_r, sw_EK1 = quant.quantize_rowwise(w_EKN, e4m3, -1, pow2)
+        w_fp8_r = w_fp8_r.contiguous()
+        gx_MK = _scaled_or_emulated_2d3d(
+            gy_fp8, sg_M1, w_fp8_r.transpose(-2, -1), sw_EK1.transpose(-2, -1), offs_E, use_scaled, False
+        ).to(gy_MN.dtype)
+        out_ENK = _is_column_major(w_EKN)
+        if wgrad == "hp":
+            (x_MK,) = saved_x
+            gw_EKN = _wgrad_hp(x_MK, gy_MN, offs_E, out_ENK)
+        else:
+            if wgrad == "global":
+                x_fp8_t_KM, sx_1K = saved_x
+                sx_EK, sg_EN = sx_1K.expand(w_EKN.shape[0], -1), sg_1N.expand(w_EKN.shape[0], -1)
+            else:  # per_expert
                 (x_MK,) = saved_x
-                gw_EKN = _wgrad_hp(x_MK, gy_MN, offs_E, out_ENK)
-            else:
-                if wgrad == "global":
-                    x_fp8_t_KM, sx_1K = saved_x
-                    sx_EK, sg_EN = sx_1K.expand(w_EKN.shape[0], -1), sg_1N.expand(w_EKN.shape[0], -1)
-                else:  # per_expert
-                    (x_MK,) = saved_x
-                    x_fp8_t_KM, sx_EK = quant.quantize_jagged_colwise(x_MK, offs_E, e4m3, pow2)
-                    gy_fp8_t_NM, sg_EN = quant.quantize_jagged_colwise(gy_MN, offs_E, e4m3, pow2)
-                gw_EKN = _wgrad(x_fp8_t_KM, sx_EK, gy_fp8_t_NM, sg_EN, offs_E, use_scaled, out_ENK)
-            gw_EKN = gw_EKN.to(w_EKN.dtype)
+                x_fp8_t_KM, sx_EK = quant.quantize_jagged_colwise(x_MK, offs_E, e4m3, pow2)
+                gy_fp8_t_NM, sg_EN = quant.quantize_jagged_colwise(gy_MN, offs_E, e4m3, pow2)
+            gw_EKN = _wgrad(x_fp8_t_KM, sx_EK, gy_fp8_t_NM, sg_EN, offs_E, use_scaled, out_ENK)
+        gw_EKN = gw_EKN.to(w_EKN.dtype)
         return gx_MK, gw_EKN, None, None, None, None, None
 
 
