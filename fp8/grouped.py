@@ -117,9 +117,7 @@ class _Fp8GroupedMMFn(torch.autograd.Function):
     def forward(ctx, x_MK, w_EKN, offs_E, backend: Fp8Backend, use_scaled: bool, pow2: bool, wgrad_scaling: str):
         e4m3 = backend.e4m3
         x_MK = x_MK.contiguous()
-        # Always prepare the weight gradient, never asking ctx.needs_input_grad: inside a torch.compile'd MoE block
-        # on the H200 (torch 2.11) asking it here left every expert weight gradient exactly zero, while eager was
-        # right (session3/optimizer_gap.json, tests/test_fp8_gpu.py). Expert weights train whenever this runs.
+        # Both gradients always: expert weights train whenever this runs.
         wgrad = wgrad_scaling
         if wgrad == "global":
             # Both layouts from one fused cast; backward keeps the 1-byte transposed copy, not x.
@@ -186,6 +184,10 @@ class Fp8GroupedMM:
         self.wgrad_scaling = wgrad_scaling
         self.last_stats: torch.Tensor | None = None
 
+    # Outside torch.compile'd graphs: traced into a compiled MoE block on the H200 (torch 2.11), every expert weight
+    # gradient came out exactly zero (forward right, eager right; the same graph on CPU right), so a compiled block
+    # calls this eagerly: two graph breaks per MoE layer (tests/test_fp8_gpu.py checks the gradients both ways).
+    @torch.compiler.disable
     def __call__(self, x_MK: torch.Tensor, w_EKN: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
         if offs_E.dtype != torch.int32:
             raise ValueError(f"grouped_mm offsets must be int32 cumulative ends, got {offs_E.dtype}")

@@ -91,8 +91,9 @@ def test_compiled_float8_linear_with_kernel_casts_matches_eager(monkeypatch):
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
-def test_moe_block_compiles_to_one_graph(precision):
-    """A graph break inside a compiled MoE block leaves eager segments whose launches the GPU waits for."""
+def test_moe_block_graph_breaks(precision):
+    """A graph break inside a compiled MoE block leaves eager segments whose launches the GPU waits for: none in
+    bf16, only the deliberate ones around the FP8 grouped GEMMs in fp8."""
     import fp8
     from models.deepseek_moe import set_forward_recompute
     from models.registry import build_model
@@ -113,8 +114,11 @@ def test_moe_block_compiles_to_one_graph(precision):
     model(torch.randint(0, 1024, (2, 256), device="cuda"))
     handle.remove()
     explained = torch._dynamo.explain(block)(*captured["args"], **captured["kwargs"])
-    reasons = [str(b.reason)[:200] for b in explained.break_reasons]
-    assert explained.graph_break_count == 0, reasons
+    reasons = [str(b.reason)[:300] for b in explained.break_reasons]
+    if precision == "bf16":
+        assert explained.graph_break_count == 0, reasons
+    else:  # only the two FP8 grouped GEMM calls run outside the graph (see Fp8GroupedMM.__call__)
+        assert explained.graph_break_count == 2 and all("disable" in r for r in reasons), reasons
 
 
 def _moe_model(precision: str, compiled: bool):
