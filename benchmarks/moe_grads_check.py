@@ -1,6 +1,6 @@
 """Diagnostic: do the routed experts of the full-width MoE model get gradients in each variant, eager and compiled?
 
-    python3 benchmarks/moe_grads_check.py [--layers 2]
+    python3 benchmarks/moe_grads_check.py [--layers 2] [--traced] [--backend aot_eager]
 
 Prints, per (variant, compiled): the fraction of exactly-zero gradient entries of every expert weight, the mean |y|
 of the first MoE layer's experts output, and the group offsets it saw. (Written after an H200 run found 81 % of all
@@ -26,20 +26,24 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--variants", default="bf16,ours:rowwise")
     ap.add_argument("--compiled-only", action="store_true")
-    ap.add_argument("--opaque", action="store_true",
-                    help="keep Fp8GroupedMM out of the compiled graphs (torch.compiler.disable): a fallback probe")
+    ap.add_argument("--traced", action="store_true",
+                    help="let torch.compile trace Fp8GroupedMM (the path that zeroed the expert gradients)")
+    ap.add_argument("--backend", default="inductor", help="torch.compile backend: inductor | aot_eager | eager")
     args = ap.parse_args()
-    if args.opaque:
+    if args.traced:
         import fp8.grouped
 
-        fp8.grouped.Fp8GroupedMM.__call__ = torch.compiler.disable(fp8.grouped.Fp8GroupedMM.__call__)
+        fp8.grouped.Fp8GroupedMM.__call__ = fp8.grouped.Fp8GroupedMM.call_traceable
     device = torch.device("cuda", 0)
     cfg = CONFIGS["moe"]
     for variant in args.variants.split(","):
         for compiled in (True,) if args.compiled_only else (False, True):
             torch._dynamo.reset()
             model = build(cfg["model"], dict(cfg["overrides"], n_layers=args.layers), variant, device,
-                          compile_blocks=compiled)
+                          compile_blocks=False)
+            if compiled:
+                for block in model.layers.values():
+                    block.compile(dynamic=False, backend=args.backend)
             inputs, targets = random_batches(model.args.vocab_size, cfg["batch"], cfg["seq"], device, n=1)[0]
             seen = {}
             experts = model.layers["1"].moe.experts

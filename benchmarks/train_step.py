@@ -54,13 +54,10 @@ CONFIGS = {
     # train_step_dense_dynamic_shapes.json); static shapes make every row independent of what ran before.
     # "+nomix" / "+kern" / "+cg": see the module docstring.
     "dense": {"model": "llama3_8b", "overrides": {"n_layers": 8}, "batch": 1, "seq": 8192,
-              "variants": ["bf16", "ours:tensorwise+nomix", "torchao:tensorwise", "ours:tensorwise",
-                           "torchao:tensorwise+nomix", "ours:rowwise+nomix", "torchao:rowwise",
-                           "ours:rowwise_gw_hp+nomix", "ours:rowwise", "bf16+nomix", "ours_nomon:tensorwise+nomix",
-                           "torchao:rowwise+nomix"]},
+              "variants": ["bf16", "ours:tensorwise", "torchao:tensorwise", "ours:rowwise", "torchao:rowwise",
+                           "ours:rowwise_gw_hp", "ours_nomon:tensorwise", "ours:tensorwise+kern"]},
     "moe": {"model": "deepseek_moe16b", "overrides": {"n_layers": 4}, "batch": 4, "seq": 4096,
-            "variants": ["bf16", "ours:rowwise+nomix", "torchao:moe", "ours_nomon:rowwise+nomix", "ours:rowwise",
-                         "torchao:moe+nomix", "ours:tensorwise+nomix"]},
+            "variants": ["bf16", "ours:rowwise", "torchao:moe", "ours_nomon:rowwise"]},
 }
 
 

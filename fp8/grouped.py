@@ -184,11 +184,8 @@ class Fp8GroupedMM:
         self.wgrad_scaling = wgrad_scaling
         self.last_stats: torch.Tensor | None = None
 
-    # Outside torch.compile'd graphs: traced into a compiled MoE block on the H200 (torch 2.11), every expert weight
-    # gradient came out exactly zero (forward right, eager right; the same graph on CPU right), so a compiled block
-    # calls this eagerly: two graph breaks per MoE layer (tests/test_fp8_gpu.py checks the gradients both ways).
-    @torch.compiler.disable
-    def __call__(self, x_MK: torch.Tensor, w_EKN: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+    def call_traceable(self, x_MK: torch.Tensor, w_EKN: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+        """The op itself, which torch.compile would trace (see __call__ for why it does not by default)."""
         if offs_E.dtype != torch.int32:
             raise ValueError(f"grouped_mm offsets must be int32 cumulative ends, got {offs_E.dtype}")
         x_MK, w_EKN = to_compute_dtype(x_MK, w_EKN)
@@ -199,6 +196,12 @@ class Fp8GroupedMM:
         )
         self.last_stats = stats
         return out_MN
+
+    # Outside torch.compile'd graphs: traced into a compiled MoE block on the H200 (torch 2.11), every expert weight
+    # gradient came out exactly zero (forward right, eager right; the same graph on CPU right), so a compiled block
+    # calls this eagerly: graph breaks around each grouped GEMM (tests/test_fp8_gpu.py checks the gradients both
+    # ways; benchmarks/moe_grads_check.py --traced reproduces the bug for a fix to be tried against).
+    __call__ = torch.compiler.disable(call_traceable)
 
     def __repr__(self) -> str:
         return f"Fp8GroupedMM(rowwise, wgrad_scaling={self.wgrad_scaling}, emulate={self.emulate})"
