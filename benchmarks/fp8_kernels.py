@@ -37,6 +37,9 @@ REPO = Path(__file__).resolve().parents[1]
 DENSE_SHAPES = [(8192, 4096), (8192, 14336), (16384, 2048)]
 # DeepSeek-MoE-16B routed experts: 16384 tokens x top-6 = 98304 rows, hidden 2048 and expert inter 1408.
 JAGGED_SHAPES = [(98304, 2048, 64), (98304, 1408, 64)]
+# Its expert weights as stored [E, out, in]: w13 [64, 2816, 2048] and w2 [64, 2048, 1408].
+EXPERT_WEIGHT_SHAPES = [(64, 2816, 2048), (64, 2048, 1408)]
+SMOKE_EXPERT_WEIGHTS = [(3, 80, 48)]
 SMOKE_DENSE = [(37, 70), (64, 33)]
 SMOKE_JAGGED = [(50, 20, 4)]
 
@@ -397,6 +400,33 @@ def main():
 
     for M, K, E in jagged:
         run_jagged(M, K, E)
+
+    # ------------------------------------------------------------------ expert weights (MoE grad-input operand)
+    # [E, N, K] storage scaled along N per (e, k), written [E, K, N]: the batched column kernel on the storage vs
+    # what it replaced (a transposed bf16 copy, then the row kernel).
+    def run_expert_weight(E, N, K):
+        key = f"{E}x{N}x{K}"
+        measure_copy(E * N, K)
+        copy_gbps[key] = copy_gbps[f"{E * N}x{K}"]
+        xs = rotated(lambda i, E=E, N=N, K=K: make_x(E * N, K, seed=30 + i).view(E, N, K), E * N * K * 2)
+        for d in check_dtypes:
+            poison(((E, K, N), torch.float8_e4m3fn))
+            rec = compare(fk.quantize_colwise_batched(xs[0], d, use_triton=use_triton),
+                          fk.quantize_colwise_batched_ref(xs[0], d))
+            rec.update(op="colwise_batched", shape=key, dtype=str(d))
+            checks.append(rec)
+            if not rec["ok"]:
+                print("  MISMATCH", rec)
+        nxt = cycle(xs)
+        old_ms = bench_ms(lambda: fk.quantize_rowwise(nxt().transpose(-2, -1).contiguous().view(E * K, N), dt8,
+                                                      use_triton=use_triton))
+        time_op("colwise_batched_t", key, E * N, K, xs,
+                lambda w: fk.quantize_colwise_batched(w, dt8, use_triton=use_triton),
+                lambda f, w: f(w, dt8), fk.quantize_colwise_batched_ref, 3 * E * N * K + 4 * E * K, 5 * E * N * K,
+                {"transposed_copy_then_rowwise_ms": old_ms})
+
+    for E, N, K in (SMOKE_EXPERT_WEIGHTS if args.smoke else EXPERT_WEIGHT_SHAPES):
+        run_expert_weight(E, N, K)
 
     # ------------------------------------------------------------------ torch.compile of the custom ops, layouts
     extra = {}

@@ -147,8 +147,7 @@ class _Fp8GroupedMMFn(torch.autograd.Function):
             gy_fp8, sg_M1 = quant.quantize_rowwise(gy_MN, e4m3, -1, pow2)
         # w per (expert, row k) along N, laid out [E, K, N] row-major: its transpose is the column-major
         # [E, N, K] right operand of gx = gy @ w^T.
-        w_fp8_r, sw_EK1 = quant.quantize_rowwise(w_EKN, e4m3, -1, pow2)
-        w_fp8_r = w_fp8_r.contiguous()
+        w_fp8_r, sw_EK1 = quant.quantize_rowwise_of_column_major_3d(w_EKN, e4m3, pow2)
         gx_MK = _scaled_or_emulated_2d3d(
             gy_fp8, sg_M1, w_fp8_r.transpose(-2, -1), sw_EK1.transpose(-2, -1), offs_E, use_scaled, False
         ).to(gy_MN.dtype)

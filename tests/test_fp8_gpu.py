@@ -40,10 +40,13 @@ def _cases():
          lambda x: q.quantize_rowwise_and_colwise_triton(x * 2, E4M3, True)),
         ("jagged", lambda x: ops.quantize_jagged_per_expert(x * 2, offs, E4M3, True, True),
          lambda x: q.quantize_jagged_per_expert_triton(x * 2, offs, E4M3, True, True)),
+        # expert-weight storage [E, N, K] = [4, 256, 768]
+        ("colwise_batched", lambda x: ops.quantize_colwise_batched((x * 2).view(4, 256, 768), E4M3, True),
+         lambda x: q.quantize_colwise_batched_triton((x * 2).view(4, 256, 768), E4M3, True)),
     ]
 
 
-@pytest.mark.parametrize("name", ["tensorwise", "rowwise", "rowwise_and_colwise", "jagged"])
+@pytest.mark.parametrize("name", ["tensorwise", "rowwise", "rowwise_and_colwise", "jagged", "colwise_batched"])
 def test_compiled_ops_launch_the_kernels_inline_and_match_eager(name):
     from torch._inductor.utils import run_and_get_code
 

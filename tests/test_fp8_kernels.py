@@ -258,6 +258,26 @@ def _interp_rowwise_and_colwise(interp, fp8_dtype, shape):
 
 
 @pytest.mark.parametrize("fp8_dtype", FP8)
+def _interp_colwise_batched_on_expert_storage(interp, monkeypatch, fp8_dtype):
+    """Expert weights [E, N, K] read in place (and a strided view): column scales along N, [E, K, N] output."""
+    monkeypatch.setattr(fq, "ROW_COL_AMAX_TILE", (16, 16))  # several row blocks, a partial column block, splits
+    monkeypatch.setattr(fq, "ROW_COL_CAST_TILE", (16, 32))
+    w = torch.stack([make_x(37, 45, seed=20 + e) * 10.0 ** (e - 1) for e in range(3)])  # experts differ by 100x
+    w[1, :, 4] = 0.0  # an all-zero column of one expert
+    for x, what in ((w, "contiguous"), (w.transpose(-2, -1).contiguous().transpose(-2, -1), "column-major")):
+        got, s = fk.quantize_colwise_batched(x, fp8_dtype, use_triton=True)
+        want, s_ref = fk.quantize_colwise_batched_ref(x, fp8_dtype)
+        assert got.shape == (3, 45, 37) and got.is_contiguous()
+        assert_scale_equal(s, s_ref, f"{what} scale")
+        assert_fp8_equal(got, want, f"{what} data")
+        # The definition, per expert: the colwise half of the 2D rowwise+colwise cast.
+        for e in range(3):
+            _, _, col_t, s_col = fk.quantize_rowwise_and_colwise_ref(x[e], fp8_dtype)
+            assert_fp8_equal(got[e], col_t, f"{what} expert {e} vs 2D colwise")
+            assert_scale_equal(s[e], s_col[0], f"{what} expert {e} scale vs 2D colwise")
+
+
+@pytest.mark.parametrize("fp8_dtype", FP8)
 @pytest.mark.parametrize("offs_list", JAGGED_OFFS)
 def _interp_jagged(interp, fp8_dtype, offs_list):
     x = make_x(31, 70, seed=9)  # K = 70: a partial column block
@@ -310,6 +330,7 @@ def _interp_custom_ops_opcheck(interp):
         (ops.quantize_rowwise, (x, torch.float8_e4m3fn, True)),
         (ops.quantize_rowwise_and_colwise, (x, torch.float8_e5m2, True)),
         (ops.quantize_jagged_per_expert, (x, offs, torch.float8_e4m3fn, True, True)),
+        (ops.quantize_colwise_batched, (x.view(2, 4, 24), torch.float8_e4m3fn, True)),
     ]
     for op, args in cases:
         torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
@@ -336,7 +357,7 @@ def _interp_custom_ops_trace_under_torch_compile(interp):
 
 # ----------------------------------------------------------------------------- interpreter child process
 
-N_INTERP_CASES = 4 + 12 + 8 + 1 + 8 + 12 + 2 + 1 + 1 + 1  # test_interp_* items the child must pass
+N_INTERP_CASES = 4 + 12 + 8 + 1 + 8 + 4 + 12 + 2 + 1 + 1 + 1  # test_interp_* items the child must pass
 
 if _IN_CHILD:
     globals().update({"test_" + name[1:]: fn for name, fn in list(globals().items()) if name.startswith("_interp_")})

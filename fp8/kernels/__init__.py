@@ -5,6 +5,7 @@ Public functions (torch tensors in and out, any device):
 - quantize_rowwise(x_hp_MN, fp8_dtype, pow2=True) -> (x_fp8_MN, scale_M1)
 - quantize_rowwise_and_colwise(x_hp_MN, fp8_dtype, pow2=True) -> (x_fp8_MN, scale_M1, x_fp8_t_NM, scale_1N)
 - quantize_jagged_per_expert(x_hp_MK, offs_E, fp8_dtype, pow2=True, transpose_out=True) -> (x_fp8, scale_EK)
+- quantize_colwise_batched(x_hp_BRC, fp8_dtype, pow2=True) -> (x_fp8_t_BCR, scale_BC)
 
 Scale convention (all functions): x_fp8 = saturate(x_hp * scale), x_hp ~= x_fp8 / scale, so torch._scaled_mm's
 scale arguments are `scale.reciprocal()` (exact for pow2 scales). Layouts are documented on each function and in
@@ -32,6 +33,7 @@ from .reference import (
     check_fp8_dtype,
     fp8_max,
     pow2_floor,
+    quantize_colwise_batched_ref,
     quantize_jagged_per_expert_ref,
     quantize_rowwise_and_colwise_ref,
     quantize_rowwise_ref,
@@ -48,6 +50,8 @@ __all__ = [
     "amax_to_scale",
     "fp8_max",
     "pow2_floor",
+    "quantize_colwise_batched",
+    "quantize_colwise_batched_ref",
     "quantize_jagged_per_expert",
     "quantize_jagged_per_expert_ref",
     "quantize_rowwise",
@@ -189,3 +193,23 @@ def quantize_jagged_per_expert(
         return _run_triton(ops.quantize_jagged_per_expert_op, _q.quantize_jagged_per_expert_triton, x_hp_MK,
                            offs_E.contiguous(), fp8_dtype, pow2, transpose_out)
     return quantize_jagged_per_expert_ref(x_hp_MK, offs_E, fp8_dtype, pow2, transpose_out)
+
+
+def quantize_colwise_batched(
+    x_hp_BRC: torch.Tensor, fp8_dtype: torch.dtype, pow2: bool = True, *, use_triton: bool | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per batch, one scale per column along R, written transposed: (x_fp8_t_BCR [B, C, R] contiguous, scale_BC).
+
+    x_fp8_t_BCR[b, c, r] = sat(x[b, r, c] * scale_BC[b, c]); x may have any strides. Used for MoE expert weights
+    stored [E, N, K]: the grad-input GEMM's operand scaled along N, in the [E, K, N] layout, read in place.
+    Triton: a column-amax pass and a cast pass writing the transposed fp8 output.
+    """
+    check_fp8_dtype(fp8_dtype)
+    if x_hp_BRC.dim() != 3:
+        raise ValueError(f"quantize_colwise_batched expects a 3D tensor [B, R, C], got {tuple(x_hp_BRC.shape)}")
+    if not x_hp_BRC.is_floating_point() or x_hp_BRC.dtype in FP8_DTYPES:
+        raise ValueError(f"quantize_colwise_batched expects a high-precision float tensor, got {x_hp_BRC.dtype}")
+    if will_use_triton(x_hp_BRC, use_triton):
+        return _run_triton(ops.quantize_colwise_batched_op, _q.quantize_colwise_batched_triton, x_hp_BRC, fp8_dtype,
+                           pow2)
+    return quantize_colwise_batched_ref(x_hp_BRC, fp8_dtype, pow2)

@@ -59,3 +59,12 @@ def quantize_jagged_per_expert_op(
     if _on_gpu(x_hp_MK):
         return _q.quantize_jagged_per_expert_triton(x_hp_MK, offs_E, fp8_dtype, pow2, transpose_out)
     return _ref.quantize_jagged_per_expert_ref(x_hp_MK, offs_E, fp8_dtype, pow2, transpose_out)
+
+
+@torch.library.triton_op("elastic_fp8::quantize_colwise_batched", mutates_args=())
+def quantize_colwise_batched_op(
+    x_hp_BRC: torch.Tensor, fp8_dtype: torch.dtype, pow2: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if _on_gpu(x_hp_BRC):
+        return _q.quantize_colwise_batched_triton(x_hp_BRC, fp8_dtype, pow2)
+    return _ref.quantize_colwise_batched_ref(x_hp_BRC, fp8_dtype, pow2)

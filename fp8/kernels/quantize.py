@@ -11,6 +11,8 @@ Kernels (all memory-bound: the work is one or two reads of x and one write per f
 - rowwise + colwise: `_row_col_amax_kernel` (one read, row and column amax merged with relaxed int32 atomics)
   then `_row_col_cast_kernel` (one read, writes the row-scaled fp8 row-major and the column-scaled fp8 transposed).
   Column scales need every row, so two reads of x is the floor for full-column scales.
+- batched column-wise, transposed: `_batched_col_amax_kernel` then `_batched_col_cast_t_kernel`, per batch b
+  the column half of the rowwise+colwise pair (MoE expert weights, read in their [E, N, K] storage).
 - jagged per expert: `_jagged_amax_kernel` then `_jagged_cast_kernel`, each over (column block, chunk of at most
   JAGGED_CHUNK rows of one expert); the chunk -> expert map is computed on device from offs (no host sync), so the
   work spreads evenly however unbalanced the experts are. (A first version with one program per (expert, column
@@ -280,6 +282,53 @@ if HAS_TRITON:
         tl.store(col_out_t_ptr + offs_n.to(tl.int64)[:, None] * M + offs_m[None, :], tl.trans(y_col),
                  mask=mask_n[:, None] & mask_m[None, :])
 
+    # ---------------------------------------------------------------- batched column scales, transposed output
+
+    @triton.jit
+    def _batched_col_amax_kernel(x_ptr, col_amax_bits_ptr, R, C, stride_xb, stride_xr, stride_xc,
+                                 BR: tl.constexpr, BC: tl.constexpr, R_PER_PROG: tl.constexpr):
+        # Program (pid_c, pid_s, b): columns [pid_c*BC, +BC) of batch b over rows [pid_s*R_PER_PROG, +R_PER_PROG).
+        pid_c = tl.program_id(0)
+        pid_s = tl.program_id(1)
+        b = tl.program_id(2).to(tl.int64)
+        offs_c = pid_c * BC + tl.arange(0, BC)
+        mask_c = offs_c < C
+        x_b = x_ptr + b * stride_xb
+        amax = tl.zeros([BC], dtype=tl.float32)
+        for r0 in range(pid_s * R_PER_PROG, pid_s * R_PER_PROG + R_PER_PROG, BR):
+            offs_r = r0 + tl.arange(0, BR)
+            mask = (offs_r < R)[:, None] & mask_c[None, :]
+            x = tl.load(x_b + offs_r.to(tl.int64)[:, None] * stride_xr + offs_c[None, :] * stride_xc, mask=mask,
+                        other=0.0)
+            amax = _max_nan(amax, _abs_max(x, 0))
+        tl.atomic_max(col_amax_bits_ptr + b * C + offs_c, amax.to(tl.int32, bitcast=True), mask=mask_c,
+                      sem="relaxed")
+
+    @triton.jit
+    def _batched_col_cast_t_kernel(x_ptr, col_amax_ptr, out_t_ptr, scale_ptr, R, C, stride_xb, stride_xr, stride_xc,
+                                   FP8_MAX: tl.constexpr, EPS_: tl.constexpr, POW2: tl.constexpr,
+                                   BR: tl.constexpr, BC: tl.constexpr,
+                                   EXACT_ROUND: tl.constexpr, MBITS: tl.constexpr, MIN_NORMAL: tl.constexpr,
+                                   SUB_MAGIC: tl.constexpr, NAN_BITS: tl.constexpr):
+        # Tile [BR, BC] of batch b: one read, scaled per column, stored transposed into [B, C, R] (runs of BR bytes).
+        pid_r = tl.program_id(0)
+        pid_c = tl.program_id(1)
+        b = tl.program_id(2).to(tl.int64)
+        offs_r = pid_r * BR + tl.arange(0, BR)
+        offs_c = pid_c * BC + tl.arange(0, BC)
+        mask_r = offs_r < R
+        mask_c = offs_c < C
+        scale = _scale_from_amax(tl.load(col_amax_ptr + b * C + offs_c, mask=mask_c, other=0.0), FP8_MAX, EPS_,
+                                 POW2)
+        if pid_r == 0:
+            tl.store(scale_ptr + b * C + offs_c, scale, mask=mask_c)
+        x = tl.load(x_ptr + b * stride_xb + offs_r.to(tl.int64)[:, None] * stride_xr + offs_c[None, :] * stride_xc,
+                    mask=mask_r[:, None] & mask_c[None, :], other=0.0).to(tl.float32)
+        y = _to_fp8(x * scale[None, :], out_t_ptr.dtype.element_ty, FP8_MAX,
+                    EXACT_ROUND, MBITS, MIN_NORMAL, SUB_MAGIC, NAN_BITS)
+        out_t = out_t_ptr + b * C * R + offs_c.to(tl.int64)[:, None] * R + offs_r[None, :]
+        tl.store(out_t, tl.trans(y), mask=mask_c[:, None] & mask_r[None, :])
+
     # ---------------------------------------------------------------- jagged per-expert column scales
 
     @triton.jit
@@ -519,6 +568,37 @@ def row_col_cast_into(x_hp_MN, row_amax_M, col_amax_N, fp8_dtype, pow2, row_out_
     _launch(_row_col_cast_kernel)[grid](x_hp_MN, row_out_MN, col_out_t_NM, row_amax_M, col_amax_N, scale_M1, scale_1N,
                                M, N, x_hp_MN.stride(0), x_hp_MN.stride(1), POW2=pow2, BM=BM, BN=BN,
                                num_warps=ROW_COL_WARPS, **_grid_consts(fp8_dtype))
+
+
+def quantize_colwise_batched_triton(
+    x_hp_BRC: torch.Tensor, fp8_dtype: torch.dtype, pow2: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per batch, column-scaled along R, written transposed: (x_fp8_t [B, C, R] contiguous, scale [B, C]).
+
+    Any strides (the [E, N, K] storage of expert weights is read in place): one read for the column amaxes, one
+    read for the cast, one 1-byte write; no transposed copy of the high-precision tensor.
+    """
+    _require(x_hp_BRC)
+    B, R, C = x_hp_BRC.shape
+    dev = x_hp_BRC.device
+    out_t = torch.empty((B, C, R), dtype=fp8_dtype, device=dev)
+    scale_BC = torch.empty((B, C), dtype=torch.float32, device=dev)
+    amax_bits_BC = torch.zeros((B, C), dtype=torch.int32, device=dev)
+    if B == 0 or C == 0:
+        return out_t, scale_BC
+    strides = (x_hp_BRC.stride(0), x_hp_BRC.stride(1), x_hp_BRC.stride(2))
+    BR, BC = ROW_COL_AMAX_TILE  # (rows, columns) as in the 2D row+column amax pass
+    # Split the rows only when batches x column blocks leave the GPU under-filled (about 1024 programs on an H200).
+    col_blocks = triton.cdiv(C, BC)
+    splits = max(1, min(triton.cdiv(max(R, 1), BR), triton.cdiv(1024, B * col_blocks)))
+    r_per_prog = triton.cdiv(triton.cdiv(max(R, 1), splits), BR) * BR
+    _launch(_batched_col_amax_kernel)[(col_blocks, triton.cdiv(max(R, 1), r_per_prog), B)](
+        x_hp_BRC, amax_bits_BC, R, C, *strides, BR=BR, BC=BC, R_PER_PROG=r_per_prog, num_warps=ROW_COL_AMAX_WARPS)
+    BR, BC = ROW_COL_CAST_TILE
+    _launch(_batched_col_cast_t_kernel)[(max(1, triton.cdiv(R, BR)), triton.cdiv(C, BC), B)](
+        x_hp_BRC, amax_bits_BC.view(torch.float32), out_t, scale_BC, R, C, *strides, POW2=pow2, BR=BR, BC=BC,
+        num_warps=ROW_COL_WARPS, **_grid_consts(fp8_dtype))
+    return out_t, scale_BC
 
 
 def quantize_jagged_per_expert_triton(

@@ -127,6 +127,24 @@ def quantize_rowwise_and_colwise_ref(
     return x_fp8_MN, scale_M1, x_fp8_t_NM, scale_1N
 
 
+def quantize_colwise_batched_ref(
+    x_hp_BRC: torch.Tensor, fp8_dtype: torch.dtype, pow2: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per batch b, one scale per column c along R, written transposed.
+
+    Returns (x_fp8_t_BCR [B, C, R] contiguous, scale_BC fp32 [B, C]) with
+    x_fp8_t_BCR[b, c, r] = sat(x[b, r, c] * scale_BC[b, c]). For MoE expert weights stored [E, N, K] (out x in):
+    the grad-input GEMM's operand, scaled along its contraction dim N, in the [E, K, N] row-major layout whose
+    transpose is the column-major right operand torch._scaled_grouped_mm takes.
+    """
+    check_fp8_dtype(fp8_dtype)
+    if x_hp_BRC.dim() != 3:
+        raise ValueError(f"quantize_colwise_batched expects a 3D tensor [B, R, C], got {tuple(x_hp_BRC.shape)}")
+    scale_B1C = amax_to_scale(abs_amax(x_hp_BRC, dim=1, keepdim=True), fp8_dtype, pow2)
+    x_fp8_t_BCR = saturated_cast(x_hp_BRC, scale_B1C, fp8_dtype).transpose(-2, -1).contiguous()
+    return x_fp8_t_BCR, scale_B1C.squeeze(1)
+
+
 def expert_of_row(offs_E: torch.Tensor, M: int) -> torch.Tensor:
     """Group index of each row for int32 cumulative end offsets (torch._grouped_mm semantics).
 
