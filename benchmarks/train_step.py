@@ -4,13 +4,14 @@
 
 One step = forward, cross-entropy (compiled, models/loss.py), backward, grad-norm clip, divergence check (ours:
 fp8 health + StepMonitor + agreement + policy, exactly what the worker loop runs), AdamW step, zero_grad. No Ray
-(not on the GPU image). Both sides compiled per transformer block (torch.compile, as torchtitan does). Timed with CUDA events over
-`--steps` steps after warm-up; the median per-step time gives tokens/s and MFU (model FLOPs / datasheet peak of the
+(not on the GPU image). Both sides compiled per transformer block (torch.compile, as torchtitan does). Timed with
+CUDA events over `--steps` steps after warm-up; the median per-step time gives tokens/s and MFU (model FLOPs / datasheet peak of the
 precision in use). Also a short real-data run (bytes of the Python standard library) comparing the FP8 loss with
 BF16's at the same step. Writes train_step.json to --out. --profile adds a torch.profiler table per variant
 (GPU time by kernel category and the top kernels). Suffixes on a variant, combinable ("ours:tensorwise+kern+cg"):
 "+nomix" turns inductor's mix-order reductions off; "+kern" makes our casts Triton kernels inside the compiled
-blocks too (FP8_KERNELS=always; by default inductor fuses the PyTorch references); "+cg" compiles the blocks with
+blocks too (FP8_KERNELS=always; by default only the rowwise ones are kernels); "+tk" makes only the fp8
+transposed copies kernels (FP8_KERNELS=transposes, for tensorwise); "+cg" compiles the blocks with
 mode="reduce-overhead" (CUDA graphs); "+eagerloss" runs the cross-entropy eagerly (fp32 logits materialized).
 Every row also times the AdamW step alone and checks the gradients' layout
 (`optimizer_probe`), which localises optimizer-time differences between variants.
@@ -304,11 +305,11 @@ def bench_config(name: str, cfg: dict, args, device) -> dict:
             import torch._inductor.config as inductor_config
 
             base_variant, *flags = variant.split("+")
-            unknown = set(flags) - {"nomix", "kern", "cg", "eagerloss"}
+            unknown = set(flags) - {"nomix", "kern", "tk", "cg", "eagerloss"}
             if unknown:
-                raise ValueError(f"unknown variant suffix {sorted(unknown)} in {variant!r}: nomix, kern, cg, eagerloss")
+                raise ValueError(f"unknown variant suffix {sorted(unknown)} in {variant!r}: nomix kern tk cg eagerloss")
             inductor_config.triton.mix_order_reduction = "nomix" not in flags
-            os.environ["FP8_KERNELS"] = "always" if "kern" in flags else "1"
+            os.environ["FP8_KERNELS"] = "always" if "kern" in flags else "transposes" if "tk" in flags else "1"
             torch._dynamo.reset()  # fresh graphs per variant: the flags above are not part of dynamo's guards
             model = build(cfg["model"], cfg["overrides"], base_variant, device, compile_blocks=not args.eager,
                           compile_mode="reduce-overhead" if "cg" in flags else None)

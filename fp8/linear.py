@@ -28,11 +28,11 @@ _HEALTH_SAMPLE_ROWS = 64
 
 
 def _row_major(a: torch.Tensor) -> torch.Tensor:
-    return a if a.stride(-1) == 1 else a.contiguous()
+    return a if a.stride(-1) == 1 else quant.transposed_copy(a.t())
 
 
 def _col_major(b: torch.Tensor) -> torch.Tensor:
-    return b if b.stride(-2) == 1 else b.t().contiguous().t()
+    return b if b.stride(-2) == 1 else quant.transposed_copy(b).t()
 
 
 def _as_row_vec(s: torch.Tensor, n: int) -> torch.Tensor:

@@ -49,7 +49,10 @@ def _kernel_fn(x: torch.Tensor, name: str):
     # needs fp8 transposed copies, which Inductor then fuses into the cast (194.5 ms) where a separate kernel
     # left 29 ms of slow fp8 transposes (217.1 ms). The jagged per-expert cast stays a kernel: Inductor lowers
     # its scatter-amax to atomics. FP8_KERNELS=always puts every cast on the kernels.
-    compiling_ok = name in _KERNELS_UNDER_COMPILE or os.environ.get(_USE_KERNELS_ENV) == "always"
+    # FP8_KERNELS=transposes adds only the fp8 transposed copies (an experiment for the tensorwise recipe, whose
+    # fused transposed writes are its slowest cast kernels; not measured yet).
+    mode = os.environ.get(_USE_KERNELS_ENV)
+    compiling_ok = name in _KERNELS_UNDER_COMPILE or mode == "always" or (mode == "transposes" and name == "transpose")
     if torch.compiler.is_compiling() and not compiling_ok:
         return None
     mod = _kernels()
@@ -108,6 +111,16 @@ def quantize_rowwise(x_hp: torch.Tensor, dtype: torch.dtype, dim: int = -1, pow2
             x_fp8, scale = out
             return x_fp8.view(x_hp.shape), scale.view(*x_hp.shape[:-1], 1)
     return _ref(x_hp, recipes.quantize_rowwise_ref)(x_hp, dtype, dim, pow2)
+
+
+def transposed_copy(x_MN: torch.Tensor) -> torch.Tensor:
+    """x^T as a contiguous [N, M] tensor: the Triton transpose where the kernels run, else x.t().contiguous()."""
+    k = _kernel_fn(x_MN, "transpose")
+    if k is not None:
+        out = _call("transpose", k, None, x_MN)
+        if out is not None:
+            return out
+    return x_MN.t().contiguous()
 
 
 def quantize_rowwise_of_column_major_3d(w_EKN: torch.Tensor, dtype: torch.dtype, pow2: bool = True):

@@ -43,10 +43,12 @@ def _cases():
         # expert-weight storage [E, N, K] = [4, 256, 768]
         ("colwise_batched", lambda x: ops.quantize_colwise_batched((x * 2).view(4, 256, 768), E4M3, True),
          lambda x: q.quantize_colwise_batched_triton((x * 2).view(4, 256, 768), E4M3, True)),
+        ("transpose", lambda x: (ops.transpose((x * 2).to(E4M3)),), lambda x: (q.transpose_triton((x * 2).to(E4M3)),)),
     ]
 
 
-@pytest.mark.parametrize("name", ["tensorwise", "rowwise", "rowwise_and_colwise", "jagged", "colwise_batched"])
+@pytest.mark.parametrize("name", ["tensorwise", "rowwise", "rowwise_and_colwise", "jagged", "colwise_batched",
+                                  "transpose"])
 def test_compiled_ops_launch_the_kernels_inline_and_match_eager(name):
     from torch._inductor.utils import run_and_get_code
 

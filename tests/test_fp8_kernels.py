@@ -257,6 +257,18 @@ def _interp_rowwise_and_colwise(interp, fp8_dtype, shape):
             assert_fp8_equal(got[i], want[i], what)
 
 
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.bfloat16])
+def _interp_transpose(interp, monkeypatch, dtype):
+    """Partial tiles on both dims, a strided (column-major) input, and a 1-byte float moved bit for bit."""
+    monkeypatch.setattr(fq, "TRANSPOSE_TILE", (16, 32))
+    x = make_x(37, 70, seed=31).to(dtype)
+    for src, what in ((x, "row-major"), (x.t().contiguous().t(), "column-major")):
+        got = fk.transpose(src, use_triton=True)
+        assert got.is_contiguous() and got.shape == (70, 37), what
+        assert torch.equal(got.view(torch.uint8) if dtype.itemsize == 1 else got,
+                           x.t().contiguous().view(torch.uint8) if dtype.itemsize == 1 else x.t().contiguous()), what
+
+
 @pytest.mark.parametrize("fp8_dtype", FP8)
 def _interp_colwise_batched_on_expert_storage(interp, monkeypatch, fp8_dtype):
     """Expert weights [E, N, K] read in place (and a strided view): column scales along N, [E, K, N] output."""
@@ -331,6 +343,7 @@ def _interp_custom_ops_opcheck(interp):
         (ops.quantize_rowwise_and_colwise, (x, torch.float8_e5m2, True)),
         (ops.quantize_jagged_per_expert, (x, offs, torch.float8_e4m3fn, True, True)),
         (ops.quantize_colwise_batched, (x.view(2, 4, 24), torch.float8_e4m3fn, True)),
+        (ops.transpose, (x,)),
     ]
     for op, args in cases:
         torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
@@ -357,7 +370,7 @@ def _interp_custom_ops_trace_under_torch_compile(interp):
 
 # ----------------------------------------------------------------------------- interpreter child process
 
-N_INTERP_CASES = 4 + 12 + 8 + 1 + 8 + 4 + 12 + 2 + 1 + 1 + 1  # test_interp_* items the child must pass
+N_INTERP_CASES = 4 + 12 + 8 + 1 + 8 + 2 + 4 + 12 + 2 + 1 + 1 + 1  # test_interp_* items the child must pass
 
 if _IN_CHILD:
     globals().update({"test_" + name[1:]: fn for name, fn in list(globals().items()) if name.startswith("_interp_")})

@@ -6,6 +6,7 @@ Public functions (torch tensors in and out, any device):
 - quantize_rowwise_and_colwise(x_hp_MN, fp8_dtype, pow2=True) -> (x_fp8_MN, scale_M1, x_fp8_t_NM, scale_1N)
 - quantize_jagged_per_expert(x_hp_MK, offs_E, fp8_dtype, pow2=True, transpose_out=True) -> (x_fp8, scale_EK)
 - quantize_colwise_batched(x_hp_BRC, fp8_dtype, pow2=True) -> (x_fp8_t_BCR, scale_BC)
+- transpose(x_MN) -> x^T contiguous [N, M] (fp8 operands for torch._scaled_mm)
 
 Scale convention (all functions): x_fp8 = saturate(x_hp * scale), x_hp ~= x_fp8 / scale, so torch._scaled_mm's
 scale arguments are `scale.reciprocal()` (exact for pow2 scales). Layouts are documented on each function and in
@@ -62,6 +63,7 @@ __all__ = [
     "quantize_tensorwise_ref",
     "saturated_cast",
     "set_default_use_triton",
+    "transpose",
     "will_use_triton",
 ]
 
@@ -213,3 +215,12 @@ def quantize_colwise_batched(
         return _run_triton(ops.quantize_colwise_batched_op, _q.quantize_colwise_batched_triton, x_hp_BRC, fp8_dtype,
                            pow2)
     return quantize_colwise_batched_ref(x_hp_BRC, fp8_dtype, pow2)
+
+
+def transpose(x_MN: torch.Tensor, *, use_triton: bool | None = None) -> torch.Tensor:
+    """x^T as a contiguous [N, M] tensor (any 2D input, any dtype; the reference is x.t().contiguous())."""
+    if x_MN.dim() != 2:
+        raise ValueError(f"transpose expects a 2D tensor, got shape {tuple(x_MN.shape)}")
+    if will_use_triton(x_MN, use_triton):
+        return _run_triton(ops.transpose_op, _q.transpose_triton, x_MN)
+    return x_MN.t().contiguous()

@@ -68,3 +68,10 @@ def quantize_colwise_batched_op(
     if _on_gpu(x_hp_BRC):
         return _q.quantize_colwise_batched_triton(x_hp_BRC, fp8_dtype, pow2)
     return _ref.quantize_colwise_batched_ref(x_hp_BRC, fp8_dtype, pow2)
+
+
+@torch.library.triton_op("elastic_fp8::transpose", mutates_args=())
+def transpose_op(x_MN: torch.Tensor) -> torch.Tensor:
+    if _on_gpu(x_MN):
+        return _q.transpose_triton(x_MN)
+    return x_MN.t().contiguous()

@@ -282,6 +282,22 @@ if HAS_TRITON:
         tl.store(col_out_t_ptr + offs_n.to(tl.int64)[:, None] * M + offs_m[None, :], tl.trans(y_col),
                  mask=mask_n[:, None] & mask_m[None, :])
 
+    # ---------------------------------------------------------------- transpose (fp8 operands for _scaled_mm)
+
+    @triton.jit
+    def _transpose_kernel(x_ptr, out_t_ptr, M, N, stride_xm, stride_xn, BM: tl.constexpr, BN: tl.constexpr):
+        # Tile [BM, BN] read along N, stored transposed into the [N, M] row-major output (runs of BM elements).
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        offs_m = pid_m * BM + tl.arange(0, BM)
+        offs_n = pid_n * BN + tl.arange(0, BN)
+        mask_m = offs_m < M
+        mask_n = offs_n < N
+        x = tl.load(x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_n[None, :] * stride_xn,
+                    mask=mask_m[:, None] & mask_n[None, :])
+        tl.store(out_t_ptr + offs_n.to(tl.int64)[:, None] * M + offs_m[None, :], tl.trans(x),
+                 mask=mask_n[:, None] & mask_m[None, :])
+
     # ---------------------------------------------------------------- batched column scales, transposed output
 
     @triton.jit
@@ -568,6 +584,32 @@ def row_col_cast_into(x_hp_MN, row_amax_M, col_amax_N, fp8_dtype, pow2, row_out_
     _launch(_row_col_cast_kernel)[grid](x_hp_MN, row_out_MN, col_out_t_NM, row_amax_M, col_amax_N, scale_M1, scale_1N,
                                M, N, x_hp_MN.stride(0), x_hp_MN.stride(1), POW2=pow2, BM=BM, BN=BN,
                                num_warps=ROW_COL_WARPS, **_grid_consts(fp8_dtype))
+
+
+TRANSPOSE_TILE = (128, 128)  # (BM, BN): 128-byte runs on both the fp8 read and the transposed write
+TRANSPOSE_WARPS = 4
+
+
+def transpose_triton(x_MN: torch.Tensor) -> torch.Tensor:
+    """x_MN (any strides, any dtype) -> x^T as a contiguous [N, M] tensor, one tiled pass.
+
+    For fp8 operands: torch._scaled_mm wants its left operand row-major and its right one column-major, so a
+    tensorwise-scaled fp8 tensor needs a transposed copy for the backward GEMMs; as a separate kernel it keeps
+    Inductor from fusing a strided byte-wide write into the cast (BENCHMARKS.md, session 3).
+    """
+    _require(x_MN)
+    M, N = x_MN.shape
+    out_t = torch.empty((N, M), dtype=x_MN.dtype, device=x_MN.device)
+    if M == 0 or N == 0:
+        return out_t
+    BM, BN = TRANSPOSE_TILE
+    # Bitcast 1-byte floats to int8: the kernel only moves bytes (no fp8 arithmetic, any fp8 format).
+    src, dst = x_MN, out_t
+    if x_MN.element_size() == 1:
+        src, dst = x_MN.view(torch.int8), out_t.view(torch.int8)
+    _launch(_transpose_kernel)[(triton.cdiv(M, BM), triton.cdiv(N, BN))](
+        src, dst, M, N, x_MN.stride(0), x_MN.stride(1), BM=BM, BN=BN, num_warps=TRANSPOSE_WARPS)
+    return out_t
 
 
 def quantize_colwise_batched_triton(
