@@ -428,6 +428,21 @@ def main():
     for E, N, K in (SMOKE_EXPERT_WEIGHTS if args.smoke else EXPERT_WEIGHT_SHAPES):
         run_expert_weight(E, N, K)
 
+    # ------------------------------------------------------------------ fp8 transposed copies (_scaled_mm layouts)
+    for M, N in dense:
+        key = f"{M}x{N}"
+        xs8 = rotated(lambda i, M=M, N=N: make_x(M, N, seed=40 + i).to(dt8), M * N)
+        ok = torch.equal(fk.transpose(xs8[0], use_triton=use_triton).view(torch.uint8),
+                         xs8[0].t().contiguous().view(torch.uint8))
+        checks.append({"op": "transpose", "shape": key, "ok": ok})
+        nxt = cycle(xs8)
+        tri_ms = bench_ms(lambda: fk.transpose(nxt(), use_triton=use_triton))
+        torch_ms = bench_ms(lambda: nxt().t().contiguous())
+        gbps = 2 * M * N / tri_ms / 1e6
+        kernels.append({"kernel": "transpose fp8", "shape": key, "ms": tri_ms, "torch_t_contiguous_ms": torch_ms,
+                        "pct_copy": 100 * gbps / copy_gbps[key]})
+        print(f"  transpose fp8 {key:>12s} triton {tri_ms*1e3:8.1f} us, torch .t().contiguous() {torch_ms*1e3:8.1f} us")
+
     # ------------------------------------------------------------------ torch.compile of the custom ops, layouts
     extra = {}
     if True:  # on CPU (smoke) the same checks run: interpreter kernels, aot_eager, CPU torch._scaled_mm
