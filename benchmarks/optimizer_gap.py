@@ -18,7 +18,6 @@ import argparse
 import functools
 import gc
 import os
-import statistics
 import sys
 import time
 
@@ -27,20 +26,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 
 from benchmarks.common import env_info, write_json
-from benchmarks.train_step import CONFIGS, build, random_batches
+from benchmarks.train_step import CONFIGS, build, random_batches, time_optimizer_step
 from models.loss import lm_loss
-
-
-def time_step(optimizer, reps: int = 5) -> float:
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        optimizer.step()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def forward_backward(model, optimizer, inputs, targets) -> None:
@@ -79,22 +66,22 @@ def main() -> None:
         fwd_bwd()
         params = [p for p in model.parameters() if p.grad is not None]
         row = {"variant": variant, "grad_stats": grad_stats(params)}
-        row["as_is_ms"] = time_step(optimizer)
+        row["as_is_ms"] = time_optimizer_step(optimizer)
         fwd_bwd()
         time.sleep(3.0)
-        row["after_sleep_ms"] = time_step(optimizer)
+        row["after_sleep_ms"] = time_optimizer_step(optimizer)
         fwd_bwd()
         for p in params:
             p.grad = p.grad.clone()
-        row["grads_cloned_ms"] = time_step(optimizer)
+        row["grads_cloned_ms"] = time_optimizer_step(optimizer)
         rms = row["grad_stats"]["rms"]
         for p in params:
             p.grad = torch.randn_like(p.grad) * rms
-        row["grads_random_ms"] = time_step(optimizer)
+        row["grads_random_ms"] = time_optimizer_step(optimizer)
         fwd_bwd()
         fresh = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
         fresh.step()
-        row["fresh_states_ms"] = time_step(fresh)
+        row["fresh_states_ms"] = time_optimizer_step(fresh)
         states = [s for st in optimizer.state.values() for k, s in st.items() if k == "exp_avg_sq"]
         row["exp_avg_sq_subnormal_frac"] = (sum(((s != 0) & (s.float().abs() < 1.1755e-38)).sum().item()
                                                  for s in states) / sum(s.numel() for s in states))

@@ -162,6 +162,19 @@ def make_step(model, optimizer, guard: Guard | None, compiled_loss: bool):
     return step
 
 
+def time_optimizer_step(optimizer, reps: int = 5) -> float:
+    """optimizer.step() alone on the current gradients: median ms of `reps` (CUDA events)."""
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        optimizer.step()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
 def optimizer_probe(model, optimizer, batch, compiled_loss: bool, reps: int = 5) -> dict:
     """AdamW step alone (ms, median of `reps`) after one forward/backward, and the layout of the gradients it reads.
 
@@ -186,16 +199,8 @@ def optimizer_probe(model, optimizer, batch, compiled_loss: bool, reps: int = 5)
         "grad_storage_larger": sum(p.grad.untyped_storage().nbytes() > p.grad.numel() * p.grad.element_size()
                                    for p in params),
     }
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        optimizer.step()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
+    layout["adamw_step_ms"] = time_optimizer_step(optimizer, reps)
     optimizer.zero_grad(set_to_none=True)
-    layout["adamw_step_ms"] = statistics.median(times)
     print(f"      optimizer probe: {layout}", flush=True)
     return layout
 

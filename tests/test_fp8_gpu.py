@@ -99,24 +99,13 @@ def test_compiled_float8_linear_with_kernel_casts_matches_eager(monkeypatch):
 def test_moe_block_graph_breaks(precision):
     """A graph break inside a compiled MoE block leaves eager segments whose launches the GPU waits for: none in
     bf16, only the deliberate ones around the FP8 grouped GEMMs in fp8."""
-    import fp8
-    from models.deepseek_moe import set_forward_recompute
-    from models.registry import build_model
-
     torch._dynamo.reset()
-    model = build_model("deepseek_moe16b", device=DEVICE, overrides={
-        "n_layers": 2, "dim": 512, "moe_inter_dim": 256, "inter_dim": 1024, "n_routed_experts": 16,
-        "vocab_size": 1024, "n_heads": 4})
-    model.init_weights(seed=0)
-    model.to(torch.bfloat16).train()
-    set_forward_recompute(model, False)
-    if precision == "fp8":
-        fp8.convert_to_fp8(model, "rowwise")
+    model = _moe_model(precision, compiled=False)
     block = list(model.layers.values())[-1]
     captured = {}
     handle = block.register_forward_pre_hook(lambda mod, args, kwargs: captured.update(args=args, kwargs=kwargs),
                                              with_kwargs=True)
-    model(torch.randint(0, 1024, (2, 256), device="cuda"))
+    model(torch.randint(0, 1024, (2, 256), device=DEVICE))
     handle.remove()
     explained = torch._dynamo.explain(block)(*captured["args"], **captured["kwargs"])
     reasons = [str(b.reason)[:300] for b in explained.break_reasons]
