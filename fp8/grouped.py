@@ -117,15 +117,14 @@ class _Fp8GroupedMMFn(torch.autograd.Function):
     def forward(ctx, x_MK, w_EKN, offs_E, backend: Fp8Backend, use_scaled: bool, pow2: bool, wgrad_scaling: str):
         e4m3 = backend.e4m3
         x_MK = x_MK.contiguous()
-        # Both gradients always: expert weights train whenever this runs.
-        wgrad = wgrad_scaling
+        wgrad = wgrad_scaling  # both gradients always, never ctx.needs_input_grad: expert weights always train
         if wgrad == "global":
             # Both layouts from one fused cast; backward keeps the 1-byte transposed copy, not x.
             x_fp8, sx_M1, x_fp8_t_KM, sx_1K = quant.quantize_rowwise_and_colwise(x_MK, e4m3, pow2)
             saved_x = (x_fp8_t_KM, sx_1K)
         else:
             x_fp8, sx_M1 = quant.quantize_rowwise(x_MK, e4m3, -1, pow2)
-            saved_x = (x_MK,) if wgrad else ()
+            saved_x = (x_MK,)
         # Per expert, per output column n, scaled along K, column-major (strides (K*N, 1, K)) as the grouped
         # GEMM's right operand wants: a plain row cast when w is already stored [E, N, K].
         w_fp8, sw_E1N = quant.quantize_colwise_3d(w_EKN, e4m3, pow2)
