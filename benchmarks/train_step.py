@@ -12,7 +12,8 @@ BF16's at the same step. Writes train_step.json to --out. --profile adds a torch
 "+nomix" turns inductor's mix-order reductions off; "+kern" makes our casts Triton kernels inside the compiled
 blocks too (FP8_KERNELS=always; by default only the rowwise ones are kernels); "+tk" makes only the fp8
 transposed copies kernels (FP8_KERNELS=transposes, for tensorwise); "+cg" compiles the blocks with
-mode="reduce-overhead" (CUDA graphs); "+eagerloss" runs the cross-entropy eagerly (fp32 logits materialized).
+mode="reduce-overhead" (CUDA graphs); "+eagerloss" runs the cross-entropy eagerly (fp32 logits materialized);
+"+eagergrp" / "+tracedgrp" run the FP8 grouped GEMMs in fp8.grouped's "eager" / "traced" modes (default "opaque").
 Every row also times the AdamW step alone and checks the gradients' layout
 (`optimizer_probe`), which localises optimizer-time differences between variants.
 
@@ -198,6 +199,11 @@ def optimizer_probe(model, optimizer, batch, compiled_loss: bool, reps: int = 5)
         "param_misaligned_16B": sum(p.data_ptr() % 16 != 0 for p in params),
         "grad_storage_larger": sum(p.grad.untyped_storage().nbytes() > p.grad.numel() * p.grad.element_size()
                                    for p in params),
+        # Validity: the fraction of exactly-zero gradient entries of all parameters and of the routed experts'
+        # weights (a compiled FP8 MoE step once trained no expert at all: every one of these was 1.0).
+        "zero_grad_frac": sum((p.grad == 0).sum().item() for p in params) / max(1, sum(p.numel() for p in params)),
+        "zero_grad_frac_experts": {n: round((p.grad == 0).float().mean().item(), 4)
+                                   for n, p in model.named_parameters() if "experts.w" in n and p.grad is not None},
     }
     layout["adamw_step_ms"] = time_optimizer_step(optimizer, reps)
     optimizer.zero_grad(set_to_none=True)
@@ -310,9 +316,12 @@ def bench_config(name: str, cfg: dict, args, device) -> dict:
             import torch._inductor.config as inductor_config
 
             base_variant, *flags = variant.split("+")
-            unknown = set(flags) - {"nomix", "kern", "tk", "cg", "eagerloss"}
+            known = {"nomix", "kern", "tk", "cg", "eagerloss", "eagergrp", "tracedgrp"}
+            unknown = set(flags) - known
             if unknown:
-                raise ValueError(f"unknown variant suffix {sorted(unknown)} in {variant!r}: nomix kern tk cg eagerloss")
+                raise ValueError(f"unknown variant suffix {sorted(unknown)} in {variant!r}: {sorted(known)}")
+            os.environ["FP8_GROUPED_MODE"] = ("eager" if "eagergrp" in flags else "traced" if "tracedgrp" in flags
+                                              else "opaque")
             inductor_config.triton.mix_order_reduction = "nomix" not in flags
             os.environ["FP8_KERNELS"] = "always" if "kern" in flags else "transposes" if "tk" in flags else "1"
             torch._dynamo.reset()  # fresh graphs per variant: the flags above are not part of dynamo's guards

@@ -38,6 +38,8 @@ Legend: M routed tokens, K in dim, N out dim, E experts.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from fp8 import quant
@@ -112,59 +114,154 @@ def _wgrad_hp(x_MK, gy_MN, offs_E, out_ENK: bool) -> torch.Tensor:
     return gw.transpose(-2, -1) if out_ENK else gw
 
 
+def _grouped_forward(x_MK, w_EKN, offs_E, e4m3: torch.dtype, use_scaled: bool, pow2: bool, wgrad: str):
+    """-> (out_MN, stats, saved_x): saved_x is what backward needs of x (see _grouped_backward)."""
+    x_MK = x_MK.contiguous()
+    if wgrad == "global":
+        # Both layouts from one fused cast; backward keeps the 1-byte transposed copy, not x.
+        x_fp8, sx_M1, x_fp8_t_KM, sx_1K = quant.quantize_rowwise_and_colwise(x_MK, e4m3, pow2)
+        saved_x = (x_fp8_t_KM, sx_1K)
+    else:
+        x_fp8, sx_M1 = quant.quantize_rowwise(x_MK, e4m3, -1, pow2)
+        saved_x = (x_MK,)
+    # Per expert, per output column n, scaled along K, column-major (strides (K*N, 1, K)) as the grouped
+    # GEMM's right operand wants: a plain row cast when w is already stored [E, N, K].
+    w_fp8, sw_E1N = quant.quantize_colwise_3d(w_EKN, e4m3, pow2)
+    out_MN = _scaled_or_emulated_2d3d(x_fp8, sx_M1, w_fp8, sw_E1N, offs_E, use_scaled, fast_accum=True)
+    stats = health_stats(x_MK, x_fp8, sx_M1, e4m3)
+    return out_MN.to(x_MK.dtype), stats, saved_x
+
+
+def _grouped_backward(gy_MN, w_EKN, offs_E, saved_x, e4m3: torch.dtype, use_scaled: bool, pow2: bool, wgrad: str):
+    """-> (gx_MK, gw_EKN) for the saved_x of _grouped_forward. Both always: expert weights always train."""
+    gy_MN = gy_MN.contiguous()
+    if wgrad == "global":
+        gy_fp8, sg_M1, gy_fp8_t_NM, sg_1N = quant.quantize_rowwise_and_colwise(gy_MN, e4m3, pow2)
+    else:
+        gy_fp8, sg_M1 = quant.quantize_rowwise(gy_MN, e4m3, -1, pow2)
+    # w per (expert, row k) along N, laid out [E, K, N] row-major: its transpose is the column-major
+    # [E, N, K] right operand of gx = gy @ w^T.
+    w_fp8_r, sw_EK1 = quant.quantize_rowwise_of_column_major_3d(w_EKN, e4m3, pow2)
+    gx_MK = _scaled_or_emulated_2d3d(
+        gy_fp8, sg_M1, w_fp8_r.transpose(-2, -1), sw_EK1.transpose(-2, -1), offs_E, use_scaled, False
+    ).to(gy_MN.dtype)
+    out_ENK = _is_column_major(w_EKN)
+    if wgrad == "hp":
+        (x_MK,) = saved_x
+        gw_EKN = _wgrad_hp(x_MK, gy_MN, offs_E, out_ENK)
+    else:
+        if wgrad == "global":
+            x_fp8_t_KM, sx_1K = saved_x
+            sx_EK, sg_EN = sx_1K.expand(w_EKN.shape[0], -1), sg_1N.expand(w_EKN.shape[0], -1)
+        else:  # per_expert
+            (x_MK,) = saved_x
+            x_fp8_t_KM, sx_EK = quant.quantize_jagged_colwise(x_MK, offs_E, e4m3, pow2)
+            gy_fp8_t_NM, sg_EN = quant.quantize_jagged_colwise(gy_MN, offs_E, e4m3, pow2)
+        gw_EKN = _wgrad(x_fp8_t_KM, sx_EK, gy_fp8_t_NM, sg_EN, offs_E, use_scaled, out_ENK)
+    return gx_MK, gw_EKN.to(w_EKN.dtype)
+
+
 class _Fp8GroupedMMFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_MK, w_EKN, offs_E, backend: Fp8Backend, use_scaled: bool, pow2: bool, wgrad_scaling: str):
-        e4m3 = backend.e4m3
-        x_MK = x_MK.contiguous()
-        wgrad = wgrad_scaling  # both gradients always, never ctx.needs_input_grad: expert weights always train
-        if wgrad == "global":
-            # Both layouts from one fused cast; backward keeps the 1-byte transposed copy, not x.
-            x_fp8, sx_M1, x_fp8_t_KM, sx_1K = quant.quantize_rowwise_and_colwise(x_MK, e4m3, pow2)
-            saved_x = (x_fp8_t_KM, sx_1K)
-        else:
-            x_fp8, sx_M1 = quant.quantize_rowwise(x_MK, e4m3, -1, pow2)
-            saved_x = (x_MK,)
-        # Per expert, per output column n, scaled along K, column-major (strides (K*N, 1, K)) as the grouped
-        # GEMM's right operand wants: a plain row cast when w is already stored [E, N, K].
-        w_fp8, sw_E1N = quant.quantize_colwise_3d(w_EKN, e4m3, pow2)
-        out_MN = _scaled_or_emulated_2d3d(x_fp8, sx_M1, w_fp8, sw_E1N, offs_E, use_scaled, fast_accum=True)
-        stats = health_stats(x_MK, x_fp8, sx_M1, e4m3)
+        out_MN, stats, saved_x = _grouped_forward(x_MK, w_EKN, offs_E, backend.e4m3, use_scaled, pow2, wgrad_scaling)
         ctx.save_for_backward(w_EKN, offs_E, *saved_x)
-        ctx.backend, ctx.use_scaled, ctx.pow2, ctx.wgrad = backend, use_scaled, pow2, wgrad
+        ctx.e4m3, ctx.use_scaled, ctx.pow2, ctx.wgrad = backend.e4m3, use_scaled, pow2, wgrad_scaling
         ctx.mark_non_differentiable(stats)
-        return out_MN.to(x_MK.dtype), stats
+        return out_MN, stats
 
     @staticmethod
     def backward(ctx, gy_MN, _grad_stats):
         w_EKN, offs_E, *saved_x = ctx.saved_tensors
-        e4m3, pow2, use_scaled, wgrad = ctx.backend.e4m3, ctx.pow2, ctx.use_scaled, ctx.wgrad
-        gy_MN = gy_MN.contiguous()
-        if wgrad == "global":
-            gy_fp8, sg_M1, gy_fp8_t_NM, sg_1N = quant.quantize_rowwise_and_colwise(gy_MN, e4m3, pow2)
-        else:
-            gy_fp8, sg_M1 = quant.quantize_rowwise(gy_MN, e4m3, -1, pow2)
-        # w per (expert, row k) along N, laid out [E, K, N] row-major: its transpose is the column-major
-        # [E, N, K] right operand of gx = gy @ w^T.
-        w_fp8_r, sw_EK1 = quant.quantize_rowwise_of_column_major_3d(w_EKN, e4m3, pow2)
-        gx_MK = _scaled_or_emulated_2d3d(
-            gy_fp8, sg_M1, w_fp8_r.transpose(-2, -1), sw_EK1.transpose(-2, -1), offs_E, use_scaled, False
-        ).to(gy_MN.dtype)
-        out_ENK = _is_column_major(w_EKN)
-        if wgrad == "hp":
-            (x_MK,) = saved_x
-            gw_EKN = _wgrad_hp(x_MK, gy_MN, offs_E, out_ENK)
-        else:
-            if wgrad == "global":
-                x_fp8_t_KM, sx_1K = saved_x
-                sx_EK, sg_EN = sx_1K.expand(w_EKN.shape[0], -1), sg_1N.expand(w_EKN.shape[0], -1)
-            else:  # per_expert
-                (x_MK,) = saved_x
-                x_fp8_t_KM, sx_EK = quant.quantize_jagged_colwise(x_MK, offs_E, e4m3, pow2)
-                gy_fp8_t_NM, sg_EN = quant.quantize_jagged_colwise(gy_MN, offs_E, e4m3, pow2)
-            gw_EKN = _wgrad(x_fp8_t_KM, sx_EK, gy_fp8_t_NM, sg_EN, offs_E, use_scaled, out_ENK)
-        gw_EKN = gw_EKN.to(w_EKN.dtype)
+        gx_MK, gw_EKN = _grouped_backward(
+            gy_MN, w_EKN, offs_E, tuple(saved_x), ctx.e4m3, ctx.use_scaled, ctx.pow2, ctx.wgrad
+        )
         return gx_MK, gw_EKN, None, None, None, None, None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Opaque form: the same forward and backward as two torch.library custom ops. torch.compile keeps each one call in
+# the block's graph (no graph break, no tracing of the casts and GEMMs inside, which the traced form got wrong on the
+# H200), and the op bodies run exactly the eager code above.
+
+
+@torch.library.custom_op("elastic_fp8::grouped_mm_fwd", mutates_args=())
+def _grouped_fwd_op(
+    x_MK: torch.Tensor, w_EKN: torch.Tensor, offs_E: torch.Tensor, e4m3: torch.dtype, use_scaled: bool, pow2: bool,
+    wgrad: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> (out_MN, stats, x_fp8_t_KM, sx_1K); the last two are empty unless wgrad == "global" (else backward
+    re-reads x itself, which an op output may not alias)."""
+    out_MN, stats, saved_x = _grouped_forward(x_MK, w_EKN, offs_E, e4m3, use_scaled, pow2, wgrad)
+    if wgrad == "global":
+        x_fp8_t_KM, sx_1K = saved_x
+        return out_MN, stats, x_fp8_t_KM.contiguous(), sx_1K.contiguous()
+    return out_MN, stats, x_MK.new_empty(0, dtype=e4m3), x_MK.new_empty(0, dtype=torch.float32)
+
+
+@_grouped_fwd_op.register_fake
+def _(x_MK, w_EKN, offs_E, e4m3, use_scaled, pow2, wgrad):
+    M, K = x_MK.shape
+    N = w_EKN.shape[-1]
+    out = x_MK.new_empty(M, N)
+    stats = x_MK.new_empty(3, dtype=torch.float32)
+    if wgrad == "global":
+        return out, stats, x_MK.new_empty(K, M, dtype=e4m3), x_MK.new_empty(1, K, dtype=torch.float32)
+    return out, stats, x_MK.new_empty(0, dtype=e4m3), x_MK.new_empty(0, dtype=torch.float32)
+
+
+def _gw_storage_shape(w_EKN: torch.Tensor) -> tuple[int, int, int]:
+    E, K, N = w_EKN.shape
+    return (E, N, K) if _is_column_major(w_EKN) else (E, K, N)
+
+
+@torch.library.custom_op("elastic_fp8::grouped_mm_bwd", mutates_args=())
+def _grouped_bwd_op(
+    gy_MN: torch.Tensor, w_EKN: torch.Tensor, offs_E: torch.Tensor, x_MK: torch.Tensor, x_fp8_t_KM: torch.Tensor,
+    sx_1K: torch.Tensor, e4m3: torch.dtype, use_scaled: bool, pow2: bool, wgrad: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (gx_MK, gw) with gw contiguous in the weight's storage layout ([E, N, K] for column-major w)."""
+    saved_x = (x_fp8_t_KM, sx_1K) if wgrad == "global" else (x_MK,)
+    gx_MK, gw_EKN = _grouped_backward(gy_MN, w_EKN, offs_E, saved_x, e4m3, use_scaled, pow2, wgrad)
+    gw = gw_EKN.transpose(-2, -1) if _is_column_major(w_EKN) else gw_EKN
+    return gx_MK.contiguous(), gw.contiguous()
+
+
+@_grouped_bwd_op.register_fake
+def _(gy_MN, w_EKN, offs_E, x_MK, x_fp8_t_KM, sx_1K, e4m3, use_scaled, pow2, wgrad):
+    return gy_MN.new_empty(gy_MN.shape[0], w_EKN.shape[1]), gy_MN.new_empty(_gw_storage_shape(w_EKN), dtype=w_EKN.dtype)
+
+
+def _grouped_op_setup(ctx, inputs, output):
+    x_MK, w_EKN, offs_E, e4m3, use_scaled, pow2, wgrad = inputs
+    _, _, x_fp8_t_KM, sx_1K = output
+    # "hp" and "per_expert" re-read x in backward; "global" keeps only the fp8 transposed copy and its scales.
+    x_keep = x_MK if wgrad != "global" else x_MK.new_empty(0)
+    ctx.save_for_backward(w_EKN, offs_E, x_keep, x_fp8_t_KM, sx_1K)
+    ctx.args = (e4m3, use_scaled, pow2, wgrad)
+    ctx.w_column_major = _is_column_major(w_EKN)
+
+
+def _grouped_op_backward(ctx, gy_MN, _g_stats, _g_xt, _g_sx):
+    w_EKN, offs_E, x_keep, x_fp8_t_KM, sx_1K = ctx.saved_tensors
+    gx_MK, gw = _grouped_bwd_op(gy_MN, w_EKN, offs_E, x_keep, x_fp8_t_KM, sx_1K, *ctx.args)
+    gw_EKN = gw.transpose(-2, -1) if ctx.w_column_major else gw
+    return gx_MK, gw_EKN, None, None, None, None, None
+
+
+torch.library.register_autograd(
+    "elastic_fp8::grouped_mm_fwd", _grouped_op_backward, setup_context=_grouped_op_setup
+)
+
+
+# How a torch.compile'd block runs the grouped GEMM (FP8_GROUPED_MODE, read at each call; also an attribute):
+#   "opaque"  the two custom ops above: one node each in the block's graph, bodies run the eager code (default).
+#   "eager"   the autograd.Function outside the graph (torch.compiler.disable): a graph break around every call.
+#   "traced"  the autograd.Function traced into the graph. On the H200 (torch 2.11) every expert weight gradient
+#             came out exactly zero this way (forward right, eager right, the same graph on CPU right): kept only
+#             to reproduce that (benchmarks/moe_grads_check.py) and for tests/test_fp8_gpu.py's checks.
+GROUPED_MODES = ("opaque", "eager", "traced")
+_GROUPED_MODE_ENV = "FP8_GROUPED_MODE"
 
 
 class Fp8GroupedMM:
@@ -174,35 +271,64 @@ class Fp8GroupedMM:
     `last_stats` holds the on-device health scalars of its last call (see fp8_health).
     """
 
-    def __init__(self, emulate: bool | None = None, pow2: bool = True, wgrad_scaling: str = "hp"):
+    def __init__(self, emulate: bool | None = None, pow2: bool = True, wgrad_scaling: str = "hp",
+                 mode: str | None = None):
         if wgrad_scaling not in WGRAD_SCALINGS:
             raise ValueError(f"wgrad_scaling must be one of {WGRAD_SCALINGS}, got {wgrad_scaling!r}")
+        if mode is not None and mode not in GROUPED_MODES:
+            raise ValueError(f"mode must be one of {GROUPED_MODES} (or None: ${_GROUPED_MODE_ENV}), got {mode!r}")
         self.emulate = emulate
         self.pow2 = pow2
         self.wgrad_scaling = wgrad_scaling
+        self.mode = mode
         self.last_stats: torch.Tensor | None = None
 
-    def call_traceable(self, x_MK: torch.Tensor, w_EKN: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
-        """The op itself, which torch.compile would trace (see __call__ for why it does not by default)."""
+    def _mode(self) -> str:
+        if self.mode is not None:
+            return self.mode
+        mode = os.environ.get(_GROUPED_MODE_ENV, "opaque")
+        if mode not in GROUPED_MODES:
+            raise ValueError(f"{_GROUPED_MODE_ENV} must be one of {GROUPED_MODES}, got {mode!r}")
+        return mode
+
+    def _prepare(self, x_MK: torch.Tensor, w_EKN: torch.Tensor, offs_E: torch.Tensor):
         if offs_E.dtype != torch.int32:
             raise ValueError(f"grouped_mm offsets must be int32 cumulative ends, got {offs_E.dtype}")
         x_MK, w_EKN = to_compute_dtype(x_MK, w_EKN)
         backend = get_backend(x_MK.device)
         use_scaled = backend.has_scaled_grouped_mm if self.emulate is None else not self.emulate
+        return x_MK, w_EKN, backend, use_scaled
+
+    def call_traceable(self, x_MK: torch.Tensor, w_EKN: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+        """The autograd.Function form (eager, or traced into a compiled graph: the "traced" mode)."""
+        x_MK, w_EKN, backend, use_scaled = self._prepare(x_MK, w_EKN, offs_E)
         out_MN, stats = _Fp8GroupedMMFn.apply(
             x_MK, w_EKN, offs_E, backend, use_scaled, self.pow2, self.wgrad_scaling
         )
         self.last_stats = stats
         return out_MN
 
-    # Outside torch.compile'd graphs: traced into a compiled MoE block on the H200 (torch 2.11), every expert weight
-    # gradient came out exactly zero (forward right, eager right; the same graph on CPU right), so a compiled block
-    # calls this eagerly: graph breaks around each grouped GEMM (tests/test_fp8_gpu.py checks the gradients both
-    # ways; benchmarks/moe_grads_check.py --traced reproduces the bug for a fix to be tried against).
-    __call__ = torch.compiler.disable(call_traceable)
+    def call_opaque(self, x_MK: torch.Tensor, w_EKN: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+        """The custom-op form: the same numbers, one graph node per direction under torch.compile."""
+        x_MK, w_EKN, backend, use_scaled = self._prepare(x_MK, w_EKN, offs_E)
+        out_MN, stats, _, _ = _grouped_fwd_op(
+            x_MK, w_EKN, offs_E, backend.e4m3, use_scaled, self.pow2, self.wgrad_scaling
+        )
+        self.last_stats = stats
+        return out_MN
+
+    _call_eager = torch.compiler.disable(call_traceable)
+
+    def __call__(self, x_MK: torch.Tensor, w_EKN: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+        mode = self._mode()
+        if mode == "opaque":
+            return self.call_opaque(x_MK, w_EKN, offs_E)
+        if mode == "eager":
+            return self._call_eager(x_MK, w_EKN, offs_E)
+        return self.call_traceable(x_MK, w_EKN, offs_E)
 
     def __repr__(self) -> str:
-        return f"Fp8GroupedMM(rowwise, wgrad_scaling={self.wgrad_scaling}, emulate={self.emulate})"
+        return f"Fp8GroupedMM(rowwise, wgrad_scaling={self.wgrad_scaling}, emulate={self.emulate}, mode={self._mode()})"
 
 
 def fp8_grouped_mm(
