@@ -13,7 +13,8 @@ BF16's at the same step. Writes train_step.json to --out. --profile adds a torch
 blocks too (FP8_KERNELS=always; by default only the rowwise ones are kernels); "+tk" makes only the fp8
 transposed copies kernels (FP8_KERNELS=transposes, for tensorwise); "+cg" compiles the blocks with
 mode="reduce-overhead" (CUDA graphs); "+eagerloss" runs the cross-entropy eagerly (fp32 logits materialized);
-"+eagergrp" / "+tracedgrp" run the FP8 grouped GEMMs in fp8.grouped's "eager" / "traced" modes (default "opaque").
+"+eagergrp" / "+tracedgrp" run the FP8 grouped GEMMs in fp8.grouped's "eager" / "traced" modes (default "opaque");
+"+hpdg" runs their grad-input GEMM in bf16 where fp8.grouped's dgrad="auto" says so (widths not multiples of 256).
 Every row also times the AdamW step alone and checks the gradients' layout
 (`optimizer_probe`), which localises optimizer-time differences between variants.
 
@@ -316,12 +317,13 @@ def bench_config(name: str, cfg: dict, args, device) -> dict:
             import torch._inductor.config as inductor_config
 
             base_variant, *flags = variant.split("+")
-            known = {"nomix", "kern", "tk", "cg", "eagerloss", "eagergrp", "tracedgrp"}
+            known = {"nomix", "kern", "tk", "cg", "eagerloss", "eagergrp", "tracedgrp", "hpdg"}
             unknown = set(flags) - known
             if unknown:
                 raise ValueError(f"unknown variant suffix {sorted(unknown)} in {variant!r}: {sorted(known)}")
             os.environ["FP8_GROUPED_MODE"] = ("eager" if "eagergrp" in flags else "traced" if "tracedgrp" in flags
                                               else "opaque")
+            os.environ["FP8_GROUPED_DGRAD"] = "auto" if "hpdg" in flags else "fp8"
             inductor_config.triton.mix_order_reduction = "nomix" not in flags
             os.environ["FP8_KERNELS"] = "always" if "kern" in flags else "transposes" if "tk" in flags else "1"
             torch._dynamo.reset()  # fresh graphs per variant: the flags above are not part of dynamo's guards

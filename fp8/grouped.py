@@ -104,6 +104,13 @@ def _wgrad(x_fp8_t_KM, sx_EK, gy_fp8_t_NM, sg_EN, offs_E, use_scaled: bool, out_
     return _grouped_emulated(x32_KM, g32_MN, offs_E)
 
 
+def _grouped_hp(a_MK, b_EKN, offs_E) -> torch.Tensor:
+    """rows of group e of a times b[e] in a's precision (bf16 grouped GEMM on CUDA; float32 emulated elsewhere)."""
+    if a_MK.dtype == torch.bfloat16 and a_MK.is_cuda:
+        return torch._grouped_mm(a_MK, b_EKN.to(a_MK.dtype), offs=offs_E)
+    return _grouped_emulated(a_MK.float(), b_EKN.float(), offs_E).to(a_MK.dtype)
+
+
 def _wgrad_hp(x_MK, gy_MN, offs_E, out_ENK: bool) -> torch.Tensor:
     """gw[e] = x_e^T @ gy_e in the activations' precision (bf16 grouped GEMM; float32 emulated off CUDA)."""
     a, b = (gy_MN.t(), x_MK) if out_ENK else (x_MK.t(), gy_MN)
@@ -132,19 +139,24 @@ def _grouped_forward(x_MK, w_EKN, offs_E, e4m3: torch.dtype, use_scaled: bool, p
     return out_MN.to(x_MK.dtype), stats, saved_x
 
 
-def _grouped_backward(gy_MN, w_EKN, offs_E, saved_x, e4m3: torch.dtype, use_scaled: bool, pow2: bool, wgrad: str):
-    """-> (gx_MK, gw_EKN) for the saved_x of _grouped_forward. Both always: expert weights always train."""
+def _grouped_backward(gy_MN, w_EKN, offs_E, saved_x, e4m3: torch.dtype, use_scaled: bool, pow2: bool, wgrad: str,
+                      hp_dgrad: bool = False):
+    """-> (gx_MK, gw_EKN) for the saved_x of _grouped_forward. Both always: expert weights always train.
+    hp_dgrad: the grad-input GEMM in the activations' precision (see Fp8GroupedMM's dgrad)."""
     gy_MN = gy_MN.contiguous()
     if wgrad == "global":
         gy_fp8, sg_M1, gy_fp8_t_NM, sg_1N = quant.quantize_rowwise_and_colwise(gy_MN, e4m3, pow2)
-    else:
+    elif not hp_dgrad:
         gy_fp8, sg_M1 = quant.quantize_rowwise(gy_MN, e4m3, -1, pow2)
-    # w per (expert, row k) along N, laid out [E, K, N] row-major: its transpose is the column-major
-    # [E, N, K] right operand of gx = gy @ w^T.
-    w_fp8_r, sw_EK1 = quant.quantize_rowwise_of_column_major_3d(w_EKN, e4m3, pow2)
-    gx_MK = _scaled_or_emulated_2d3d(
-        gy_fp8, sg_M1, w_fp8_r.transpose(-2, -1), sw_EK1.transpose(-2, -1), offs_E, use_scaled, False
-    ).to(gy_MN.dtype)
+    if hp_dgrad:
+        gx_MK = _grouped_hp(gy_MN, w_EKN.transpose(-2, -1), offs_E)
+    else:
+        # w per (expert, row k) along N, laid out [E, K, N] row-major: its transpose is the column-major
+        # [E, N, K] right operand of gx = gy @ w^T.
+        w_fp8_r, sw_EK1 = quant.quantize_rowwise_of_column_major_3d(w_EKN, e4m3, pow2)
+        gx_MK = _scaled_or_emulated_2d3d(
+            gy_fp8, sg_M1, w_fp8_r.transpose(-2, -1), sw_EK1.transpose(-2, -1), offs_E, use_scaled, False
+        ).to(gy_MN.dtype)
     out_ENK = _is_column_major(w_EKN)
     if wgrad == "hp":
         (x_MK,) = saved_x
@@ -163,10 +175,12 @@ def _grouped_backward(gy_MN, w_EKN, offs_E, saved_x, e4m3: torch.dtype, use_scal
 
 class _Fp8GroupedMMFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_MK, w_EKN, offs_E, backend: Fp8Backend, use_scaled: bool, pow2: bool, wgrad_scaling: str):
+    def forward(ctx, x_MK, w_EKN, offs_E, backend: Fp8Backend, use_scaled: bool, pow2: bool, wgrad_scaling: str,
+                hp_dgrad: bool):
         out_MN, stats, saved_x = _grouped_forward(x_MK, w_EKN, offs_E, backend.e4m3, use_scaled, pow2, wgrad_scaling)
         ctx.save_for_backward(w_EKN, offs_E, *saved_x)
         ctx.e4m3, ctx.use_scaled, ctx.pow2, ctx.wgrad = backend.e4m3, use_scaled, pow2, wgrad_scaling
+        ctx.hp_dgrad = hp_dgrad
         ctx.mark_non_differentiable(stats)
         return out_MN, stats
 
@@ -174,9 +188,9 @@ class _Fp8GroupedMMFn(torch.autograd.Function):
     def backward(ctx, gy_MN, _grad_stats):
         w_EKN, offs_E, *saved_x = ctx.saved_tensors
         gx_MK, gw_EKN = _grouped_backward(
-            gy_MN, w_EKN, offs_E, tuple(saved_x), ctx.e4m3, ctx.use_scaled, ctx.pow2, ctx.wgrad
+            gy_MN, w_EKN, offs_E, tuple(saved_x), ctx.e4m3, ctx.use_scaled, ctx.pow2, ctx.wgrad, ctx.hp_dgrad
         )
-        return gx_MK, gw_EKN, None, None, None, None, None
+        return gx_MK, gw_EKN, None, None, None, None, None, None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -188,7 +202,7 @@ class _Fp8GroupedMMFn(torch.autograd.Function):
 @torch.library.custom_op("elastic_fp8::grouped_mm_fwd", mutates_args=())
 def _grouped_fwd_op(
     x_MK: torch.Tensor, w_EKN: torch.Tensor, offs_E: torch.Tensor, e4m3: torch.dtype, use_scaled: bool, pow2: bool,
-    wgrad: str,
+    wgrad: str, hp_dgrad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> (out_MN, stats, x_fp8_t_KM, sx_1K); the last two are empty unless wgrad == "global" (else backward
     re-reads x itself, which an op output may not alias)."""
@@ -200,7 +214,7 @@ def _grouped_fwd_op(
 
 
 @_grouped_fwd_op.register_fake
-def _(x_MK, w_EKN, offs_E, e4m3, use_scaled, pow2, wgrad):
+def _(x_MK, w_EKN, offs_E, e4m3, use_scaled, pow2, wgrad, hp_dgrad):
     M, K = x_MK.shape
     N = w_EKN.shape[-1]
     out = x_MK.new_empty(M, N)
@@ -218,27 +232,27 @@ def _gw_storage_shape(w_EKN: torch.Tensor) -> tuple[int, int, int]:
 @torch.library.custom_op("elastic_fp8::grouped_mm_bwd", mutates_args=())
 def _grouped_bwd_op(
     gy_MN: torch.Tensor, w_EKN: torch.Tensor, offs_E: torch.Tensor, x_MK: torch.Tensor, x_fp8_t_KM: torch.Tensor,
-    sx_1K: torch.Tensor, e4m3: torch.dtype, use_scaled: bool, pow2: bool, wgrad: str,
+    sx_1K: torch.Tensor, e4m3: torch.dtype, use_scaled: bool, pow2: bool, wgrad: str, hp_dgrad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (gx_MK, gw) with gw contiguous in the weight's storage layout ([E, N, K] for column-major w)."""
     saved_x = (x_fp8_t_KM, sx_1K) if wgrad == "global" else (x_MK,)
-    gx_MK, gw_EKN = _grouped_backward(gy_MN, w_EKN, offs_E, saved_x, e4m3, use_scaled, pow2, wgrad)
+    gx_MK, gw_EKN = _grouped_backward(gy_MN, w_EKN, offs_E, saved_x, e4m3, use_scaled, pow2, wgrad, hp_dgrad)
     gw = gw_EKN.transpose(-2, -1) if _is_column_major(w_EKN) else gw_EKN
     return gx_MK.contiguous(), gw.contiguous()
 
 
 @_grouped_bwd_op.register_fake
-def _(gy_MN, w_EKN, offs_E, x_MK, x_fp8_t_KM, sx_1K, e4m3, use_scaled, pow2, wgrad):
+def _(gy_MN, w_EKN, offs_E, x_MK, x_fp8_t_KM, sx_1K, e4m3, use_scaled, pow2, wgrad, hp_dgrad):
     return gy_MN.new_empty(gy_MN.shape[0], w_EKN.shape[1]), gy_MN.new_empty(_gw_storage_shape(w_EKN), dtype=w_EKN.dtype)
 
 
 def _grouped_op_setup(ctx, inputs, output):
-    x_MK, w_EKN, offs_E, e4m3, use_scaled, pow2, wgrad = inputs
+    x_MK, w_EKN, offs_E, e4m3, use_scaled, pow2, wgrad, hp_dgrad = inputs
     _, _, x_fp8_t_KM, sx_1K = output
     # "hp" and "per_expert" re-read x in backward; "global" keeps only the fp8 transposed copy and its scales.
     x_keep = x_MK if wgrad != "global" else x_MK.new_empty(0)
     ctx.save_for_backward(w_EKN, offs_E, x_keep, x_fp8_t_KM, sx_1K)
-    ctx.args = (e4m3, use_scaled, pow2, wgrad)
+    ctx.args = (e4m3, use_scaled, pow2, wgrad, hp_dgrad)
     ctx.w_column_major = _is_column_major(w_EKN)
 
 
@@ -246,7 +260,7 @@ def _grouped_op_backward(ctx, gy_MN, _g_stats, _g_xt, _g_sx):
     w_EKN, offs_E, x_keep, x_fp8_t_KM, sx_1K = ctx.saved_tensors
     gx_MK, gw = _grouped_bwd_op(gy_MN, w_EKN, offs_E, x_keep, x_fp8_t_KM, sx_1K, *ctx.args)
     gw_EKN = gw.transpose(-2, -1) if ctx.w_column_major else gw
-    return gx_MK, gw_EKN, None, None, None, None, None
+    return gx_MK, gw_EKN, None, None, None, None, None, None
 
 
 torch.library.register_autograd(
@@ -263,6 +277,15 @@ torch.library.register_autograd(
 GROUPED_MODES = ("opaque", "eager", "traced")
 _GROUPED_MODE_ENV = "FP8_GROUPED_MODE"
 
+# The grad-input GEMM gx = gy @ w^T (FP8_GROUPED_DGRAD overrides the constructor's choice, for A/B runs):
+#   "fp8"   always fp8 (default).
+#   "hp"    always in the activations' precision (bf16 grouped GEMM): no backward weight cast and no row cast of gy.
+#   "auto"  bf16 when gx's width K is not a multiple of 256. Why: torch's CUTLASS fp8 grouped kernel ran DeepSeek-
+#           MoE's w2 grad-input (K = 1408) at 0.59x of bf16 alone (1.792 vs 1.056 ms) but w13's (K = 2048) at
+#           1.51x on the H200 (BENCHMARKS.md, MoE grouped breakdown).
+DGRAD_CHOICES = ("fp8", "hp", "auto")
+_DGRAD_ENV = "FP8_GROUPED_DGRAD"
+
 
 class Fp8GroupedMM:
     """Drop-in for a GroupedExperts module's `grouped_mm` attribute: (x_MK, w_EKN, offs_E) -> out_MN.
@@ -272,9 +295,12 @@ class Fp8GroupedMM:
     """
 
     def __init__(self, emulate: bool | None = None, pow2: bool = True, wgrad_scaling: str = "hp",
-                 mode: str | None = None):
+                 mode: str | None = None, dgrad: str = "fp8"):
         if wgrad_scaling not in WGRAD_SCALINGS:
             raise ValueError(f"wgrad_scaling must be one of {WGRAD_SCALINGS}, got {wgrad_scaling!r}")
+        if dgrad not in DGRAD_CHOICES:
+            raise ValueError(f"dgrad must be one of {DGRAD_CHOICES}, got {dgrad!r}")
+        self.dgrad = dgrad
         if mode is not None and mode not in GROUPED_MODES:
             raise ValueError(f"mode must be one of {GROUPED_MODES} (or None: ${_GROUPED_MODE_ENV}), got {mode!r}")
         self.emulate = emulate
@@ -291,28 +317,35 @@ class Fp8GroupedMM:
             raise ValueError(f"{_GROUPED_MODE_ENV} must be one of {GROUPED_MODES}, got {mode!r}")
         return mode
 
+    def hp_dgrad(self, w_EKN: torch.Tensor) -> bool:
+        """Whether the grad-input GEMM of this weight runs in high precision (see DGRAD_CHOICES)."""
+        dgrad = os.environ.get(_DGRAD_ENV, self.dgrad)
+        if dgrad not in DGRAD_CHOICES:
+            raise ValueError(f"{_DGRAD_ENV} must be one of {DGRAD_CHOICES}, got {dgrad!r}")
+        return dgrad == "hp" or (dgrad == "auto" and w_EKN.shape[-2] % 256 != 0)
+
     def _prepare(self, x_MK: torch.Tensor, w_EKN: torch.Tensor, offs_E: torch.Tensor):
         if offs_E.dtype != torch.int32:
             raise ValueError(f"grouped_mm offsets must be int32 cumulative ends, got {offs_E.dtype}")
         x_MK, w_EKN = to_compute_dtype(x_MK, w_EKN)
         backend = get_backend(x_MK.device)
         use_scaled = backend.has_scaled_grouped_mm if self.emulate is None else not self.emulate
-        return x_MK, w_EKN, backend, use_scaled
+        return x_MK, w_EKN, backend, use_scaled, self.hp_dgrad(w_EKN)
 
     def call_traceable(self, x_MK: torch.Tensor, w_EKN: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
         """The autograd.Function form (eager, or traced into a compiled graph: the "traced" mode)."""
-        x_MK, w_EKN, backend, use_scaled = self._prepare(x_MK, w_EKN, offs_E)
+        x_MK, w_EKN, backend, use_scaled, hp_dgrad = self._prepare(x_MK, w_EKN, offs_E)
         out_MN, stats = _Fp8GroupedMMFn.apply(
-            x_MK, w_EKN, offs_E, backend, use_scaled, self.pow2, self.wgrad_scaling
+            x_MK, w_EKN, offs_E, backend, use_scaled, self.pow2, self.wgrad_scaling, hp_dgrad
         )
         self.last_stats = stats
         return out_MN
 
     def call_opaque(self, x_MK: torch.Tensor, w_EKN: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
         """The custom-op form: the same numbers, one graph node per direction under torch.compile."""
-        x_MK, w_EKN, backend, use_scaled = self._prepare(x_MK, w_EKN, offs_E)
+        x_MK, w_EKN, backend, use_scaled, hp_dgrad = self._prepare(x_MK, w_EKN, offs_E)
         out_MN, stats, _, _ = _grouped_fwd_op(
-            x_MK, w_EKN, offs_E, backend.e4m3, use_scaled, self.pow2, self.wgrad_scaling
+            x_MK, w_EKN, offs_E, backend.e4m3, use_scaled, self.pow2, self.wgrad_scaling, hp_dgrad
         )
         self.last_stats = stats
         return out_MN
@@ -328,7 +361,8 @@ class Fp8GroupedMM:
         return self.call_traceable(x_MK, w_EKN, offs_E)
 
     def __repr__(self) -> str:
-        return f"Fp8GroupedMM(rowwise, wgrad_scaling={self.wgrad_scaling}, emulate={self.emulate}, mode={self._mode()})"
+        return (f"Fp8GroupedMM(rowwise, wgrad_scaling={self.wgrad_scaling}, dgrad={self.dgrad}, emulate={self.emulate},"
+                f" mode={self._mode()})")
 
 
 def fp8_grouped_mm(

@@ -195,3 +195,32 @@ def test_grouped_mode_is_validated(monkeypatch):
     x, w, _, offs = make()
     with pytest.raises(ValueError, match="FP8_GROUPED_MODE"):
         Fp8GroupedMM()(x, w, offs)
+
+
+@pytest.mark.parametrize("stored_enk", [False, True])
+def test_hp_dgrad_gives_the_high_precision_grad_input(stored_enk):
+    """dgrad="hp": gx is the bf16 grouped GEMM of gy and w (exactly the per-group bf16 product), the output and the
+    weight gradient are unchanged; "auto" picks hp only for widths that are not multiples of 256."""
+    x, w, gy, offs = make(torch.bfloat16, seed=7)
+    outs = {}
+    for dgrad in ("fp8", "hp"):
+        xi = x.clone().requires_grad_()
+        param = (w.transpose(-2, -1).contiguous() if stored_enk else w.clone()).requires_grad_()
+        op = Fp8GroupedMM(emulate=True, dgrad=dgrad)
+        out = op(xi, param.transpose(-2, -1) if stored_enk else param, offs)
+        out.backward(gy)
+        outs[dgrad] = (out.detach(), xi.grad, param.grad)
+    assert torch.equal(outs["hp"][0], outs["fp8"][0]) and torch.equal(outs["hp"][2], outs["fp8"][2])
+    gx_ref = torch.zeros_like(x, dtype=torch.float32)
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        gx_ref[start:end] = gy[start:end].float() @ w[e].float().t()
+        start = end
+    err_hp = (outs["hp"][1].float() - gx_ref).norm() / gx_ref.norm()
+    err_fp8 = (outs["fp8"][1].float() - gx_ref).norm() / gx_ref.norm()
+    assert err_hp < 1e-2 < err_fp8 * 2, (err_hp.item(), err_fp8.item())
+    assert err_hp < err_fp8 / 4
+    op = Fp8GroupedMM(emulate=True, dgrad="auto")
+    assert not op.hp_dgrad(torch.empty(4, 2048, 8)) and op.hp_dgrad(torch.empty(4, 1408, 8))
+    with pytest.raises(ValueError, match="dgrad"):
+        Fp8GroupedMM(dgrad="fp16")
