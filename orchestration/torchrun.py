@@ -58,4 +58,15 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    exit_code = main(sys.argv[1:])
+    # Leave without interpreter finalization. Everything this process owns is closed by now (run directory,
+    # checkpoints, process groups), but C++ threads that gloo and the compile workers leave behind can still
+    # call std::terminate while the interpreter tears down ("terminate called without an active exception",
+    # SIGABRT on a rank after a completed run, seen in CI), and torchrun then reports a run that finished as
+    # failed. atexit is skipped too, so flush what atexit would have: logging handlers and the std streams.
+    import logging
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(exit_code)
