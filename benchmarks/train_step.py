@@ -10,11 +10,12 @@ precision in use). Also a short real-data run (bytes of the Python standard libr
 BF16's at the same step. Writes train_step.json to --out. --profile adds a torch.profiler table per variant
 (GPU time by kernel category and the top kernels). Suffixes on a variant, combinable ("ours:tensorwise+kern+cg"):
 "+nomix" turns inductor's mix-order reductions off; "+kern" makes our casts Triton kernels inside the compiled
-blocks too (FP8_KERNELS=always; by default only the rowwise ones are kernels); "+tk" makes only the fp8
-transposed copies kernels (FP8_KERNELS=transposes, for tensorwise); "+cg" compiles the blocks with
+blocks too (FP8_KERNELS=always; by default the rowwise casts and the fp8 transposes are kernels); "+ntk" lets
+Inductor write tensorwise's fp8 transposed copies (FP8_KERNELS=no_transposes, the session-3 default); "+cg" compiles the blocks with
 mode="reduce-overhead" (CUDA graphs); "+eagerloss" runs the cross-entropy eagerly (fp32 logits materialized);
 "+eagergrp" / "+tracedgrp" run the FP8 grouped GEMMs in fp8.grouped's "eager" / "traced" modes (default "opaque");
-"+hpdg" runs their grad-input GEMM in bf16 where fp8.grouped's dgrad="auto" says so (widths not multiples of 256).
+"+fp8dg" runs all their grad-input GEMMs in fp8 (default: fp8.grouped's dgrad="auto", bf16 where the width is not a
+multiple of 256).
 Every row also times the AdamW step alone and checks the gradients' layout
 (`optimizer_probe`), which localises optimizer-time differences between variants.
 
@@ -232,6 +233,9 @@ _KERNEL_CATEGORIES = (
     ("attention", ("flash", "fmha", "attn", "sdpa")),
     ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "wgmma", "grouped_mm", "cublas")),
     ("optimizer", ("adam", "multi_tensor", "foreach")),
+    # fp8/kernels' Triton kernels (their names do not say "triton"; all end in "_kernel" with a leading "_").
+    ("fp8 cast kernels (ours)", ("_amax_kernel", "_cast_tensorwise_kernel", "_rowwise_kernel", "_row_col_",
+                                 "_transpose_kernel", "_batched_col_", "_jagged_")),
     ("triton (fused elementwise, casts, norms)", ("triton",)),
     ("other", ("",)),
 )
@@ -258,13 +262,19 @@ def kernel_profile(step, batch, top: int = 15) -> dict:
     for k in kernels:
         name = k["kernel"].lower()
         cat = next(c for c, pats in _KERNEL_CATEGORIES if any(p in name for p in pats))
+        k["category"] = cat
         categories[cat] = categories.get(cat, 0.0) + k["ms"]
     for cat, ms in sorted(categories.items(), key=lambda kv: -kv[1]):
         print(f"      {ms:9.2f} ms  {cat}", flush=True)
     for k in kernels[:top]:
         print(f"      {k['ms']:9.2f} ms {k['calls']:5d}x  {k['kernel'][:100]}", flush=True)
-    return {"categories_ms": categories, "top_kernels": kernels[:top], "gpu_busy_ms": busy_ms,
-            "kernel_span_ms": span_ms}
+    # "other" is whatever no pattern names (eager torch kernels: copies, fills, index ops): list it separately,
+    # it is where unplanned work shows up.
+    top_other = [k for k in kernels if k["category"] == "other"][:top]
+    for k in top_other:
+        print(f"      other {k['ms']:9.2f} ms {k['calls']:5d}x  {k['kernel'][:100]}", flush=True)
+    return {"categories_ms": categories, "top_kernels": kernels[:top], "top_other_kernels": top_other,
+            "gpu_busy_ms": busy_ms, "kernel_span_ms": span_ms}
 
 
 def gpu_busy(prof) -> tuple[float, float]:
@@ -317,15 +327,15 @@ def bench_config(name: str, cfg: dict, args, device) -> dict:
             import torch._inductor.config as inductor_config
 
             base_variant, *flags = variant.split("+")
-            known = {"nomix", "kern", "tk", "cg", "eagerloss", "eagergrp", "tracedgrp", "hpdg"}
+            known = {"nomix", "kern", "ntk", "cg", "eagerloss", "eagergrp", "tracedgrp", "fp8dg"}
             unknown = set(flags) - known
             if unknown:
                 raise ValueError(f"unknown variant suffix {sorted(unknown)} in {variant!r}: {sorted(known)}")
             os.environ["FP8_GROUPED_MODE"] = ("eager" if "eagergrp" in flags else "traced" if "tracedgrp" in flags
                                               else "opaque")
-            os.environ["FP8_GROUPED_DGRAD"] = "auto" if "hpdg" in flags else "fp8"
+            os.environ["FP8_GROUPED_DGRAD"] = "fp8" if "fp8dg" in flags else "auto"
             inductor_config.triton.mix_order_reduction = "nomix" not in flags
-            os.environ["FP8_KERNELS"] = "always" if "kern" in flags else "transposes" if "tk" in flags else "1"
+            os.environ["FP8_KERNELS"] = "always" if "kern" in flags else "no_transposes" if "ntk" in flags else "1"
             torch._dynamo.reset()  # fresh graphs per variant: the flags above are not part of dynamo's guards
             model = build(cfg["model"], cfg["overrides"], base_variant, device, compile_blocks=not args.eager,
                           compile_mode="reduce-overhead" if "cg" in flags else None)

@@ -278,11 +278,12 @@ GROUPED_MODES = ("opaque", "eager", "traced")
 _GROUPED_MODE_ENV = "FP8_GROUPED_MODE"
 
 # The grad-input GEMM gx = gy @ w^T (FP8_GROUPED_DGRAD overrides the constructor's choice, for A/B runs):
-#   "fp8"   always fp8 (default).
+#   "fp8"   always fp8.
 #   "hp"    always in the activations' precision (bf16 grouped GEMM): no backward weight cast and no row cast of gy.
 #   "auto"  bf16 when gx's width K is not a multiple of 256. Why: torch's CUTLASS fp8 grouped kernel ran DeepSeek-
 #           MoE's w2 grad-input (K = 1408) at 0.59x of bf16 alone (1.792 vs 1.056 ms) but w13's (K = 2048) at
-#           1.51x on the H200 (BENCHMARKS.md, MoE grouped breakdown).
+#           1.51x on the H200 (BENCHMARKS.md, MoE grouped breakdown). The default: the MoE training step ran
+#           125.98 ms with it vs 127.51 ms all-fp8 (same run, session4/train_step_moe.json).
 DGRAD_CHOICES = ("fp8", "hp", "auto")
 _DGRAD_ENV = "FP8_GROUPED_DGRAD"
 
@@ -295,7 +296,7 @@ class Fp8GroupedMM:
     """
 
     def __init__(self, emulate: bool | None = None, pow2: bool = True, wgrad_scaling: str = "hp",
-                 mode: str | None = None, dgrad: str = "fp8"):
+                 mode: str | None = None, dgrad: str = "auto"):
         if wgrad_scaling not in WGRAD_SCALINGS:
             raise ValueError(f"wgrad_scaling must be one of {WGRAD_SCALINGS}, got {wgrad_scaling!r}")
         if dgrad not in DGRAD_CHOICES:

@@ -19,7 +19,8 @@ import torch
 
 from fp8 import recipes
 
-# FP8_KERNELS=0 forces the reference path everywhere (debugging, A/B timing).
+# FP8_KERNELS=0 forces the reference path everywhere (debugging, A/B timing); "always" and "no_transposes"
+# change what runs as a kernel under torch.compile (see _kernel_fn).
 _USE_KERNELS_ENV = "FP8_KERNELS"
 
 
@@ -36,7 +37,8 @@ def _kernels():
 
 _FAILED: set[str] = set()
 _KERNELS_UNDER_COMPILE = (
-    "quantize_rowwise", "quantize_rowwise_and_colwise", "quantize_jagged_per_expert", "quantize_colwise_batched"
+    "quantize_rowwise", "quantize_rowwise_and_colwise", "quantize_jagged_per_expert", "quantize_colwise_batched",
+    "transpose",
 )
 
 
@@ -45,15 +47,16 @@ def _kernel_fn(x: torch.Tensor, name: str):
         return None
     # Under torch.compile: the row and row+column casts stay our Triton ops (Inductor launches them itself); the
     # H200 step of 8 Llama3-8B-width layers ran 190.4 ms that way vs 198.8 ms with Inductor fusing the references
-    # (same run, session3/train_step_dense_call2.json). The tensorwise cast is traced instead: its backward
-    # needs fp8 transposed copies, which Inductor then fuses into the cast (194.5 ms) where a separate kernel
-    # left 29 ms of slow fp8 transposes (217.1 ms). The jagged per-expert cast stays a kernel: Inductor lowers
-    # its scatter-amax to atomics. FP8_KERNELS=always puts every cast on the kernels.
-    # FP8_KERNELS=transposes adds only the fp8 transposed copies (an experiment for the tensorwise recipe, whose
-    # fused transposed writes are its slowest cast kernels; not measured yet).
+    # (same run, session3/train_step_dense_call2.json). The tensorwise cast itself is traced (Inductor fuses it
+    # into its producers), but its fp8 transposed copies for the backward GEMMs are our transpose kernel: 186.7 ms
+    # vs 197.2 ms with Inductor writing them (same run, session4/train_step_dense.json, "+tk" vs plain). The
+    # jagged per-expert cast stays a kernel: Inductor lowers its scatter-amax to atomics.
+    # FP8_KERNELS=always puts every cast on the kernels; FP8_KERNELS=no_transposes lets Inductor write the fp8
+    # transposed copies too (the session-3 default, kept for A/B runs).
     mode = os.environ.get(_USE_KERNELS_ENV)
-    compiling_ok = name in _KERNELS_UNDER_COMPILE or mode == "always" or (mode == "transposes" and name == "transpose")
-    if torch.compiler.is_compiling() and not compiling_ok:
+    if mode == "no_transposes" and name == "transpose" and torch.compiler.is_compiling():
+        return None
+    if torch.compiler.is_compiling() and not (name in _KERNELS_UNDER_COMPILE or mode == "always"):
         return None
     mod = _kernels()
     if mod is None or name in _FAILED:

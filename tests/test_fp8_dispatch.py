@@ -31,7 +31,7 @@ def grouped_run(wgrad_scaling: str, stored_enk: bool):
     param.requires_grad_()
     w = param.transpose(-2, -1) if stored_enk else param
     offs = torch.tensor([16, 16, 64], dtype=torch.int32)
-    out = Fp8GroupedMM(emulate=True, wgrad_scaling=wgrad_scaling)(x, w, offs)
+    out = Fp8GroupedMM(emulate=True, wgrad_scaling=wgrad_scaling, dgrad="fp8")(x, w, offs)
     out.backward(torch.randn_like(out))
     return out, x.grad, param.grad
 

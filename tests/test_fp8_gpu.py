@@ -68,10 +68,13 @@ def test_compiled_ops_launch_the_kernels_inline_and_match_eager(name):
     assert "_kernel" in code  # the user kernels appear by name in Inductor's wrapper
 
 
-def test_compiled_float8_linear_with_kernel_casts_matches_eager(monkeypatch):
+@pytest.mark.parametrize("kernels", ["always", "1"])
+def test_compiled_float8_linear_with_kernel_casts_matches_eager(monkeypatch, kernels):
+    """kernels="always": every cast a kernel inside the graph, so the same casts as eager; "1" (the default): the
+    tensorwise cast traced by Inductor, the fp8 transposes and rowwise casts kernels."""
     import fp8
 
-    monkeypatch.setenv("FP8_KERNELS", "always")
+    monkeypatch.setenv("FP8_KERNELS", kernels)
     torch._dynamo.reset()
     torch.manual_seed(0)
     for recipe in ("tensorwise", "rowwise"):
@@ -88,8 +91,10 @@ def test_compiled_float8_linear_with_kernel_casts_matches_eager(monkeypatch):
         y_comp = torch.compile(model)(x)
         y_comp.float().square().mean().backward()
         grads_comp = [p.grad for p in model.parameters()] + [x.grad]
-        # Same casts and GEMMs; Inductor may reorder the fp32 accumulation of the loss only.
-        torch.testing.assert_close(y_comp, y_eager, rtol=0, atol=0)
+        # "always": the same casts and GEMMs; Inductor may reorder the fp32 accumulation of the loss only. "1":
+        # Inductor's tensorwise cast may compute the scale with another fp32 rounding (one bf16 ulp on outputs).
+        exact = kernels == "always" or recipe == "rowwise"
+        torch.testing.assert_close(y_comp, y_eager, rtol=0 if exact else 8e-3, atol=0 if exact else 1e-3)
         for g_c, g_e in zip(grads_comp, grads_eager, strict=True):
             torch.testing.assert_close(g_c, g_e, rtol=1e-2, atol=1e-3)
         torch._dynamo.reset()

@@ -43,7 +43,8 @@ def run_grouped(x, w, gy, offs, emulate=True, wgrad_scaling="global", stored_enk
         wi = param.transpose(-2, -1)
     else:
         param = wi = w.clone().requires_grad_()
-    op = Fp8GroupedMM(emulate=emulate, wgrad_scaling=wgrad_scaling)
+    # dgrad="fp8": these tests check the fp8 grad-input GEMM (the default "auto" may pick bf16 for it).
+    op = Fp8GroupedMM(emulate=emulate, wgrad_scaling=wgrad_scaling, dgrad="fp8")
     out = op(xi, wi, offs)
     out.backward(gy)
     gw = param.grad.transpose(-2, -1) if stored_enk else param.grad
@@ -163,7 +164,7 @@ def _run_mode(mode, wgrad_scaling, stored_enk, compiled=False):
     x, w, gy, offs = make(torch.bfloat16, seed=5)
     xi = x.clone().requires_grad_()
     param = (w.transpose(-2, -1).contiguous() if stored_enk else w.clone()).requires_grad_()
-    op = Fp8GroupedMM(emulate=True, wgrad_scaling=wgrad_scaling, mode=mode)
+    op = Fp8GroupedMM(emulate=True, wgrad_scaling=wgrad_scaling, mode=mode, dgrad="fp8")
 
     def f(x_, p_, offs_):
         return op(x_, p_.transpose(-2, -1) if stored_enk else p_, offs_) * 2.0
@@ -220,7 +221,8 @@ def test_hp_dgrad_gives_the_high_precision_grad_input(stored_enk):
     err_fp8 = (outs["fp8"][1].float() - gx_ref).norm() / gx_ref.norm()
     assert err_hp < 1e-2 < err_fp8 * 2, (err_hp.item(), err_fp8.item())
     assert err_hp < err_fp8 / 4
-    op = Fp8GroupedMM(emulate=True, dgrad="auto")
+    op = Fp8GroupedMM(emulate=True)
+    assert op.dgrad == "auto"
     assert not op.hp_dgrad(torch.empty(4, 2048, 8)) and op.hp_dgrad(torch.empty(4, 1408, 8))
     with pytest.raises(ValueError, match="dgrad"):
         Fp8GroupedMM(dgrad="fp16")

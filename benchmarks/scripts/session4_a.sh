@@ -1,5 +1,6 @@
 #!/bin/bash
 # Session 4, device call A (one H200): GPU tests, the compiled-MoE gradient bisect, the MoE training step.
+# (Flags as of session 4; since then "+hpdg" is the default (use "+fp8dg" for all-fp8 dgrad) and "+tk" is the default.)
 # Run from the repo root on the device: bash benchmarks/scripts/session4_a.sh  ($OUT set by the device tool)
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   || exit 1
