@@ -68,6 +68,11 @@ def test_compiled_ops_launch_the_kernels_inline_and_match_eager(name):
     assert "_kernel" in code  # the user kernels appear by name in Inductor's wrapper
 
 
+def _sqnr(x, ref):
+    ref = ref.detach().double()
+    return float(20 * torch.log10(ref.norm() / (x.detach().double() - ref).norm().clamp_min(1e-30)))
+
+
 @pytest.mark.parametrize("kernels", ["always", "1"])
 def test_compiled_float8_linear_with_kernel_casts_matches_eager(monkeypatch, kernels):
     """kernels="always": every cast a kernel inside the graph, so the same casts as eager; "1" (the default): the
@@ -91,12 +96,19 @@ def test_compiled_float8_linear_with_kernel_casts_matches_eager(monkeypatch, ker
         y_comp = torch.compile(model)(x)
         y_comp.float().square().mean().backward()
         grads_comp = [p.grad for p in model.parameters()] + [x.grad]
-        # "always": the same casts and GEMMs; Inductor may reorder the fp32 accumulation of the loss only. "1":
-        # Inductor's tensorwise cast may compute the scale with another fp32 rounding (one bf16 ulp on outputs).
-        exact = kernels == "always" or recipe == "rowwise"
-        torch.testing.assert_close(y_comp, y_eager, rtol=0 if exact else 8e-3, atol=0 if exact else 1e-3)
-        for g_c, g_e in zip(grads_comp, grads_eager, strict=True):
-            torch.testing.assert_close(g_c, g_e, rtol=1e-2, atol=1e-3)
+        if kernels == "always" or recipe == "rowwise":
+            # The same cast kernels and GEMMs as eager; Inductor may reorder the fp32 accumulation of the loss only.
+            torch.testing.assert_close(y_comp, y_eager, rtol=0, atol=0)
+            for g_c, g_e in zip(grads_comp, grads_eager, strict=True):
+                torch.testing.assert_close(g_c, g_e, rtol=1e-2, atol=1e-3)
+        else:
+            # Inductor's own tensorwise cast: its fp32 scale arithmetic may differ from the kernel's by an ulp,
+            # which moves the odd element across an fp8 rounding boundary (an fp8 step is 6-12%, so elementwise
+            # tolerances do not apply). Independent fp8 roundings would agree to ~30 dB; the same casts up to such
+            # ties agree to far more.
+            for what, g_c, g_e in zip(["y", "w1", "w2", "x"], [y_comp, *grads_comp], [y_eager, *grads_eager],
+                                      strict=True):
+                assert _sqnr(g_c, g_e) > 45, (recipe, what, _sqnr(g_c, g_e))
         torch._dynamo.reset()
 
 
