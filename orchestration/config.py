@@ -29,6 +29,8 @@ ENV_PRESET_NAMES = ("none", "nccl_h100", "nccl_h200", "rccl_mi300x", "rccl_mi350
 
 
 MOE_WGRADS = ("hp", "global", "per_expert")  # fp8.grouped.WGRAD_SCALINGS, without importing torch here
+# torch.compile modes for the blocks; "reduce-overhead" = CUDA graphs (see ModelConfig.compile_mode).
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")
 
 
 class ConfigError(ValueError):
@@ -43,6 +45,11 @@ class ModelConfig:
     activation_checkpointing: bool = False
     # torch.compile every transformer block (it fuses the FP8 casts): None = on CUDA/ROCm devices, off on CPU.
     compile: bool | None = None
+    # torch.compile mode of the blocks. "reduce-overhead" replays each block as a CUDA graph: it removes the host
+    # launch gaps of the FP8 MoE block (whose grouped GEMM ops run eager bodies: one H200 step of the
+    # DeepSeek-MoE-16B benchmark went from 136.9 to 124.3 ms, BENCHMARKS.md). One worker only: CUDA graphs of
+    # FSDP2-sharded blocks (collectives in their hooks) are not supported here.
+    compile_mode: str = "default"
 
 
 @dataclass
@@ -176,6 +183,12 @@ def validate(job: JobConfig) -> None:
 
     _require(job.model.name in MODEL_FLAVORS, "model.name",
              f"unknown model '{job.model.name}'; known: {', '.join(sorted(MODEL_FLAVORS))}")
+    _require(job.model.compile_mode in COMPILE_MODES, "model.compile_mode",
+             f"'{job.model.compile_mode}' is not one of {COMPILE_MODES}")
+    _require(job.model.compile_mode != "reduce-overhead" or job.cluster.max_workers == 1, "model.compile_mode",
+             "reduce-overhead (CUDA graphs) runs on one worker only (FSDP2's collectives cannot be captured in "
+             f"the block graphs); got cluster.max_workers={job.cluster.max_workers}: set cluster.max_workers=1 or "
+             "model.compile_mode=default")
     _require(job.precision.name in PRECISIONS, "precision.name",
              f"'{job.precision.name}' is not one of {PRECISIONS}")
     _require(job.precision.recipe in RECIPES, "precision.recipe",

@@ -82,7 +82,7 @@ def build_training_model(job: JobConfig, world_size: int, device: torch.device):
                         job.precision.fsdp_reduce_dtype, job.model.activation_checkpointing)
     model.to(device)
     if compile_enabled(job, device):
-        compile_blocks(model)
+        compile_blocks(model, job.model.compile_mode)
     return model, recipe
 
 
@@ -91,7 +91,7 @@ def compile_enabled(job: JobConfig, device: torch.device) -> bool:
     return job.model.compile if job.model.compile is not None else device.type == "cuda"
 
 
-def compile_blocks(model: torch.nn.Module) -> None:
+def compile_blocks(model: torch.nn.Module, mode: str = "default") -> None:
     """torch.compile each transformer block (torchtitan's granularity: one graph per block, reused by all).
 
     Static shapes: the sequence length is fixed, and a graph that went dynamic after a shape change ran the fp8
@@ -100,7 +100,8 @@ def compile_blocks(model: torch.nn.Module) -> None:
     in the profile) measured no faster for the whole step (198.3 vs 196.9 ms), so they stay on.
     """
     for block in model.layers.values():
-        block.compile(dynamic=False)  # fixed sequence length: no symbolic-shape kernels
+        # fixed sequence length: no symbolic-shape kernels
+        block.compile(dynamic=False, mode=None if mode == "default" else mode)
 
 
 class Trainer:
@@ -121,6 +122,7 @@ class Trainer:
         torch.manual_seed(job.train.seed)
         self.model, self.recipe = build_training_model(job, self.world_size, self.device)
         self.compiled = compile_enabled(job, self.device)  # the loss follows the blocks
+        self.cuda_graphs = self.compiled and job.model.compile_mode == "reduce-overhead" and self.device.type == "cuda"
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=job.train.lr,
                                            betas=(job.train.beta1, job.train.beta2),
                                            weight_decay=job.train.weight_decay)
@@ -265,6 +267,9 @@ class Trainer:
     def compute_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(LM loss, weighted MoE aux loss) of one micro-batch, under the configured autocast."""
         use_autocast = self.compute_dtype != torch.float32
+        if self.cuda_graphs:
+            # A new iteration for CUDA-graph trees: the previous step's graph outputs may be overwritten now.
+            torch.compiler.cudagraph_mark_step_begin()
         with torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=use_autocast):
             logits = self.model(inputs)
             lm_loss = lm_loss_fn(logits, targets, compiled=self.compiled)

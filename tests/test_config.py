@@ -37,12 +37,37 @@ def test_default_config_composes_and_validates():
     (["train.warmup_steps=1000"], "train.warmup_steps", "must be in"),
     (["data.source=relative/path"], "data.source", "absolute path"),
     (["cluster.storage_path=relative"], "cluster.storage_path", "absolute"),
+    (["model.compile_mode=turbo"], "model.compile_mode", "reduce-overhead"),
+    (["model.compile_mode=reduce-overhead", "cluster.min_workers=1", "cluster.max_workers=2"], "model.compile_mode",
+     "cluster.max_workers=1"),
 ])
 def test_impossible_values_name_the_key(overrides, key, allowed):
     with pytest.raises(ConfigError) as info:
         compose_job(*overrides)
     message = str(info.value)
     assert key in message and allowed in message, message
+
+
+@pytest.mark.parametrize("mode, expected", [("default", None), ("reduce-overhead", "reduce-overhead")])
+def test_compile_mode_reaches_every_block(monkeypatch, mode, expected):
+    """model.compile_mode is what each block is compiled with (recorded at Module.compile: CUDA graphs themselves
+    need a GPU, benchmarks/train_step.py's +cg variants run them on the H200)."""
+    import torch
+
+    from orchestration.worker import build_training_model
+
+    seen = []
+    original = torch.nn.Module.compile
+
+    def recording_compile(self, *args, **kwargs):
+        seen.append(kwargs.get("mode"))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.Module, "compile", recording_compile)
+    job = compose_job("model=debug_dense", "model.compile=true", f"model.compile_mode={mode}",
+                      "cluster.min_workers=1", "cluster.max_workers=1", "precision=bf16")
+    model, _ = build_training_model(job, world_size=1, device=torch.device("cpu"))
+    assert seen == [expected] * len(model.layers) and len(seen) > 0
 
 
 def test_wrong_type_names_the_key():
