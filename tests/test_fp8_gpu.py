@@ -13,6 +13,8 @@ import functools
 import pytest
 import torch
 
+from tests.numerics import sqnr
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 E4M3 = torch.float8_e4m3fn
@@ -68,11 +70,6 @@ def test_compiled_ops_launch_the_kernels_inline_and_match_eager(name):
     assert "_kernel" in code  # the user kernels appear by name in Inductor's wrapper
 
 
-def _sqnr(x, ref):
-    ref = ref.detach().double()
-    return float(20 * torch.log10(ref.norm() / (x.detach().double() - ref).norm().clamp_min(1e-30)))
-
-
 @pytest.mark.parametrize("kernels", ["always", "1"])
 def test_compiled_float8_linear_with_kernel_casts_matches_eager(monkeypatch, kernels):
     """kernels="always": every cast a kernel inside the graph, so the same casts as eager; "1" (the default): the
@@ -108,7 +105,7 @@ def test_compiled_float8_linear_with_kernel_casts_matches_eager(monkeypatch, ker
             # ties agree to far more.
             for what, g_c, g_e in zip(["y", "w1", "w2", "x"], [y_comp, *grads_comp], [y_eager, *grads_eager],
                                       strict=True):
-                assert _sqnr(g_c, g_e) > 45, (recipe, what, _sqnr(g_c, g_e))
+                assert sqnr(g_c, g_e) > 45, (recipe, what, sqnr(g_c, g_e))
         torch._dynamo.reset()
 
 

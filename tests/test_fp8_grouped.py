@@ -14,13 +14,9 @@ from fp8 import Fp8GroupedMM
 from fp8.backend import get_backend
 from fp8.linear import _Fp8LinearFn
 from fp8.recipes import RECIPES
+from tests.numerics import sqnr
 
 M, K, N, E = 96, 64, 48, 4
-
-
-def sqnr(x, ref):
-    ref = ref.detach().double()
-    return float(20 * torch.log10(ref.norm() / (x.detach().double() - ref).norm()))
 
 
 def make(dtype=torch.float32, seed=0):

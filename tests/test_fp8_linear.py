@@ -17,13 +17,9 @@ from fp8.recipes import (
     quantize_rowwise_ref,
     quantize_tensorwise_ref,
 )
+from tests.numerics import sqnr
 
 M, K, N = 64, 128, 96
-
-
-def sqnr(x, ref):
-    ref = ref.detach().double()
-    return float(20 * torch.log10(ref.norm() / (x.detach().double() - ref).norm()))
 
 
 def make_inputs(dtype, seed=0):
