@@ -15,7 +15,8 @@ Inductor write tensorwise's fp8 transposed copies (FP8_KERNELS=no_transposes, th
 mode="reduce-overhead" (CUDA graphs); "+eagerloss" runs the cross-entropy eagerly (fp32 logits materialized);
 "+eagergrp" / "+tracedgrp" run the FP8 grouped GEMMs in fp8.grouped's "eager" / "traced" modes (default "opaque");
 "+fp8dg" runs all their grad-input GEMMs in fp8 (default: fp8.grouped's dgrad="auto", bf16 where the width is not a
-multiple of 256).
+multiple of 256); "+autogc" leaves Python's automatic garbage collection on during the timed steps (default: the
+worker's policy, orchestration/gc_policy.py; every row records its GC pauses under "gc").
 Every row also times the AdamW step alone and checks the gradients' layout
 (`optimizer_probe`), which localises optimizer-time differences between variants.
 
@@ -28,6 +29,7 @@ Configurations (ISSUE 9):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import math
 import os
@@ -46,6 +48,7 @@ torch._dynamo.config.recompile_limit = 1024
 torch._dynamo.config.accumulated_recompile_limit = 4096
 
 from benchmarks.common import env_info, write_json  # noqa: E402
+from orchestration.gc_policy import ManagedGc  # noqa: E402
 from models.loss import lm_loss  # noqa: E402
 
 # The loss is compiled with the blocks (as the worker does); --eager turns both off.
@@ -144,25 +147,65 @@ class Guard:
         return self.policy.decide(report, step)
 
 
+# record_function labels of the step's phases: host_profile attributes GPU idle time to the phase whose host code
+# was running when the GPU ran dry.
+STEP_PHASES = ("step.forward", "step.backward", "step.clip", "step.guard", "step.optimizer")
+
+
 def make_step(model, optimizer, guard: Guard | None, compiled_loss: bool):
+    from torch.profiler import record_function
+
     state = {"step": 0}
 
     def step(inputs, targets):
-        logits = model(inputs)
-        loss = lm_loss(logits, targets, compiled=compiled_loss) + model.aux_loss()
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        with record_function("step.forward"):
+            logits = model(inputs)
+            loss = lm_loss(logits, targets, compiled=compiled_loss) + model.aux_loss()
+        with record_function("step.backward"):
+            loss.backward()
+        with record_function("step.clip"):
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        applies_update = True
         if guard is not None:
-            decision = guard.check(model, loss.detach(), grad_norm, state["step"])
-            if decision.applies_update:
+            with record_function("step.guard"):
+                applies_update = guard.check(model, loss.detach(), grad_norm, state["step"]).applies_update
+        with record_function("step.optimizer"):
+            if applies_update:
                 optimizer.step()
-        else:
-            optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+            optimizer.zero_grad(set_to_none=True)
         state["step"] += 1
         return loss.detach()
 
     return step
+
+
+class GcTimer:
+    """Python garbage-collector pauses (gc.callbacks) while active: count and total ms per generation."""
+
+    def __init__(self):
+        self.ms_by_gen: dict[int, float] = {}
+        self.count = 0
+        self._t0 = 0.0
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            gen = info.get("generation", -1)
+            self.ms_by_gen[gen] = self.ms_by_gen.get(gen, 0.0) + (time.perf_counter() - self._t0) * 1e3
+            self.count += 1
+
+    def __enter__(self):
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc):
+        gc.callbacks.remove(self._callback)
+
+    def summary(self, steps: int) -> dict:
+        total = sum(self.ms_by_gen.values())
+        return {"collections": self.count, "ms_total": round(total, 2), "ms_per_step": round(total / max(1, steps), 2),
+                "ms_by_generation": {str(g): round(ms, 2) for g, ms in sorted(self.ms_by_gen.items())}}
 
 
 def time_optimizer_step(optimizer, reps: int = 5) -> float:
@@ -213,18 +256,19 @@ def optimizer_probe(model, optimizer, batch, compiled_loss: bool, reps: int = 5)
     return layout
 
 
-def time_steps(step, batches, warmup: int, steps: int) -> list[float]:
+def time_steps(step, batches, warmup: int, steps: int, gc_timer: GcTimer | None = None) -> list[float]:
     for i in range(warmup):
         step(*batches[i % len(batches)])
     torch.cuda.synchronize()
     times = []
-    for i in range(steps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step(*batches[i % len(batches)])
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
+    with gc_timer or contextlib.nullcontext():
+        for i in range(steps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step(*batches[i % len(batches)])
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
     return times
 
 
@@ -297,6 +341,60 @@ def gpu_busy(prof) -> tuple[float, float]:
     return busy / 1e3, (spans[-1][1] - spans[0][0]) / 1e3
 
 
+_SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+
+
+def host_profile(step, batch, top: int = 12) -> dict:
+    """Where the host time of one step goes and which phase's host code the GPU waited for.
+
+    torch.profiler with CPU activity (which slows the host a little, so idle comes out somewhat larger than in
+    the timed steps): per phase (STEP_PHASES) its host wall time and the GPU idle that ended while it ran - a
+    gap in the kernel timeline ends when the host launches the next kernel, so the host code running then is
+    what the GPU waited for; the host syncs; the ops with the most self CPU time.
+    """
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step(*batch)
+        torch.cuda.synchronize()
+    events = prof.events()
+    phases = sorted((e.time_range.start, e.time_range.end, e.name) for e in events if e.name in STEP_PHASES)
+    spans = sorted((e.time_range.start, e.time_range.end) for e in events
+                   if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    idle_by_phase: dict[str, float] = {}
+    cur_end = spans[0][1] if spans else 0
+    for start, end in spans[1:]:
+        if start > cur_end:
+            where = next((name for s, e, name in phases if s <= start <= e), "between phases")
+            idle_by_phase[where] = idle_by_phase.get(where, 0.0) + (start - cur_end) / 1e3
+        cur_end = max(cur_end, end)
+    host_ms_by_phase: dict[str, float] = {}
+    for s, e, name in phases:
+        host_ms_by_phase[name] = host_ms_by_phase.get(name, 0.0) + (e - s) / 1e3
+    syncs: dict[str, int] = {}
+    for e in events:
+        if e.device_type == DeviceType.CPU and any(e.name.startswith(c) for c in _SYNC_CALLS):
+            syncs[e.name] = syncs.get(e.name, 0) + 1
+    averages = [a for a in prof.key_averages() if a.self_cpu_time_total > 0]
+    averages.sort(key=lambda a: -a.self_cpu_time_total)
+    top_cpu = [{"op": a.key[:100], "self_ms": round(a.self_cpu_time_total / 1e3, 3), "calls": a.count}
+               for a in averages[:top]]
+    ours = [{"op": a.key[:100], "cpu_ms_total": round(a.cpu_time_total / 1e3, 3), "calls": a.count}
+            for a in prof.key_averages() if "elastic_fp8" in a.key or "fp8" in a.key.lower()]
+    out = {"host_ms_by_phase": {k: round(v, 2) for k, v in host_ms_by_phase.items()},
+           "gpu_idle_ms_by_phase": {k: round(v, 2) for k, v in sorted(idle_by_phase.items(), key=lambda kv: -kv[1])},
+           "host_syncs": syncs, "top_self_cpu": top_cpu, "fp8_ops_cpu": ours[:top]}
+    print(f"      host ms by phase {out['host_ms_by_phase']}", flush=True)
+    print(f"      GPU idle ms by phase {out['gpu_idle_ms_by_phase']}  syncs {syncs}", flush=True)
+    for r in top_cpu:
+        print(f"      cpu {r['self_ms']:8.3f} ms {r['calls']:5d}x  {r['op']}", flush=True)
+    for r in ours[:top]:
+        print(f"      fp8 op cpu {r['cpu_ms_total']:8.3f} ms {r['calls']:5d}x  {r['op']}", flush=True)
+    return out
+
+
 def random_batches(vocab: int, batch: int, seq: int, device, n: int = 3):
     g = torch.Generator(device="cpu").manual_seed(0)
     out = []
@@ -327,7 +425,7 @@ def bench_config(name: str, cfg: dict, args, device) -> dict:
             import torch._inductor.config as inductor_config
 
             base_variant, *flags = variant.split("+")
-            known = {"nomix", "kern", "ntk", "cg", "eagerloss", "eagergrp", "tracedgrp", "fp8dg"}
+            known = {"nomix", "kern", "ntk", "cg", "eagerloss", "eagergrp", "tracedgrp", "fp8dg", "autogc"}
             unknown = set(flags) - known
             if unknown:
                 raise ValueError(f"unknown variant suffix {sorted(unknown)} in {variant!r}: {sorted(known)}")
@@ -346,7 +444,13 @@ def bench_config(name: str, cfg: dict, args, device) -> dict:
             compiled_loss = COMPILED and "eagerloss" not in flags
             step = make_step(model, optimizer, guard, compiled_loss)
             batches = random_batches(vocab, cfg["batch"], cfg["seq"], device)
-            times = time_steps(step, batches, args.warmup, args.steps)
+            gc_timer = GcTimer()
+            # The worker's GC policy (orchestration/gc_policy.py, train.gc_every_steps): automatic collection off
+            # while training, a young-generation collection every N steps (none inside the few timed steps).
+            # "+autogc" keeps Python's automatic GC (every row before session 6).
+            with contextlib.nullcontext() if "autogc" in flags else ManagedGc(every_steps=50):
+                times = time_steps(step, batches, args.warmup, args.steps, gc_timer)
+            row["gc"] = gc_timer.summary(args.steps)
             ms = statistics.median(times)
             precision = "bf16" if impl == "bf16" else "fp8"
             peak = peak_flops_per_s(torch.cuda.get_device_name(device), "bf16")
@@ -358,6 +462,9 @@ def bench_config(name: str, cfg: dict, args, device) -> dict:
             if args.profile:
                 print(f"[{name}] {variant} profile of one step:", flush=True)
                 row["profile"] = kernel_profile(step, batches[0])
+            if args.host_profile:
+                print(f"[{name}] {variant} host profile of one step:", flush=True)
+                row["host_profile"] = host_profile(step, batches[0])
         except Exception as exc:  # record and go on: one failing variant must not lose the others
             row["error"] = f"{type(exc).__name__}: {exc}"
             traceback.print_exc()
@@ -431,6 +538,8 @@ def main() -> None:
     ap.add_argument("--loss-steps", type=int, default=150)
     ap.add_argument("--eager", action="store_true")
     ap.add_argument("--profile", action="store_true", help="torch.profiler kernel table of one step per variant")
+    ap.add_argument("--host-profile", action="store_true",
+                    help="per variant: host time by step phase, GPU idle attributed to phases, top CPU ops")
     ap.add_argument("--dense-layers", type=int, default=CONFIGS["dense"]["overrides"]["n_layers"],
                     help="depth of the dense config (full-width Llama3-8B layers)")
     ap.add_argument("--moe-layers", type=int, default=CONFIGS["moe"]["overrides"]["n_layers"])

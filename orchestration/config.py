@@ -118,6 +118,9 @@ class TrainConfig:
     seed: int = 0
     # FSDP2 sharding when world_size > 1 ("fsdp") or plain DDP-style gradient all-reduce ("none").
     sharding: str = "fsdp"
+    # Python GC on a schedule (orchestration/gc_policy.py): automatic collection off while training, a young-
+    # generation collection every N steps on all ranks at once; 0 = Python's automatic GC.
+    gc_every_steps: int = 50
 
 
 @dataclass
@@ -236,6 +239,8 @@ def validate(job: JobConfig) -> None:
     _require(t.grad_clip > 0, "train.grad_clip", "must be > 0")
     _require(t.log_every >= 1, "train.log_every", "must be >= 1")
     _require(t.sharding in ("fsdp", "none"), "train.sharding", f"'{t.sharding}' is not one of ('fsdp', 'none')")
+    _require(t.gc_every_steps >= 0, "train.gc_every_steps",
+             f"must be >= 0 (0 = Python's automatic garbage collection), got {t.gc_every_steps}")
     _require(t.micro_batch_size >= 1, "train.micro_batch_size", "must be >= 1")
     _require(t.global_batch_size >= 1, "train.global_batch_size", "must be >= 1")
     # Every world size of the elastic range must get at least one sequence per worker.

@@ -22,6 +22,7 @@ from orchestration.config import JobConfig, from_dict
 from orchestration.data import ByteTextDataset, collect_text_files, python_stdlib_dir
 from orchestration.distributed import all_reduce_grads_if_unsharded, init_distributed, parallelize
 from orchestration.elastic import BatchPlan, count_in_ranges, merge_ranges, plan_batch
+from orchestration.gc_policy import ManagedGc
 from orchestration.events import EVENTS_FILE, FINAL_STATE_FILE, METRICS_FILE, RunDir, read_jsonl
 from orchestration.guard import StepGuard
 
@@ -305,6 +306,13 @@ class Trainer:
         return rank_loss, weighted_loss, weighted_aux
 
     def run(self) -> str:
+        with ManagedGc(self.job.train.gc_every_steps) as managed_gc:
+            status = self._run_steps(managed_gc)
+        if status == "completed":
+            self.save_checkpoint()
+        return status
+
+    def _run_steps(self, managed_gc: ManagedGc) -> str:
         job = self.job
         status = "completed"
         t_last_log, tokens_since_log = time.time(), 0
@@ -348,8 +356,7 @@ class Trainer:
             self.maybe_mark_good()
             if self.state.step % job.checkpoint.every_steps == 0 and self.state.step < job.train.steps:
                 self.save_checkpoint()
-        if status == "completed":
-            self.save_checkpoint()
+            managed_gc.step(self.state.step)
         return status
 
     def local_grad_norm(self) -> torch.Tensor:
