@@ -341,57 +341,91 @@ def gpu_busy(prof) -> tuple[float, float]:
     return busy / 1e3, (spans[-1][1] - spans[0][0]) / 1e3
 
 
-_SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+_SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy", "cudaMalloc",
+               "cudaFree", "cudaHostAlloc")
 
 
-def host_profile(step, batch, top: int = 12) -> dict:
-    """Where the host time of one step goes and which phase's host code the GPU waited for.
+def _cpu_context(cpu_events, t_us: float, gap_start: float) -> dict:
+    """What the host was doing at time t (innermost op running, with two parents) and the longest op that
+    started inside the gap [gap_start, t]."""
+    running = [e for e in cpu_events if e.time_range.start <= t_us <= e.time_range.end]
+    inner = max(running, key=lambda e: e.time_range.start, default=None)
+    chain = []
+    ev = inner
+    while ev is not None and len(chain) < 3:
+        chain.append(ev.name[:60])
+        ev = ev.cpu_parent
+    inside = [e for e in cpu_events if gap_start <= e.time_range.start <= t_us]
+    longest = max(inside, key=lambda e: e.time_range.end - e.time_range.start, default=None)
+    return {"host_at_gap_end": chain,
+            "longest_host_op_in_gap": None if longest is None else
+            [longest.name[:60], round((longest.time_range.end - longest.time_range.start) / 1e3, 3)]}
 
-    torch.profiler with CPU activity (which slows the host a little, so idle comes out somewhat larger than in
-    the timed steps): per phase (STEP_PHASES) its host wall time and the GPU idle that ended while it ran - a
-    gap in the kernel timeline ends when the host launches the next kernel, so the host code running then is
-    what the GPU waited for; the host syncs; the ops with the most self CPU time.
+
+def host_profile(step, batches, steps: int = 6, top: int = 12) -> dict:
+    """Where the host time of `steps` steps goes and which host code the GPU waited for.
+
+    torch.profiler with CPU activity (which slows the host a little): per phase (STEP_PHASES) its host wall time
+    and the GPU idle that ended while it ran - a gap in the kernel timeline ends when the host launches the next
+    kernel, so the host code running then is what the GPU waited for; the largest gaps with the host op running
+    at their end and the longest host op inside them; the host syncs and allocations; the ops with the most
+    self CPU time. Several steps, because the idle of the FP8 MoE step comes and goes between steps.
     """
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        step(*batch)
+        for i in range(steps):
+            step(*batches[i % len(batches)])
         torch.cuda.synchronize()
     events = prof.events()
-    phases = sorted((e.time_range.start, e.time_range.end, e.name) for e in events if e.name in STEP_PHASES)
-    spans = sorted((e.time_range.start, e.time_range.end) for e in events
-                   if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    cpu_events = [e for e in events if e.device_type == DeviceType.CPU]
+    phases = sorted((e.time_range.start, e.time_range.end, e.name) for e in cpu_events if e.name in STEP_PHASES)
+    kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in events
+                     if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start)
     idle_by_phase: dict[str, float] = {}
-    cur_end = spans[0][1] if spans else 0
-    for start, end in spans[1:]:
+    gaps = []
+    cur_end, cur_name = (kernels[0][1], kernels[0][2]) if kernels else (0, "")
+    for start, end, name in kernels[1:]:
         if start > cur_end:
-            where = next((name for s, e, name in phases if s <= start <= e), "between phases")
+            where = next((ph for s, e, ph in phases if s <= start <= e), "between phases")
             idle_by_phase[where] = idle_by_phase.get(where, 0.0) + (start - cur_end) / 1e3
-        cur_end = max(cur_end, end)
+            gaps.append((start - cur_end, cur_end, start, where, cur_name, name))
+        if end > cur_end:
+            cur_end, cur_name = end, name
+    gaps.sort(reverse=True)
+    top_gaps = [{"ms": round(g / 1e3, 3), "phase": where, "kernel_before": before[:60], "kernel_after": after[:60],
+                 **_cpu_context(cpu_events, gap_end, gap_start)}
+                for g, gap_start, gap_end, where, before, after in gaps[:8]]
     host_ms_by_phase: dict[str, float] = {}
     for s, e, name in phases:
-        host_ms_by_phase[name] = host_ms_by_phase.get(name, 0.0) + (e - s) / 1e3
+        host_ms_by_phase[name] = host_ms_by_phase.get(name, 0.0) + (e - s) / 1e3 / steps
     syncs: dict[str, int] = {}
-    for e in events:
-        if e.device_type == DeviceType.CPU and any(e.name.startswith(c) for c in _SYNC_CALLS):
+    for e in cpu_events:
+        if any(e.name.startswith(c) for c in _SYNC_CALLS):
             syncs[e.name] = syncs.get(e.name, 0) + 1
     averages = [a for a in prof.key_averages() if a.self_cpu_time_total > 0]
     averages.sort(key=lambda a: -a.self_cpu_time_total)
-    top_cpu = [{"op": a.key[:100], "self_ms": round(a.self_cpu_time_total / 1e3, 3), "calls": a.count}
-               for a in averages[:top]]
-    ours = [{"op": a.key[:100], "cpu_ms_total": round(a.cpu_time_total / 1e3, 3), "calls": a.count}
-            for a in prof.key_averages() if "elastic_fp8" in a.key or "fp8" in a.key.lower()]
-    out = {"host_ms_by_phase": {k: round(v, 2) for k, v in host_ms_by_phase.items()},
-           "gpu_idle_ms_by_phase": {k: round(v, 2) for k, v in sorted(idle_by_phase.items(), key=lambda kv: -kv[1])},
-           "host_syncs": syncs, "top_self_cpu": top_cpu, "fp8_ops_cpu": ours[:top]}
-    print(f"      host ms by phase {out['host_ms_by_phase']}", flush=True)
-    print(f"      GPU idle ms by phase {out['gpu_idle_ms_by_phase']}  syncs {syncs}", flush=True)
+    top_cpu = [{"op": a.key[:100], "self_ms_per_step": round(a.self_cpu_time_total / 1e3 / steps, 3),
+                "calls_per_step": a.count / steps} for a in averages[:top]]
+    ours = [{"op": a.key[:100], "cpu_ms_total_per_step": round(a.cpu_time_total / 1e3 / steps, 3),
+             "calls_per_step": a.count / steps}
+            for a in prof.key_averages() if "elastic_fp8" in a.key]
+    out = {"steps": steps, "host_ms_by_phase_per_step": {k: round(v, 2) for k, v in host_ms_by_phase.items()},
+           "gpu_idle_ms_by_phase_total": {k: round(v, 2) for k, v in sorted(idle_by_phase.items(),
+                                                                             key=lambda kv: -kv[1])},
+           "top_gaps": top_gaps, "host_syncs_and_allocs": syncs, "top_self_cpu": top_cpu, "fp8_ops_cpu": ours}
+    print(f"      host ms per step by phase {out['host_ms_by_phase_per_step']}", flush=True)
+    print(f"      GPU idle ms by phase over {steps} steps {out['gpu_idle_ms_by_phase_total']}", flush=True)
+    print(f"      host syncs/allocs over {steps} steps {syncs}", flush=True)
+    for g in top_gaps:
+        print(f"      gap {g}", flush=True)
     for r in top_cpu:
-        print(f"      cpu {r['self_ms']:8.3f} ms {r['calls']:5d}x  {r['op']}", flush=True)
-    for r in ours[:top]:
-        print(f"      fp8 op cpu {r['cpu_ms_total']:8.3f} ms {r['calls']:5d}x  {r['op']}", flush=True)
+        print(f"      cpu {r['self_ms_per_step']:8.3f} ms/step {r['calls_per_step']:7.1f}x  {r['op']}", flush=True)
+    for r in ours:
+        print(f"      fp8 op cpu {r['cpu_ms_total_per_step']:8.3f} ms/step {r['calls_per_step']:5.1f}x  {r['op']}",
+              flush=True)
     return out
 
 
@@ -451,6 +485,7 @@ def bench_config(name: str, cfg: dict, args, device) -> dict:
             with contextlib.nullcontext() if "autogc" in flags else ManagedGc(every_steps=50):
                 times = time_steps(step, batches, args.warmup, args.steps, gc_timer)
             row["gc"] = gc_timer.summary(args.steps)
+            row["times_ms"] = [round(t, 2) for t in times]
             ms = statistics.median(times)
             precision = "bf16" if impl == "bf16" else "fp8"
             peak = peak_flops_per_s(torch.cuda.get_device_name(device), "bf16")
@@ -464,7 +499,7 @@ def bench_config(name: str, cfg: dict, args, device) -> dict:
                 row["profile"] = kernel_profile(step, batches[0])
             if args.host_profile:
                 print(f"[{name}] {variant} host profile of one step:", flush=True)
-                row["host_profile"] = host_profile(step, batches[0])
+                row["host_profile"] = host_profile(step, batches)
         except Exception as exc:  # record and go on: one failing variant must not lose the others
             row["error"] = f"{type(exc).__name__}: {exc}"
             traceback.print_exc()
