@@ -24,8 +24,22 @@ from fp8 import recipes
 _USE_KERNELS_ENV = "FP8_KERNELS"
 
 
-@functools.cache
+# The kernels package once looked up, as a plain global rather than functools.cache: torch.compile traces
+# through _kernel_fn, and dynamo ignores an lru_cache wrapper (re-tracing the import each time, with a warning);
+# a global read is a constant to it.
+_KERNELS_LOOKED_UP = False
+_KERNELS_MODULE = None
+
+
 def _kernels():
+    global _KERNELS_LOOKED_UP, _KERNELS_MODULE
+    if not _KERNELS_LOOKED_UP:
+        _KERNELS_MODULE = _import_kernels()
+        _KERNELS_LOOKED_UP = True
+    return _KERNELS_MODULE
+
+
+def _import_kernels():
     if os.environ.get(_USE_KERNELS_ENV, "1") == "0":
         return None
     try:
