@@ -498,7 +498,7 @@ def bench_config(name: str, cfg: dict, args, device) -> dict:
                 print(f"[{name}] {variant} profile of one step:", flush=True)
                 row["profile"] = kernel_profile(step, batches[0])
             if args.host_profile:
-                print(f"[{name}] {variant} host profile of one step:", flush=True)
+                print(f"[{name}] {variant} host profile of 6 steps:", flush=True)
                 row["host_profile"] = host_profile(step, batches)
         except Exception as exc:  # record and go on: one failing variant must not lose the others
             row["error"] = f"{type(exc).__name__}: {exc}"
