@@ -321,24 +321,31 @@ def kernel_profile(step, batch, top: int = 15) -> dict:
             "gpu_busy_ms": busy_ms, "kernel_span_ms": span_ms}
 
 
+def _kernel_gaps(kernels: list[tuple[float, float, str]]) -> tuple[list[tuple[float, float, str, str]], float]:
+    """GPU idle gaps of a start-sorted kernel timeline [(start, end, name)]: ([(gap_start, gap_end, kernel before,
+    kernel after)], latest kernel end). A gap starts when every kernel launched so far has finished."""
+    gaps = []
+    cur_end, cur_name = kernels[0][1], kernels[0][2]
+    for start, end, name in kernels[1:]:
+        if start > cur_end:
+            gaps.append((cur_end, start, cur_name, name))
+        if end > cur_end:
+            cur_end, cur_name = end, name
+    return gaps, cur_end
+
+
 def gpu_busy(prof) -> tuple[float, float]:
     """(time some kernel was running, first kernel start to last kernel end), ms: their difference is the time the
     GPU waited for the host (launch overhead, host syncs) inside the profiled step."""
     from torch.autograd import DeviceType
 
-    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
-                   if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start)
-    if not spans:
+    kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                     if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    if not kernels:
         return 0.0, 0.0
-    busy, cur_start, cur_end = 0.0, spans[0][0], spans[0][1]
-    for start, end in spans[1:]:
-        if start > cur_end:
-            busy += cur_end - cur_start
-            cur_start, cur_end = start, end
-        else:
-            cur_end = max(cur_end, end)
-    busy += cur_end - cur_start
-    return busy / 1e3, (spans[-1][1] - spans[0][0]) / 1e3
+    gaps, last_end = _kernel_gaps(kernels)
+    busy = last_end - kernels[0][0] - sum(end - start for start, end, _, _ in gaps)
+    return busy / 1e3, (kernels[-1][1] - kernels[0][0]) / 1e3
 
 
 _SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy", "cudaMalloc",
@@ -386,14 +393,10 @@ def host_profile(step, batches, steps: int = 6, top: int = 12) -> dict:
                      if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start)
     idle_by_phase: dict[str, float] = {}
     gaps = []
-    cur_end, cur_name = (kernels[0][1], kernels[0][2]) if kernels else (0, "")
-    for start, end, name in kernels[1:]:
-        if start > cur_end:
-            where = next((ph for s, e, ph in phases if s <= start <= e), "between phases")
-            idle_by_phase[where] = idle_by_phase.get(where, 0.0) + (start - cur_end) / 1e3
-            gaps.append((start - cur_end, cur_end, start, where, cur_name, name))
-        if end > cur_end:
-            cur_end, cur_name = end, name
+    for gap_start, gap_end, before, after in (_kernel_gaps(kernels)[0] if kernels else []):
+        where = next((ph for s, e, ph in phases if s <= gap_end <= e), "between phases")
+        idle_by_phase[where] = idle_by_phase.get(where, 0.0) + (gap_end - gap_start) / 1e3
+        gaps.append((gap_end - gap_start, gap_start, gap_end, where, before, after))
     gaps.sort(reverse=True)
     top_gaps = [{"ms": round(g / 1e3, 3), "phase": where, "kernel_before": before[:60], "kernel_after": after[:60],
                  **_cpu_context(cpu_events, gap_end, gap_start)}

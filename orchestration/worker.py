@@ -22,8 +22,8 @@ from orchestration.config import JobConfig, from_dict
 from orchestration.data import ByteTextDataset, collect_text_files, python_stdlib_dir
 from orchestration.distributed import all_reduce_grads_if_unsharded, init_distributed, parallelize
 from orchestration.elastic import BatchPlan, count_in_ranges, merge_ranges, plan_batch
-from orchestration.gc_policy import ManagedGc
 from orchestration.events import EVENTS_FILE, FINAL_STATE_FILE, METRICS_FILE, RunDir, read_jsonl
+from orchestration.gc_policy import ManagedGc
 from orchestration.guard import StepGuard
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
