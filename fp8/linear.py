@@ -23,10 +23,6 @@ from fp8 import quant
 from fp8.backend import Fp8Backend, get_backend
 from fp8.recipes import Recipe, get_recipe
 
-# Rows of the forward input sampled for health statistics (cheap: a strided view, no host sync).
-_HEALTH_SAMPLE_ROWS = 64
-
-
 def _row_major(a: torch.Tensor) -> torch.Tensor:
     return a if a.stride(-1) == 1 else quant.transposed_copy(a.t())
 
@@ -83,27 +79,9 @@ def scaled_mm(
 
 
 def health_stats(x_hp: torch.Tensor, x_fp8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """float32 [saturated_frac, underflow_frac, amax] of one quantized input; stays on device, no extra pass.
-
-    The fractions come from a strided sample of rows. amax is read off the scales (fp8_max / min scale):
-    exact for tensorwise, an upper bound within 2x for power-of-two scales - enough for a divergence alarm,
-    without a full read of x.
-    """
-    step = max(1, x_hp.shape[0] // _HEALTH_SAMPLE_ROWS)
-    xs_hp, xs_fp8 = x_hp.detach()[::step], x_fp8[::step].float()
-    fp8_max = float(torch.finfo(dtype).max)
-    # Saturated = clipped: the scaled value lay beyond the largest fp8 value by more than half a step there (it
-    # would not have rounded to max). Counting values *at* max would flag the amax element that every dynamic
-    # scale maps exactly onto max, a false alarm on healthy steps.
-    scale_s = scale.detach().float()
-    if scale_s.dim() > 0 and scale_s.shape[0] == x_hp.shape[0]:
-        scale_s = scale_s[::step]
-    mantissa_bits = 2 if dtype in (torch.float8_e5m2, torch.float8_e5m2fnuz) else 3
-    clip_limit = fp8_max * (1 + 2.0 ** -(mantissa_bits + 1))
-    saturated = (xs_hp.float().abs() * scale_s > clip_limit).float().mean()
-    underflow = ((xs_hp != 0) & (xs_fp8 == 0)).float().mean()
-    amax = fp8_max / scale.detach().float().min()
-    return torch.stack([saturated, underflow, amax])
+    """float32 [saturated_frac, underflow_frac, amax] of one quantized input; stays on device, no extra pass
+    (fractions from a strided sample of rows, amax read off the scales: fp8.kernels.reference.health_stats_ref)."""
+    return quant.health_stats(x_hp.detach(), x_fp8, scale.detach(), dtype)
 
 
 def to_compute_dtype(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

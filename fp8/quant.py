@@ -20,7 +20,8 @@ import torch
 from fp8 import recipes
 
 # FP8_KERNELS=0 forces the reference path everywhere (debugging, A/B timing); "always" and "no_transposes"
-# change what runs as a kernel under torch.compile (see _kernel_fn).
+# change what runs as a kernel under torch.compile (see _kernel_fn); "no_health" keeps the eager health statistics
+# on the torch reference (A/B timing of the one-launch kernel).
 _USE_KERNELS_ENV = "FP8_KERNELS"
 
 
@@ -68,6 +69,8 @@ def _kernel_fn(x: torch.Tensor, name: str):
     # FP8_KERNELS=always puts every cast on the kernels; FP8_KERNELS=no_transposes lets Inductor write the fp8
     # transposed copies too (the session-3 default, kept for A/B runs).
     mode = os.environ.get(_USE_KERNELS_ENV)
+    if mode == "no_health" and name == "health_stats":
+        return None
     if torch.compiler.is_compiling() and mode != "always":
         if name not in _KERNELS_UNDER_COMPILE or (mode == "no_transposes" and name == "transpose"):
             return None
@@ -191,3 +194,19 @@ def quantize_jagged_colwise(x_MK: torch.Tensor, offs_E: torch.Tensor, dtype: tor
         if out is not None:
             return out
     return _ref(x_MK, recipes.quantize_jagged_colwise_ref)(x_MK, offs_E, dtype, pow2)
+
+
+def health_stats(x_hp_MK: torch.Tensor, x_fp8_MK: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype):
+    """float32 [saturated_frac, underflow_frac, amax] of one cast, on device (fp8.kernels.health_stats_ref).
+
+    The one-launch kernel in eager mode on GPUs; the reference elsewhere and under torch.compile, where Inductor
+    fuses its ~15 ops into the surrounding graph.
+    """
+    from fp8.kernels.reference import health_stats_ref
+
+    k = _kernel_fn(x_hp_MK, "health_stats")
+    if k is not None and x_hp_MK.dim() == 2 and scale.numel() in (1, x_hp_MK.shape[0]):
+        out = _call("health_stats", k, None, x_hp_MK, x_fp8_MK, scale.float(), dtype)
+        if out is not None:
+            return out
+    return health_stats_ref(x_hp_MK, x_fp8_MK, scale, dtype)

@@ -205,3 +205,26 @@ def test_fp8_grouped_experts_with_model_routing_match_bf16():
         cos = _cosine(results["fp8"][i], results["bf16"][i])
         assert cos > 0.95, f"{what}: cos {cos:.4f}, fp8 |.| {results['fp8'][i].float().abs().mean():.3e}, bf16 " \
                            f"{results['bf16'][i].float().abs().mean():.3e}, offs {offs_E.tolist()}"
+
+
+@pytest.mark.parametrize("shape", [(98304, 2048), (1000, 1408), (40, 96)])
+def test_health_kernel_matches_reference_on_gpu(shape):
+    """The one-launch health statistics give the reference's bits on the GPU: rowwise and tensorwise casts, a
+    stale scale that clips (the saturated fraction), tiny values that underflow, and a NaN scale."""
+    import fp8.kernels as fk
+
+    x = _x(*shape, seed=shape[0])
+    x[shape[0] // 2, : shape[1] // 2] = 1e-12
+    for fp8_dtype in (E4M3, torch.float8_e5m2):
+        x_fp8, s_M1 = fk.quantize_rowwise(x, fp8_dtype)
+        x_t, s_t = fk.quantize_tensorwise(x, fp8_dtype)
+        stale = s_M1 * 64
+        x_clip = fk.saturated_cast(x, stale, fp8_dtype)
+        for q, s, what in [(x_fp8, s_M1, "rowwise"), (x_t, s_t, "tensorwise"), (x_clip, stale, "clipped")]:
+            got = fk.health_stats(x, q, s, fp8_dtype, use_triton=True)
+            want = fk.health_stats_ref(x, q, s, fp8_dtype)
+            assert torch.equal(got, want), (what, fp8_dtype, got.tolist(), want.tolist())
+        assert fk.health_stats_ref(x, x_clip, stale, fp8_dtype)[0] > 0.1  # the clipped case really clips
+        nan_scale = s_M1.clone()
+        nan_scale[7] = float("nan")
+        assert fk.health_stats(x, x_fp8, nan_scale, fp8_dtype, use_triton=True)[2].isnan()

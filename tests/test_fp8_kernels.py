@@ -329,6 +329,65 @@ def _interp_nan_is_loud(interp):
     assert s.isnan() and got.float().isnan().all()
 
 
+def _health_cases():
+    """(x_hp, x_fp8, scale, fp8_dtype, what) casts whose health statistics the kernel must reproduce bit for bit."""
+    cases = []
+    for M, N in [(1, 7), (37, 24), (127, 33), (300, 20)]:  # fewer rows than the sample, 127 sampled rows, strided
+        x = make_x(M, N, seed=M)
+        x[M // 3, : N // 2] = 1e-12  # non-zero values that underflow next to the row's larger ones
+        x_fp8, s_row = fk.quantize_rowwise_ref(x, torch.float8_e4m3fn)
+        cases.append((x, x_fp8, s_row, torch.float8_e4m3fn, f"rowwise {M}x{N}"))
+        stale = s_row * 64  # scales too large for their rows: some values clip
+        cases.append((x, fk.saturated_cast(x, stale, torch.float8_e4m3fn), stale, torch.float8_e4m3fn,
+                      f"rowwise clipped {M}x{N}"))
+        x_fp8, s_t = fk.quantize_tensorwise_ref(x, torch.float8_e5m2)
+        cases.append((x, x_fp8, s_t, torch.float8_e5m2, f"tensorwise {M}x{N}"))
+        stale = s_t.reshape(1) * 1e6  # a one-element scale of shape [1]
+        cases.append((x, fk.saturated_cast(x, stale, torch.float8_e4m3fnuz), stale, torch.float8_e4m3fnuz,
+                      f"tensorwise clipped fnuz {M}x{N}"))
+    x = make_x(64, 16, seed=5).t()  # a column-major view: strides (1, 64)
+    x_fp8, s = fk.quantize_rowwise_ref(x.contiguous(), torch.float8_e4m3fn)
+    cases.append((x, x_fp8, s, torch.float8_e4m3fn, "strided x"))
+    return cases
+
+
+def test_health_reference_counts():
+    """The reference's fractions are exact counts over the sampled rows, amax is fp8_max / min(scale)."""
+    x = torch.zeros(200, 10)
+    x[::3, 0] = 1.0  # step 200 // 64 = 3: rows 0, 3, ..., 198 are the 67 sampled rows, each holds one 1.0
+    x[::3, 1] = 1e-9  # ... and one value that quantizes to zero
+    x[1, :] = 5.0  # not sampled: may not count
+    scale = torch.full((200, 1), 448.0)
+    scale[1] = 1e3  # not sampled either, but the amax reads every scale
+    x_fp8 = fk.saturated_cast(x, scale, torch.float8_e4m3fn)
+    sat, under, amax = fk.health_stats_ref(x, x_fp8, scale, torch.float8_e4m3fn).tolist()
+    assert under == pytest.approx(67 / 670, rel=1e-7)
+    assert sat == 0.0
+    assert amax == pytest.approx(448.0 / 448.0)
+    assert fk.health_stats_ref(x, x_fp8, scale * 2, torch.float8_e4m3fn)[0].item() == pytest.approx(67 / 670,
+                                                                                                      rel=1e-7)
+    empty = torch.zeros(0, 10)
+    got = fk.health_stats_ref(empty, empty.to(torch.float8_e4m3fn), torch.zeros(0, 1), torch.float8_e4m3fn)
+    assert got.tolist() == [0.0, 0.0, 0.0], "an empty input is healthy, not NaN"
+
+
+def _interp_health_stats(interp):
+    """One launch gives the reference's exact bits: fractions, the amax, NaN scales propagate, empty is zeros."""
+    for x, x_fp8, scale, dt, what in _health_cases():
+        got = fk.health_stats(x, x_fp8, scale, dt, use_triton=True)
+        want = fk.health_stats_ref(x, x_fp8, scale, dt)
+        assert torch.equal(got, want), f"{what}: {got.tolist()} vs {want.tolist()}"
+    x = make_x(90, 12, seed=3)
+    x_fp8, s = fk.quantize_rowwise_ref(x, torch.float8_e4m3fn)
+    s[50] = float("nan")
+    got = fk.health_stats(x, x_fp8, s, torch.float8_e4m3fn, use_triton=True)
+    assert got[2].isnan(), "a NaN scale must reach the amax slot (the monitors trip on it)"
+    empty = torch.zeros(0, 12)
+    got = fk.health_stats(empty, empty.to(torch.float8_e4m3fn), torch.zeros(0, 1), torch.float8_e4m3fn,
+                          use_triton=True)
+    assert got.tolist() == [0.0, 0.0, 0.0]
+
+
 # ----------------------------------------------------------------------------- custom ops and torch.compile
 
 
@@ -370,7 +429,7 @@ def _interp_custom_ops_trace_under_torch_compile(interp):
 
 # ----------------------------------------------------------------------------- interpreter child process
 
-N_INTERP_CASES = 4 + 12 + 8 + 1 + 8 + 2 + 4 + 12 + 2 + 1 + 1 + 1  # test_interp_* items the child must pass
+N_INTERP_CASES = 4 + 12 + 8 + 1 + 8 + 2 + 4 + 12 + 2 + 1 + 1 + 1 + 1  # test_interp_* items the child must pass
 
 if _IN_CHILD:
     globals().update({"test_" + name[1:]: fn for name, fn in list(globals().items()) if name.startswith("_interp_")})

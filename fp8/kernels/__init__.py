@@ -7,6 +7,7 @@ Public functions (torch tensors in and out, any device):
 - quantize_jagged_per_expert(x_hp_MK, offs_E, fp8_dtype, pow2=True, transpose_out=True) -> (x_fp8, scale_EK)
 - quantize_colwise_batched(x_hp_BRC, fp8_dtype, pow2=True) -> (x_fp8_t_BCR, scale_BC)
 - transpose(x_MN) -> x^T contiguous [N, M] (fp8 operands for torch._scaled_mm)
+- health_stats(x_hp_MK, x_fp8_MK, scale, fp8_dtype) -> float32 [saturated_frac, underflow_frac, amax] of one cast
 
 Scale convention (all functions): x_fp8 = saturate(x_hp * scale), x_hp ~= x_fp8 / scale, so torch._scaled_mm's
 scale arguments are `scale.reciprocal()` (exact for pow2 scales). Layouts are documented on each function and in
@@ -30,9 +31,11 @@ from . import quantize as _q
 from .reference import (
     EPS,
     FP8_DTYPES,
+    HEALTH_SAMPLE_ROWS,
     amax_to_scale,
     check_fp8_dtype,
     fp8_max,
+    health_stats_ref,
     pow2_floor,
     quantize_colwise_batched_ref,
     quantize_jagged_per_expert_ref,
@@ -48,8 +51,11 @@ __all__ = [
     "EPS",
     "FP8_DTYPES",
     "HAS_TRITON",
+    "HEALTH_SAMPLE_ROWS",
     "amax_to_scale",
     "fp8_max",
+    "health_stats",
+    "health_stats_ref",
     "pow2_floor",
     "quantize_colwise_batched",
     "quantize_colwise_batched_ref",
@@ -224,3 +230,27 @@ def transpose(x_MN: torch.Tensor, *, use_triton: bool | None = None) -> torch.Te
     if will_use_triton(x_MN, use_triton):
         return _run_triton(ops.transpose_op, _q.transpose_triton, x_MN)
     return x_MN.t().contiguous()
+
+
+def health_stats(
+    x_hp_MK: torch.Tensor,
+    x_fp8_MK: torch.Tensor,
+    scale: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    *,
+    use_triton: bool | None = None,
+) -> torch.Tensor:
+    """float32 [saturated_frac, underflow_frac, amax] of one cast (definition: reference.health_stats_ref).
+
+    Triton: one launch of two programs (the sampled rows' counts, the scales' minimum), the same bits as the
+    reference; it exists for host time, where eager callers (the MoE grouped GEMM's op bodies) would otherwise
+    launch ~15 tiny torch kernels per call. No torch.library op: under torch.compile the reference is traced and
+    Inductor fuses it.
+    """
+    check_fp8_dtype(fp8_dtype)
+    _check_2d(x_hp_MK, "health_stats")
+    if x_fp8_MK.shape != x_hp_MK.shape:
+        raise ValueError(f"health_stats: x_fp8 shape {tuple(x_fp8_MK.shape)} != x shape {tuple(x_hp_MK.shape)}")
+    if will_use_triton(x_hp_MK, use_triton) and not torch.compiler.is_compiling():
+        return _q.health_stats_triton(x_hp_MK, x_fp8_MK, scale, fp8_dtype)
+    return health_stats_ref(x_hp_MK, x_fp8_MK, scale, fp8_dtype)

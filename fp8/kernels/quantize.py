@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import torch
 from torch.library import wrap_triton
 
-from .reference import EPS, amax_to_scale, check_fp8_dtype, fp8_max
+from .reference import EPS, amax_to_scale, check_fp8_dtype, fp8_max, health_clip_limit, health_sample_step
 
 try:
     import triton
@@ -430,6 +430,51 @@ if HAS_TRITON:
                 else:
                     tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * K + offs_k[None, :], y, mask=mask)
 
+    # ---------------------------------------------------------------- health statistics
+
+    @triton.jit
+    def _min_nan(a, b):
+        return tl.minimum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+    @triton.jit
+    def _health_kernel(x_ptr, q_ptr, scale_ptr, out_ptr, N, step, n_rows, n_scales, n_sampled, stride_xm,
+                       stride_xn, stride_qm, stride_qn, scale_row_stride, CLIP: tl.constexpr, FP8_MAX: tl.constexpr,
+                       BR: tl.constexpr, BC: tl.constexpr, BS: tl.constexpr):
+        # Program 0 counts clipped and underflowed elements of the sampled rows; program 1 takes the minimum of
+        # every scale. Two small independent jobs side by side: one launch instead of ~15 eager torch ops.
+        if tl.program_id(0) == 0:
+            sat = tl.zeros([BR, BC], dtype=tl.int32)
+            und = tl.zeros([BR, BC], dtype=tl.int32)
+            for r0 in range(0, n_rows, BR):
+                rows = r0 + tl.arange(0, BR)
+                mask_r = rows < n_rows
+                m = rows.to(tl.int64) * step
+                s = tl.load(scale_ptr + m * scale_row_stride, mask=mask_r, other=0.0)
+                for c0 in range(0, N, BC):
+                    cols = c0 + tl.arange(0, BC)
+                    mask = mask_r[:, None] & (cols < N)[None, :]
+                    x = tl.load(x_ptr + m[:, None] * stride_xm + cols[None, :] * stride_xn, mask=mask, other=0.0)
+                    q = tl.load(q_ptr + m[:, None] * stride_qm + cols[None, :] * stride_qn, mask=mask, other=0.0)
+                    x32 = x.to(tl.float32)
+                    sat += ((tl.abs(x32) * s[:, None] > CLIP) & mask).to(tl.int32)
+                    und += ((x32 != 0.0) & (q.to(tl.float32) == 0.0) & mask).to(tl.int32)
+            # n_sampled: the element count as an fp32 argument (exact below 2**24, as in the reference).
+            total = tl.zeros([], dtype=tl.float32) + n_sampled
+            tl.store(out_ptr, tl.math.div_rn(tl.sum(tl.sum(sat, 1), 0).to(tl.float32), total))
+            tl.store(out_ptr + 1, tl.math.div_rn(tl.sum(tl.sum(und, 1), 0).to(tl.float32), total))
+        else:
+            acc = tl.full([BS], float("inf"), dtype=tl.float32)
+            for s0 in range(0, n_scales, BS):
+                offs = s0 + tl.arange(0, BS)
+                v = tl.load(scale_ptr + offs, mask=offs < n_scales, other=float("inf"))
+                acc = _min_nan(acc, v)
+            if _NUMPY_MAX:  # the interpreter: a NaN count instead of a Python combine function (see _abs_max)
+                n_nan = tl.sum((acc != acc).to(tl.int32), 0)  # noqa: PLR0124 - NaN test
+                smin = tl.where(n_nan > 0, float("nan"), tl.min(acc, 0))
+            else:
+                smin = tl.reduce(acc, 0, _min_nan)
+            tl.store(out_ptr + 2, tl.math.div_rn(tl.zeros_like(smin) + FP8_MAX, smin))
+
     INTERPRETED = not isinstance(_amax_kernel, triton.runtime.JITFunction)
 else:
     INTERPRETED = False
@@ -674,3 +719,32 @@ def quantize_jagged_per_expert_triton(
                                        TRANSPOSE_OUT=transpose_out, num_warps=JAGGED_WARPS, **_grid_consts(fp8_dtype))
     return out, scale_EK
 
+
+HEALTH_TILE = (64, 128)  # (BR, BC): the <= 127 sampled rows in one or two row blocks
+HEALTH_SCALE_BLOCK = 4096
+HEALTH_WARPS = 8
+
+
+def health_stats_triton(
+    x_hp_MK: torch.Tensor, x_fp8_MK: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype
+) -> torch.Tensor:
+    """reference.health_stats_ref in one launch. scale: one value, or one per row of x (contiguous, fp32)."""
+    _require(x_hp_MK)
+    M, N = x_hp_MK.shape
+    if x_hp_MK.numel() == 0:
+        return torch.zeros(3, dtype=torch.float32, device=x_hp_MK.device)
+    if scale.numel() not in (1, M) or scale.dtype != torch.float32:
+        raise ValueError(f"health_stats wants one fp32 scale or one per row ({M}), got {scale.dtype} "
+                         f"{tuple(scale.shape)}")
+    scale = scale.contiguous()
+    step = health_sample_step(M)
+    n_rows = triton.cdiv(M, step)
+    out = torch.empty(3, dtype=torch.float32, device=x_hp_MK.device)
+    BR, BC = HEALTH_TILE
+    scale_row_stride = 1 if scale.numel() == M and M > 1 else 0
+    _launch(_health_kernel)[(2,)](
+        x_hp_MK, x_fp8_MK, scale, out, N, step, n_rows, scale.numel(), float(n_rows * N), x_hp_MK.stride(0),
+        x_hp_MK.stride(1),
+        x_fp8_MK.stride(0), x_fp8_MK.stride(1), scale_row_stride, CLIP=health_clip_limit(fp8_dtype),
+        FP8_MAX=fp8_max(fp8_dtype), BR=BR, BC=BC, BS=HEALTH_SCALE_BLOCK, num_warps=HEALTH_WARPS)
+    return out
