@@ -40,18 +40,30 @@ SHAPES = {  # name: (K, N); priority order (the targets' shapes first)
     "llama3_8b.w2": (14336, 4096),
     "llama3_8b.wqkv": (4096, 6144),
     "llama3_8b.wo": (4096, 4096),
+    # Session 7: the smaller linears of the two end-to-end models, for the size rule of fp8.convert's "auto" filter
+    # (time the DeepSeek ones with --m 16384, its tokens per step).
+    "llama3_8b.wk": (4096, 1024),
+    "ds16b.attn": (2048, 2048),
+    "ds16b.shared_w13": (2048, 2816),
+    "ds16b.shared_w2": (2816, 2048),
+    "ds16b.dense_w13": (2048, 10944),
+    "ds16b.dense_w2": (10944, 2048),
 }
 OUR_RECIPES = ("tensorwise", "rowwise", "rowwise_gw_hp")
 AO_RECIPE = {"tensorwise": "tensorwise", "rowwise": "rowwise", "rowwise_gw_hp": "rowwise_with_gw_hp"}
 
 
-def cases(shapes: list[str]) -> list[tuple[str, str, str]]:
+IMPLS = ("bf16", "torchao", "ours_eager", "ours_compiled")
+
+
+def cases(shapes: list[str], impls=IMPLS, recipes=OUR_RECIPES) -> list[tuple[str, str, str]]:
     """(shape, impl, recipe) in timing order; impl in bf16 | ours_eager | ours_compiled | torchao."""
     out = []
     for s in shapes:
-        out.append((s, "bf16", "-"))
-        for r in OUR_RECIPES:
-            out += [(s, "torchao", r), (s, "ours_eager", r), (s, "ours_compiled", r)]
+        if "bf16" in impls:
+            out.append((s, "bf16", "-"))
+        for r in recipes:
+            out += [(s, i, r) for i in ("torchao", "ours_eager", "ours_compiled") if i in impls]
     return out
 
 
@@ -155,7 +167,8 @@ def cast_bandwidth(device: str) -> dict:
 
 def worker(args) -> None:
     """Compile-cache warmer: build and run once every compiled case assigned to this worker."""
-    todo = [c for c in cases(args.shapes) if c[1] != "ours_eager"][args.worker :: args.nworkers]
+    todo = [c for c in cases(args.shapes, args.impls, args.recipes) if c[1] != "ours_eager"]
+    todo = todo[args.worker :: args.nworkers]
     for shape, impl, recipe in todo:
         k, n = SHAPES[shape]
         try:
@@ -169,7 +182,10 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--m", type=int, default=8192)
-    p.add_argument("--shapes", nargs="*", default=list(SHAPES))
+    p.add_argument("--shapes", nargs="*", default=list(SHAPES)[:5])
+    p.add_argument("--impls", nargs="*", default=list(IMPLS), choices=IMPLS)
+    p.add_argument("--recipes", nargs="*", default=list(OUR_RECIPES), choices=OUR_RECIPES)
+    p.add_argument("--skip-bandwidth", action="store_true")
     p.add_argument("--budget-s", type=float, default=300.0)
     p.add_argument("--prewarm", type=int, default=0, help="parallel compile-cache warmers (0: none)")
     p.add_argument("--skip-numerics", action="store_true")
@@ -183,7 +199,7 @@ def main() -> None:
     budget = Budget(args.budget_s)
     result = {"env": env_info(), "m": args.m, "shapes": {s: SHAPES[s] for s in args.shapes}, "cases": []}
     print(result["env"], flush=True)
-    if device == "cuda":
+    if device == "cuda" and not args.skip_bandwidth:
         result["cast_bandwidth"] = cast_bandwidth(device)
         print("cast bandwidth", result["cast_bandwidth"], flush=True)
     if not args.skip_numerics:
@@ -192,11 +208,11 @@ def main() -> None:
         print(f"numerics ({time.time() - t0:.0f}s)", result["numerics"], flush=True)
     if args.prewarm > 0 and device == "cuda":
         t0 = time.time()
-        argv = ["--m", str(args.m), "--shapes", *args.shapes]
+        argv = ["--m", str(args.m), "--shapes", *args.shapes, "--impls", *args.impls, "--recipes", *args.recipes]
         codes = run_workers(os.path.abspath(__file__), argv, args.prewarm, timeout_s=max(30.0, budget.left() * 0.5))
         result["prewarm"] = {"workers": args.prewarm, "exit_codes": codes, "seconds": time.time() - t0}
         print("prewarm", result["prewarm"], flush=True)
-    for shape, impl, recipe in cases(args.shapes):
+    for shape, impl, recipe in cases(args.shapes, args.impls, args.recipes):
         k, n = SHAPES[shape]
         rec = {"shape": shape, "K": k, "N": n, "impl": impl, "recipe": recipe}
         if budget.left() <= 0:
@@ -219,6 +235,7 @@ def main() -> None:
         print(rec, flush=True)
         torch.cuda.empty_cache() if device == "cuda" else None
     summarize(result)
+    result["command"] = "python3 " + " ".join(sys.argv)
     write_json(os.path.join(args.out, "fp8_linear.json"), result)
 
 

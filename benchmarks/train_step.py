@@ -17,7 +17,8 @@ mode="reduce-overhead" (CUDA graphs); "+eagerloss" runs the cross-entropy eagerl
 "+fp8dg" runs all their grad-input GEMMs in fp8 (default: fp8.grouped's dgrad="auto", bf16 where the width is not a
 multiple of 256); "+autogc" leaves Python's automatic garbage collection on during the timed steps (default: the
 worker's policy, orchestration/gc_policy.py; every row records its GC pauses under "gc"); "+refhealth" computes the
-eager FP8 health statistics (the grouped GEMM op bodies) with the torch reference instead of the one-launch kernel.
+eager FP8 health statistics (the grouped GEMM op bodies) with the torch reference instead of the one-launch kernel;
+"+minw<W>" keeps linears with K*N/(K+N) < W in bf16 (fp8.convert.min_width_module_filter).
 Every row also times the AdamW step alone and checks the gradients' layout
 (`optimizer_probe`), which localises optimizer-time differences between variants.
 
@@ -70,7 +71,7 @@ CONFIGS = {
 
 
 def build(model_name: str, overrides: dict, variant: str, device: torch.device, compile_blocks: bool,
-          dtype: torch.dtype = torch.bfloat16, compile_mode: str | None = None):
+          dtype: torch.dtype = torch.bfloat16, compile_mode: str | None = None, min_width: float | None = None):
     from models.deepseek_moe import set_forward_recompute
     from models.registry import build_model
 
@@ -85,7 +86,8 @@ def build(model_name: str, overrides: dict, variant: str, device: torch.device, 
     if impl in ("ours", "ours_nomon"):
         import fp8
 
-        fp8.convert_to_fp8(model, recipe)
+        module_filter = None if min_width is None else fp8.convert.min_width_module_filter(min_width)
+        fp8.convert_to_fp8(model, recipe, module_filter=module_filter)
     elif impl == "torchao":
         convert_torchao(model, recipe)
     if compile_blocks:
@@ -464,7 +466,8 @@ def bench_config(name: str, cfg: dict, args, device) -> dict:
 
             base_variant, *flags = variant.split("+")
             known = {"nomix", "kern", "ntk", "cg", "eagerloss", "eagergrp", "tracedgrp", "fp8dg", "autogc", "refhealth"}
-            unknown = set(flags) - known
+            min_widths = [float(f[4:]) for f in flags if f.startswith("minw") and f[4:].isdigit()]
+            unknown = set(flags) - known - {f for f in flags if f.startswith("minw") and f[4:].isdigit()}
             if unknown:
                 raise ValueError(f"unknown variant suffix {sorted(unknown)} in {variant!r}: {sorted(known)}")
             os.environ["FP8_GROUPED_MODE"] = ("eager" if "eagergrp" in flags else "traced" if "tracedgrp" in flags
@@ -475,7 +478,8 @@ def bench_config(name: str, cfg: dict, args, device) -> dict:
                                          else "no_health" if "refhealth" in flags else "1")
             torch._dynamo.reset()  # fresh graphs per variant: the flags above are not part of dynamo's guards
             model = build(cfg["model"], cfg["overrides"], base_variant, device, compile_blocks=not args.eager,
-                          compile_mode="reduce-overhead" if "cg" in flags else None)
+                          compile_mode="reduce-overhead" if "cg" in flags else None,
+                          min_width=min_widths[0] if min_widths else None)
             vocab = model.args.vocab_size
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
             impl = base_variant.split(":")[0]

@@ -54,6 +54,33 @@ def default_module_filter(name: str, module: nn.Module) -> bool:
     return True
 
 
+def gemm_width(in_features: int, out_features: int) -> float:
+    """K * N / (K + N) of a linear: its GEMM work per element of the casts' extra traffic.
+
+    Why this quantity decides whether FP8 pays off for a layer: its three GEMMs take time in proportion to M * K * N
+    (FP8 divides that by up to 2), while the casts FP8 adds read and write the activations and gradients, M * (K + N)
+    elements (the weight's K * N is small next to them when M is thousands of tokens). Their ratio does not depend on
+    the token count M.
+    """
+    return in_features * out_features / (in_features + out_features)
+
+
+def min_width_module_filter(min_width: float) -> Callable[[str, nn.Module], bool]:
+    """default_module_filter that also keeps linears narrower than `min_width` (see gemm_width) in high precision.
+
+    Grouped experts are not affected (their casts are per routed token, their GEMMs grouped; measured separately).
+    """
+
+    def keep(name: str, module: nn.Module) -> bool:
+        if not default_module_filter(name, module):
+            return False
+        if isinstance(module, nn.Linear):
+            return gemm_width(module.in_features, module.out_features) >= min_width
+        return True
+
+    return keep
+
+
 def _is_grouped(module: nn.Module) -> bool:
     return callable(getattr(module, "grouped_mm", None)) and not isinstance(module, nn.Linear)
 
