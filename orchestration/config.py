@@ -60,6 +60,10 @@ class PrecisionConfig:
     # MoE expert weight-gradient GEMM: hp (bf16 grouped GEMM: faster than the fp8 one on H200 at
     # DeepSeek-MoE shapes, see BENCHMARKS.md), global or per_expert (fp8 with those column scales).
     moe_wgrad: str = "hp"
+    # Linears whose K * N / (K + N) is below this stay in bf16 (fp8.convert.gemm_width: FP8's GEMM gain grows with
+    # M * K * N, the cost of its casts with M * (K + N)). 0 converts every eligible linear. See README for the
+    # widths measured to break even on the H200.
+    fp8_min_gemm_width: float = 0.0
     # Dtype of the matmul inputs outside the fp8 layers (autocast); float32 keeps CPU tests exact.
     compute_dtype: str = "bfloat16"
     # FSDP2 MixedPrecisionPolicy: parameters gathered in this dtype, gradients reduced in reduce_dtype.
@@ -196,6 +200,8 @@ def validate(job: JobConfig) -> None:
              f"'{job.precision.name}' is not one of {PRECISIONS}")
     _require(job.precision.recipe in RECIPES, "precision.recipe",
              f"'{job.precision.recipe}' is not one of {RECIPES}")
+    _require(job.precision.fp8_min_gemm_width >= 0, "precision.fp8_min_gemm_width",
+             f"must be >= 0 (0 converts every eligible linear), got {job.precision.fp8_min_gemm_width}")
     _require(job.precision.moe_wgrad in MOE_WGRADS, "precision.moe_wgrad",
              f"'{job.precision.moe_wgrad}' is not one of {MOE_WGRADS}")
     for key in ("compute_dtype", "fsdp_param_dtype", "fsdp_reduce_dtype"):

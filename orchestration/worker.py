@@ -78,7 +78,9 @@ def build_training_model(job: JobConfig, world_size: int, device: torch.device):
         import fp8
 
         recipe = job.precision.recipe if job.precision.recipe != "auto" else fp8.recommended_recipe(device)
-        fp8.convert_to_fp8(model, recipe, moe_wgrad=job.precision.moe_wgrad)
+        width = job.precision.fp8_min_gemm_width
+        module_filter = fp8.convert.min_width_module_filter(width) if width > 0 else None
+        fp8.convert_to_fp8(model, recipe, module_filter=module_filter, moe_wgrad=job.precision.moe_wgrad)
     model = parallelize(model, world_size, job.train.sharding, job.precision.fsdp_param_dtype,
                         job.precision.fsdp_reduce_dtype, job.model.activation_checkpointing)
     model.to(device)

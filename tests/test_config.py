@@ -33,6 +33,7 @@ def test_default_config_composes_and_validates():
     (["model.name=gpt5"], "model.name", "known: "),
     (["precision.recipe=blockwise"], "precision.recipe", "tensorwise"),
     (["precision.moe_wgrad=fp4"], "precision.moe_wgrad", "per_expert"),
+    (["precision.fp8_min_gemm_width=-1"], "precision.fp8_min_gemm_width", "must be >= 0"),
     (["cluster.device=tpu"], "cluster.device", "cpu"),
     (["train.warmup_steps=1000"], "train.warmup_steps", "must be in"),
     (["data.source=relative/path"], "data.source", "absolute path"),
@@ -68,6 +69,33 @@ def test_compile_mode_reaches_every_block(monkeypatch, mode, expected):
                       "cluster.min_workers=1", "cluster.max_workers=1", "precision=bf16")
     model, _ = build_training_model(job, world_size=1, device=torch.device("cpu"))
     assert seen == [expected] * len(model.layers) and len(seen) > 0
+
+
+def test_fp8_min_gemm_width_keeps_narrow_linears_in_bf16():
+    """precision.fp8_min_gemm_width reaches the conversion: linears narrower than it stay nn.Linear, the experts
+    still convert; 0 converts every eligible linear."""
+    import torch
+
+    from fp8 import Float8Linear
+    from fp8.convert import gemm_width
+    from orchestration.worker import build_training_model
+
+    def converted(*overrides):
+        job = compose_job("model=debug_moe", "model.compile=false", "cluster.min_workers=1", "cluster.max_workers=1",
+                          "precision=fp8", *overrides)
+        model, _ = build_training_model(job, world_size=1, device=torch.device("cpu"))
+        widths = {n: gemm_width(m.in_features, m.out_features) for n, m in model.named_modules()
+                  if isinstance(m, Float8Linear)}
+        experts = [n for n, m in model.named_modules() if hasattr(m, "_fp8_grouped_op")]
+        return widths, experts
+
+    all_widths, all_experts = converted()
+    assert all_widths and all_experts
+    cut = sorted(set(all_widths.values()))[len(set(all_widths.values())) // 2]  # a width some linears fall below
+    narrow_kept, experts = converted(f"precision.fp8_min_gemm_width={cut}")
+    assert narrow_kept == {n: w for n, w in all_widths.items() if w >= cut}
+    assert len(narrow_kept) < len(all_widths)
+    assert experts == all_experts
 
 
 def test_wrong_type_names_the_key():

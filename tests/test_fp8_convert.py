@@ -102,6 +102,20 @@ def test_custom_filter():
     assert model.layers["0"].experts.grouped_mm is torch._grouped_mm
 
 
+def test_min_width_filter_keeps_narrow_linears_and_converts_experts():
+    from fp8.convert import gemm_width, min_width_module_filter
+
+    assert gemm_width(4096, 1024) == pytest.approx(819.2)
+    assert gemm_width(2048, 2048) == 1024.0
+    model = build()
+    model.layers["0"].wo = nn.Linear(DIM, 4 * DIM, bias=False)  # wider: K*N/(K+N) = 0.8 DIM vs 0.5 DIM for wq
+    fp8.convert_to_fp8(model, "rowwise", module_filter=min_width_module_filter(0.6 * DIM))
+    assert {n for n, m in model.named_modules() if isinstance(m, Float8Linear)} == {"layers.0.wo"}
+    for i in "01":  # grouped experts are not subject to the width rule
+        assert isinstance(model.layers[i].experts.grouped_mm, Fp8GroupedMM)
+    assert type(model.output) is nn.Linear  # the default filter's exclusions still hold
+
+
 def test_parameters_and_state_dict_untouched():
     model = build()
     params_before = {n: p for n, p in model.named_parameters()}
