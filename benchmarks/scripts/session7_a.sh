@@ -24,4 +24,4 @@ tail -7 $OUT/a/lin_8b/log.txt | grep -v "_gw_hp"
 timeout 230 python3 benchmarks/train_step.py --out $OUT/a --configs moe \
   --only bf16,ours:rowwise,ours:rowwise+refhealth \
   --steps 12 --warmup 2 --host-profile --budget-s 200 2>&1 | grep -v "optimizer probe\|Warning\|warn" > $OUT/a/moe_log.txt
-grep -E "ms/step|tok/s|idle|elastic_fp8" $OUT/a/moe_log.txt | cut -c1-250 | head -30
+grep -E "tok/s|idle|fp8 op cpu|ERROR" $OUT/a/moe_log.txt | cut -c1-250 | head -30
