@@ -12,15 +12,15 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
   || exit 1
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 mkdir -p $OUT/moe $OUT/dense $OUT/host
-timeout 290 python3 benchmarks/train_step.py --out $OUT/moe --configs moe \
-  --only bf16,ours:rowwise,ours:rowwise+minw1800,torchao:moe,ours:rowwise+minw1100,ours:rowwise+refhealth \
-  --steps 12 --warmup 2 --budget-s 240 2>&1 | grep -v "optimizer probe\|Warning\|warn" > $OUT/moe/log.txt
+timeout 335 python3 benchmarks/train_step.py --out $OUT/moe --configs moe \
+  --only bf16,ours:rowwise,ours:rowwise+minw1800,ours:rowwise+refhealth,torchao:moe,ours:rowwise+minw1100 \
+  --steps 12 --warmup 2 --budget-s 285 2>&1 | grep -v "optimizer probe\|Warning\|warn" > $OUT/moe/log.txt
 grep -E "tok/s|ERROR" $OUT/moe/log.txt | cut -c1-200 | head -14
-timeout 60 python3 benchmarks/grouped_host.py --out $OUT/host --repeats 5 2>&1 | grep -v "Warning\|warn" \
+timeout 50 python3 benchmarks/grouped_host.py --out $OUT/host --repeats 5 2>&1 | grep -v "Warning\|warn" \
   | tee $OUT/host/log.txt | tail -16
-timeout 45 python3 -m pytest -q -p no:cacheprovider --tb=short tests/test_fp8_gpu.py -k health 2>&1 \
+timeout 40 python3 -m pytest -q -p no:cacheprovider --tb=short tests/test_fp8_gpu.py -k health 2>&1 \
   | grep -v "DEBUG\|Warning\|warn" > $OUT/host/pytest_gpu_health.txt; grep -E "^E |passed|failed|Error" $OUT/host/pytest_gpu_health.txt | head -5
-timeout 180 python3 benchmarks/train_step.py --out $OUT/dense --configs dense \
+timeout 125 python3 benchmarks/train_step.py --out $OUT/dense --configs dense \
   --only bf16,ours:tensorwise,ours:tensorwise+minw1000 \
-  --steps 10 --warmup 2 --budget-s 130 2>&1 | grep -v "optimizer probe\|Warning\|warn" > $OUT/dense/log.txt
+  --steps 10 --warmup 2 --budget-s 75 2>&1 | grep -v "optimizer probe\|Warning\|warn" > $OUT/dense/log.txt
 grep -E "tok/s|ERROR" $OUT/dense/log.txt | cut -c1-200 | head -8
