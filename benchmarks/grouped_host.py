@@ -11,7 +11,8 @@ with perf_counter; they only enqueue work, so the wall time is the host's (media
 piece: CUDA events around `--calls` calls. Both per call, in microseconds. Pieces: the whole forward op (the custom
 op, as the compiled block calls it), the whole forward + backward through autograd, and the forward body's parts:
 the row cast of x, the weight cast, the reciprocal scales, the fp8 grouped GEMM, the health statistics (torch
-reference vs the one-launch kernel), and a bf16 torch._grouped_mm and an empty torch op for scale.
+reference vs the one-launch kernel), and a bf16 torch._grouped_mm and an empty torch op for scale. The whole op is
+timed with its body compiled (fp8.grouped's default on CUDA) and eager (FP8_GROUPED_BODY=eager).
 Also checks the health kernel against the reference on the GPU (bit-equal). Writes grouped_host.json to --out.
 
 Legend: M routed rows, D model dim, I expert hidden dim, E experts.
@@ -117,8 +118,8 @@ def main() -> None:
 
     empty = torch.empty(1, device=dev)
     pieces = {
-        "forward op (custom op, whole body)": lambda: _grouped_fwd_op(*fwd_args),
-        "forward + backward (autograd, dgrad fp8, wgrad bf16)": fwd_bwd,
+        "forward op, compiled body (the default on CUDA)": lambda: _grouped_fwd_op(*fwd_args),
+        "forward + backward, compiled bodies (dgrad fp8, wgrad bf16)": fwd_bwd,
         "row cast of x (Triton)": lambda: quant.quantize_rowwise(x_MD, e4m3, -1, True),
         "weight cast w13 (Triton)": lambda: quant.quantize_colwise_3d(w13_EDJ, e4m3, True),
         "reciprocal scales (one foreach launch)": lambda: torch._foreach_reciprocal([sx_M1, sw_E1N]),
@@ -132,11 +133,18 @@ def main() -> None:
         "empty torch op (x.add_(0) on 1 element)": lambda: empty.add_(0),
     }
     rows = []
-    for os_env, label in (("no_health", "forward op, FP8_KERNELS=no_health (health by the reference)"),):
-        os.environ["FP8_KERNELS"] = os_env
-        rows.append({"piece": label, "host_us": host_us(lambda: _grouped_fwd_op(*fwd_args), args.calls, args.repeats),
-                     "gpu_us": gpu_us(lambda: _grouped_fwd_op(*fwd_args), args.calls, args.repeats)})
-        os.environ["FP8_KERNELS"] = "1"
+    variants = (("FP8_GROUPED_BODY", "eager", "forward op, eager body (FP8_GROUPED_BODY=eager)"),
+                ("FP8_GROUPED_BODY", "eager", "forward + backward, eager bodies"),
+                ("FP8_KERNELS", "no_health", "forward op, eager body, health by the torch reference"))
+    for env, value, label in variants:
+        os.environ[env] = value
+        if "no_health" in value:
+            os.environ["FP8_GROUPED_BODY"] = "eager"
+        fn = fwd_bwd if "backward" in label else (lambda: _grouped_fwd_op(*fwd_args))
+        rows.append({"piece": label, "host_us": host_us(fn, args.calls, args.repeats),
+                     "gpu_us": gpu_us(fn, args.calls, args.repeats)})
+        os.environ.pop(env)
+        os.environ.pop("FP8_GROUPED_BODY", None)
     for name, fn in pieces.items():
         rows.append({"piece": name, "host_us": host_us(fn, args.calls, args.repeats),
                      "gpu_us": gpu_us(fn, args.calls, args.repeats)})

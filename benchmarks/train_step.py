@@ -18,7 +18,8 @@ mode="reduce-overhead" (CUDA graphs); "+eagerloss" runs the cross-entropy eagerl
 multiple of 256); "+autogc" leaves Python's automatic garbage collection on during the timed steps (default: the
 worker's policy, orchestration/gc_policy.py; every row records its GC pauses under "gc"); "+refhealth" computes the
 eager FP8 health statistics (the grouped GEMM op bodies) with the torch reference instead of the one-launch kernel;
-"+minw<W>" keeps linears with K*N/(K+N) < W in bf16 (fp8.convert.min_width_module_filter).
+"+minw<W>" keeps linears with K*N/(K+N) < W in bf16 (fp8.convert.min_width_module_filter); "+eagerbody" runs the
+grouped GEMM custom ops' bodies eagerly (FP8_GROUPED_BODY=eager; default: compiled on CUDA).
 Every row also times the AdamW step alone and checks the gradients' layout
 (`optimizer_probe`), which localises optimizer-time differences between variants.
 
@@ -465,7 +466,8 @@ def bench_config(name: str, cfg: dict, args, device) -> dict:
             import torch._inductor.config as inductor_config
 
             base_variant, *flags = variant.split("+")
-            known = {"nomix", "kern", "ntk", "cg", "eagerloss", "eagergrp", "tracedgrp", "fp8dg", "autogc", "refhealth"}
+            known = {"nomix", "kern", "ntk", "cg", "eagerloss", "eagergrp", "tracedgrp", "fp8dg", "autogc", "refhealth",
+                     "eagerbody"}
             min_widths = [float(f[4:]) for f in flags if f.startswith("minw") and f[4:].isdigit()]
             unknown = set(flags) - known - {f for f in flags if f.startswith("minw") and f[4:].isdigit()}
             if unknown:
@@ -473,6 +475,7 @@ def bench_config(name: str, cfg: dict, args, device) -> dict:
             os.environ["FP8_GROUPED_MODE"] = ("eager" if "eagergrp" in flags else "traced" if "tracedgrp" in flags
                                               else "opaque")
             os.environ["FP8_GROUPED_DGRAD"] = "fp8" if "fp8dg" in flags else "auto"
+            os.environ["FP8_GROUPED_BODY"] = "eager" if "eagerbody" in flags else "compiled"
             inductor_config.triton.mix_order_reduction = "nomix" not in flags
             os.environ["FP8_KERNELS"] = ("always" if "kern" in flags else "no_transposes" if "ntk" in flags
                                          else "no_health" if "refhealth" in flags else "1")

@@ -195,6 +195,33 @@ class _Fp8GroupedMMFn(torch.autograd.Function):
         return gx_MK, gw_EKN, None, None, None, None, None, None
 
 
+# How the opaque ops' bodies run on GPUs (FP8_GROUPED_BODY, read at each call):
+#   "compiled"  _grouped_forward / _grouped_backward through torch.compile (default on CUDA). Why: an eager body is a
+#               Python dispatch per cast, GEMM and statistic, and on the H200 hosts a Triton launch from Python cost
+#               450-530 us of host time against ~20 us for a torch op (benchmarks/grouped_host.py,
+#               results/session7): three of them per forward call made the body cost 1.6 ms of host time for 1.6 ms
+#               of GPU work, so a slow host starved the GPU. Compiled, Inductor launches the same Triton casts with
+#               its own launchers and fuses the health statistics; the body still runs inside the opaque op, so
+#               the outer graph and its gradients are what "opaque" mode gives (no autograd is traced here: the
+#               bodies are plain functions of tensors).
+#   "eager"     the Python bodies as written (always on CPU, where the emulated path runs outside compile).
+BODY_MODES = ("compiled", "eager")
+_BODY_ENV = "FP8_GROUPED_BODY"
+_COMPILED_BODIES: dict = {}
+
+
+def _body(fn, on_cuda: bool):
+    mode = os.environ.get(_BODY_ENV, "compiled")
+    if mode not in BODY_MODES:
+        raise ValueError(f"{_BODY_ENV} must be one of {BODY_MODES}, got {mode!r}")
+    if mode == "eager" or not on_cuda or torch.compiler.is_compiling():
+        return fn
+    if fn not in _COMPILED_BODIES:
+        # dynamic=False: each layer shape (w13, w2) gets its own specialised code, as the blocks do.
+        _COMPILED_BODIES[fn] = torch.compile(fn, dynamic=False, fullgraph=True)
+    return _COMPILED_BODIES[fn]
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Opaque form: the same forward and backward as two torch.library custom ops. torch.compile keeps each one call in
 # the block's graph (no graph break, no tracing of the casts and GEMMs inside, which the traced form got wrong on the
@@ -208,7 +235,8 @@ def _grouped_fwd_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> (out_MN, stats, x_fp8_t_KM, sx_1K); the last two are empty unless wgrad == "global" (else backward
     re-reads x itself, which an op output may not alias)."""
-    out_MN, stats, saved_x = _grouped_forward(x_MK, w_EKN, offs_E, e4m3, use_scaled, pow2, wgrad)
+    forward = _body(_grouped_forward, x_MK.is_cuda)
+    out_MN, stats, saved_x = forward(x_MK, w_EKN, offs_E, e4m3, use_scaled, pow2, wgrad)
     if wgrad == "global":
         x_fp8_t_KM, sx_1K = saved_x
         return out_MN, stats, x_fp8_t_KM.contiguous(), sx_1K.contiguous()
@@ -238,7 +266,8 @@ def _grouped_bwd_op(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (gx_MK, gw) with gw contiguous in the weight's storage layout ([E, N, K] for column-major w)."""
     saved_x = (x_fp8_t_KM, sx_1K) if wgrad == "global" else (x_MK,)
-    gx_MK, gw_EKN = _grouped_backward(gy_MN, w_EKN, offs_E, saved_x, e4m3, use_scaled, pow2, wgrad, hp_dgrad)
+    backward = _body(_grouped_backward, gy_MN.is_cuda)
+    gx_MK, gw_EKN = backward(gy_MN, w_EKN, offs_E, saved_x, e4m3, use_scaled, pow2, wgrad, hp_dgrad)
     gw = gw_EKN.transpose(-2, -1) if _is_column_major(w_EKN) else gw_EKN
     return gx_MK.contiguous(), gw.contiguous()
 
