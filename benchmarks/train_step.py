@@ -16,9 +16,7 @@ mode="reduce-overhead" (CUDA graphs); "+eagerloss" runs the cross-entropy eagerl
 "+eagergrp" / "+tracedgrp" run the FP8 grouped GEMMs in fp8.grouped's "eager" / "traced" modes (default "opaque");
 "+fp8dg" runs all their grad-input GEMMs in fp8 (default: fp8.grouped's dgrad="auto", bf16 where the width is not a
 multiple of 256); "+autogc" leaves Python's automatic garbage collection on during the timed steps (default: the
-worker's policy, orchestration/gc_policy.py; every row records its GC pauses under "gc"); "+refhealth" computes the
-eager FP8 health statistics (the grouped GEMM op bodies) with the torch reference instead of the one-launch kernel;
-"+minw<W>" keeps linears with K*N/(K+N) < W in bf16 (fp8.convert.min_width_module_filter); "+eagerbody" runs the
+worker's policy, orchestration/gc_policy.py; every row records its GC pauses under "gc"); "+minw<W>" keeps linears with K*N/(K+N) < W in bf16 (fp8.convert.min_width_module_filter); "+eagerbody" runs the
 grouped GEMM custom ops' bodies eagerly (FP8_GROUPED_BODY=eager; default: compiled on CUDA).
 Every row also times the AdamW step alone and checks the gradients' layout
 (`optimizer_probe`), which localises optimizer-time differences between variants.
@@ -466,8 +464,7 @@ def bench_config(name: str, cfg: dict, args, device) -> dict:
             import torch._inductor.config as inductor_config
 
             base_variant, *flags = variant.split("+")
-            known = {"nomix", "kern", "ntk", "cg", "eagerloss", "eagergrp", "tracedgrp", "fp8dg", "autogc", "refhealth",
-                     "eagerbody"}
+            known = {"nomix", "kern", "ntk", "cg", "eagerloss", "eagergrp", "tracedgrp", "fp8dg", "autogc", "eagerbody"}
             min_widths = [float(f[4:]) for f in flags if f.startswith("minw") and f[4:].isdigit()]
             unknown = set(flags) - known - {f for f in flags if f.startswith("minw") and f[4:].isdigit()}
             if unknown:
@@ -477,8 +474,7 @@ def bench_config(name: str, cfg: dict, args, device) -> dict:
             os.environ["FP8_GROUPED_DGRAD"] = "fp8" if "fp8dg" in flags else "auto"
             os.environ["FP8_GROUPED_BODY"] = "eager" if "eagerbody" in flags else "compiled"
             inductor_config.triton.mix_order_reduction = "nomix" not in flags
-            os.environ["FP8_KERNELS"] = ("always" if "kern" in flags else "no_transposes" if "ntk" in flags
-                                         else "no_health" if "refhealth" in flags else "1")
+            os.environ["FP8_KERNELS"] = "always" if "kern" in flags else "no_transposes" if "ntk" in flags else "1"
             torch._dynamo.reset()  # fresh graphs per variant: the flags above are not part of dynamo's guards
             model = build(cfg["model"], cfg["overrides"], base_variant, device, compile_blocks=not args.eager,
                           compile_mode="reduce-overhead" if "cg" in flags else None,

@@ -243,9 +243,10 @@ def health_stats(
     """float32 [saturated_frac, underflow_frac, amax] of one cast (definition: reference.health_stats_ref).
 
     Triton: one launch of two programs (the sampled rows' counts, the scales' minimum), the same bits as the
-    reference; it exists for host time, where eager callers (the MoE grouped GEMM's op bodies) would otherwise
-    launch ~15 tiny torch kernels per call. No torch.library op: under torch.compile the reference is traced and
-    Inductor fuses it.
+    reference. Written to cut the host time of eager callers (~15 tiny torch kernels per call), but measured on the
+    H200 hosts a Triton launch from Python costs as much host time as those ops (benchmarks/grouped_host.py,
+    results/session7), so fp8.quant uses it only with FP8_KERNELS=always. No torch.library op: under torch.compile
+    the reference is traced and Inductor fuses it.
     """
     check_fp8_dtype(fp8_dtype)
     _check_2d(x_hp_MK, "health_stats")
