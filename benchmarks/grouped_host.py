@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 
 from benchmarks.common import env_info, write_json
-from benchmarks.moe_grouped import group_offsets
+from benchmarks.moe_grouped import add_shape_args, group_offsets
 
 
 def host_us(fn, calls: int, repeats: int) -> float:
@@ -65,11 +65,7 @@ def gpu_us(fn, calls: int, repeats: int) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--out", default="benchmarks/results")
-    p.add_argument("--m", type=int, default=16384 * 6)
-    p.add_argument("--experts", type=int, default=64)
-    p.add_argument("--dim", type=int, default=2048)
-    p.add_argument("--hidden", type=int, default=1408)
+    add_shape_args(p)
     p.add_argument("--calls", type=int, default=20)
     p.add_argument("--repeats", type=int, default=7)
     args = p.parse_args()

@@ -221,13 +221,18 @@ def worker(args) -> None:
             print(f"[warm {args.worker}] {impl}: {type(e).__name__}: {e}"[:300], flush=True)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
+def add_shape_args(p: argparse.ArgumentParser) -> None:
+    """--out and the DeepSeek-MoE-16B routed-expert shape (shared with benchmarks/grouped_host.py)."""
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--m", type=int, default=16384 * 6)
     p.add_argument("--experts", type=int, default=64)
     p.add_argument("--dim", type=int, default=2048)
     p.add_argument("--hidden", type=int, default=1408)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    add_shape_args(p)
     p.add_argument("--budget-s", type=float, default=150.0)
     p.add_argument("--prewarm", type=int, default=0)
     p.add_argument("--skip-numerics", action="store_true")
