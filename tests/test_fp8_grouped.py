@@ -222,3 +222,31 @@ def test_hp_dgrad_gives_the_high_precision_grad_input(stored_enk):
     assert not op.hp_dgrad(torch.empty(4, 2048, 8)) and op.hp_dgrad(torch.empty(4, 1408, 8))
     with pytest.raises(ValueError, match="dgrad"):
         Fp8GroupedMM(dgrad="fp16")
+
+
+@pytest.mark.parametrize("wgrad", ["hp", "global", "per_expert"])
+def test_op_bodies_trace_without_graph_breaks(monkeypatch, wgrad):
+    """The bodies fp8.grouped compiles on CUDA (FP8_GROUPED_BODY=compiled) trace as one graph each, forward and both
+    grad-input choices, and the traced bodies compute what the eager ones do. On CPU the emulated GEMM is kept out
+    of compiled graphs (torch.compiler.disable), so it is swapped here for a traceable bf16 stand-in on both sides."""
+    import fp8.grouped as g
+
+    monkeypatch.setattr(g, "_grouped_emulated",
+                        lambda a, b, offs: torch._grouped_mm(a.to(torch.bfloat16), b.to(torch.bfloat16), offs).float())
+    torch._dynamo.reset()
+    E, K, N, M = 4, 64, 96, 128
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(M, K, generator=gen).to(torch.bfloat16)
+    w = torch.randn(E, N, K, generator=gen).to(torch.bfloat16).transpose(-2, -1)
+    gy = torch.randn(M, N, generator=gen).to(torch.bfloat16)
+    offs = torch.tensor([32, 64, 96, 128], dtype=torch.int32)
+    e4m3 = torch.float8_e4m3fn
+    fwd = torch.compile(g._grouped_forward, backend="eager", fullgraph=True, dynamic=False)
+    out, stats, saved = fwd(x, w, offs, e4m3, False, True, wgrad)
+    out_ref, stats_ref, _ = g._grouped_forward(x, w, offs, e4m3, False, True, wgrad)
+    assert torch.equal(out, out_ref) and torch.equal(stats, stats_ref)
+    bwd = torch.compile(g._grouped_backward, backend="eager", fullgraph=True, dynamic=False)
+    for hp_dgrad in (False, True):
+        gx, gw = bwd(gy, w, offs, saved, e4m3, False, True, wgrad, hp_dgrad)
+        gx_ref, gw_ref = g._grouped_backward(gy, w, offs, saved, e4m3, False, True, wgrad, hp_dgrad)
+        assert torch.equal(gx, gx_ref) and torch.equal(gw, gw_ref), (wgrad, hp_dgrad)
