@@ -196,7 +196,9 @@ def load_precision_state(model: nn.Module, state: dict) -> None:
     mods = dict(_fp8_modules(model))
     unknown = sorted(set(state["modules"]) - set(mods))
     if unknown:
-        raise ValueError(f"precision state names modules this model does not convert: {unknown[:5]}")
+        raise ValueError(f"precision state names modules this model does not convert: {unknown[:5]}; the checkpoint "
+                         "was made with another FP8 recipe or module filter (precision.fp8_min_gemm_width): resume "
+                         "with the settings it was trained with")
     for name, prec in state["modules"].items():
         if prec not in PRECISIONS:
             raise ValueError(f"module {name}: precision must be one of {PRECISIONS}, got {prec!r}")

@@ -211,17 +211,27 @@ _BODY_ENV = "FP8_GROUPED_BODY"
 _COMPILED_BODIES: dict = {}
 
 
-def _body(fn, on_cuda: bool):
+def _run_body(fn, on_cuda: bool, *args):
+    """fn(*args), through torch.compile unless FP8_GROUPED_BODY=eager, off CUDA, while tracing, or while a CUDA graph
+    is being captured (compiling there could launch autotuning inside the capture; captured, the eager body's launch
+    cost is paid once anyway)."""
     mode = os.environ.get(_BODY_ENV, "compiled")
     if mode not in BODY_MODES:
         raise ValueError(f"{_BODY_ENV} must be one of {BODY_MODES}, got {mode!r}")
-    if mode == "eager" or not on_cuda or torch.compiler.is_compiling():
-        return fn
+    if (mode == "eager" or not on_cuda or torch.compiler.is_compiling()
+            or torch.cuda.is_current_stream_capturing()):
+        return fn(*args)
     if fn not in _COMPILED_BODIES:
         # dynamic=False: each layer shape (w13, w2) gets its own specialised code, as the blocks do.
         # fullgraph=False: a graph break would cost speed, never a training run (tests pin that there is none).
         _COMPILED_BODIES[fn] = torch.compile(fn, dynamic=False)
-    return _COMPILED_BODIES[fn]
+    # Same guards on every call, whoever calls: detached inputs and grad mode off (callers differ in both - the
+    # compiled block, eager code, the no-grad shadow check - and each difference would be a recompile; the bodies
+    # compute no gradients themselves).
+    detached = tuple(a.detach() if isinstance(a, torch.Tensor) else
+                     tuple(t.detach() for t in a) if isinstance(a, tuple) else a for a in args)
+    with torch.no_grad():
+        return _COMPILED_BODIES[fn](*detached)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -237,8 +247,8 @@ def _grouped_fwd_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> (out_MN, stats, x_fp8_t_KM, sx_1K); the last two are empty unless wgrad == "global" (else backward
     re-reads x itself, which an op output may not alias)."""
-    forward = _body(_grouped_forward, x_MK.is_cuda)
-    out_MN, stats, saved_x = forward(x_MK, w_EKN, offs_E, e4m3, use_scaled, pow2, wgrad)
+    out_MN, stats, saved_x = _run_body(_grouped_forward, x_MK.is_cuda, x_MK, w_EKN, offs_E, e4m3, use_scaled, pow2,
+                                       wgrad)
     if wgrad == "global":
         x_fp8_t_KM, sx_1K = saved_x
         return out_MN, stats, x_fp8_t_KM.contiguous(), sx_1K.contiguous()
@@ -268,8 +278,8 @@ def _grouped_bwd_op(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (gx_MK, gw) with gw contiguous in the weight's storage layout ([E, N, K] for column-major w)."""
     saved_x = (x_fp8_t_KM, sx_1K) if wgrad == "global" else (x_MK,)
-    backward = _body(_grouped_backward, gy_MN.is_cuda)
-    gx_MK, gw_EKN = backward(gy_MN, w_EKN, offs_E, saved_x, e4m3, use_scaled, pow2, wgrad, hp_dgrad)
+    gx_MK, gw_EKN = _run_body(_grouped_backward, gy_MN.is_cuda, gy_MN, w_EKN, offs_E, saved_x, e4m3, use_scaled,
+                              pow2, wgrad, hp_dgrad)
     gw = gw_EKN.transpose(-2, -1) if _is_column_major(w_EKN) else gw_EKN
     return gx_MK.contiguous(), gw.contiguous()
 

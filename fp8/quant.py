@@ -18,6 +18,7 @@ import warnings
 import torch
 
 from fp8 import recipes
+from fp8.health import health_stats_ref
 
 # FP8_KERNELS=0 forces the reference path everywhere (debugging, A/B timing); "always" and "no_transposes"
 # change what runs as a kernel under torch.compile (see _kernel_fn); "always" also computes the eager health
@@ -204,8 +205,6 @@ def health_stats(x_hp_MK: torch.Tensor, x_fp8_MK: torch.Tensor, scale: torch.Ten
 
     The reference (under torch.compile Inductor fuses its ~15 ops); the one-launch kernel with FP8_KERNELS=always.
     """
-    from fp8.kernels.reference import health_stats_ref
-
     k = _kernel_fn(x_hp_MK, "health_stats")
     if k is not None and x_hp_MK.dim() == 2 and scale.numel() in (1, x_hp_MK.shape[0]):
         out = _call("health_stats", k, None, x_hp_MK, x_fp8_MK, scale.float(), dtype)

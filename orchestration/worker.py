@@ -81,6 +81,14 @@ def build_training_model(job: JobConfig, world_size: int, device: torch.device):
         width = job.precision.fp8_min_gemm_width
         module_filter = fp8.convert.min_width_module_filter(width) if width > 0 else None
         fp8.convert_to_fp8(model, recipe, module_filter=module_filter, moe_wgrad=job.precision.moe_wgrad)
+        if not fp8.precision_state(model)["modules"]:
+            # An "fp8" run with nothing in fp8 would fail later, at the first shadow check or RetryFP8.
+            widths = [fp8.convert.gemm_width(m.in_features, m.out_features) for m in model.modules()
+                      if isinstance(m, torch.nn.Linear)]
+            raise ValueError(
+                f"precision=fp8 converts no layer of model {job.model.name}: precision.fp8_min_gemm_width={width} is "
+                f"above its widest linear ({max(widths, default=0):.0f}, in*out/(in+out)) and it has no MoE experts; "
+                "lower precision.fp8_min_gemm_width (0 converts every eligible linear) or use precision=bf16")
     model = parallelize(model, world_size, job.train.sharding, job.precision.fsdp_param_dtype,
                         job.precision.fsdp_reduce_dtype, job.model.activation_checkpointing)
     model.to(device)

@@ -98,6 +98,17 @@ def test_fp8_min_gemm_width_keeps_narrow_linears_in_bf16():
     assert experts == all_experts
 
 
+def test_fp8_min_gemm_width_that_leaves_nothing_in_fp8_is_refused():
+    import torch
+
+    from orchestration.worker import build_training_model
+
+    job = compose_job("model=debug_dense", "model.compile=false", "cluster.min_workers=1", "cluster.max_workers=1",
+                      "precision=fp8", "precision.fp8_min_gemm_width=100000")
+    with pytest.raises(ValueError, match="fp8_min_gemm_width=100000.0 is above its widest linear"):
+        build_training_model(job, world_size=1, device=torch.device("cpu"))
+
+
 def test_wrong_type_names_the_key():
     with pytest.raises(ConfigError) as info:
         compose_job("train.steps=many")

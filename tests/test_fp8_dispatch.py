@@ -91,3 +91,21 @@ def test_stored_enk_backward_weight_cast_reads_the_storage_in_place(monkeypatch)
     assert ("quantize_colwise_batched", True) in calls  # the [E, N, K] storage, contiguous as stored
     for a, b in zip(got, ref, strict=True):
         assert torch.equal(a, b)
+
+
+def test_fp8_layers_work_when_the_kernels_package_cannot_import():
+    """fp8.quant absorbs a broken fp8.kernels import (no Triton, a bad install) by using the references: the health
+    statistics of every forward must not need that package either."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['fp8.kernels.ops'] = None\n"  # any import of fp8.kernels now fails
+        "import torch, fp8\n"
+        "lin = fp8.Float8Linear.from_float(torch.nn.Linear(32, 16), 'rowwise')\n"
+        "y = lin(torch.randn(8, 32)); y.sum().backward()\n"
+        "assert lin.fp8_health_valid and torch.isfinite(lin.fp8_health_stats).all()\n"
+        "print('ok', fp8.quant.kernels_active('cpu'))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.startswith("ok"), proc.stdout + proc.stderr[-3000:]

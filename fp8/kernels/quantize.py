@@ -453,8 +453,9 @@ if HAS_TRITON:
                 for c0 in range(0, N, BC):
                     cols = c0 + tl.arange(0, BC)
                     mask = mask_r[:, None] & (cols < N)[None, :]
-                    x = tl.load(x_ptr + m[:, None] * stride_xm + cols[None, :] * stride_xn, mask=mask, other=0.0)
-                    q = tl.load(q_ptr + m[:, None] * stride_qm + cols[None, :] * stride_qn, mask=mask, other=0.0)
+                    c = cols.to(tl.int64)  # a column-major x has stride_xn = M: M * N may pass 2**31
+                    x = tl.load(x_ptr + m[:, None] * stride_xm + c[None, :] * stride_xn, mask=mask, other=0.0)
+                    q = tl.load(q_ptr + m[:, None] * stride_qm + c[None, :] * stride_qn, mask=mask, other=0.0)
                     x32 = x.to(tl.float32)
                     sat += ((tl.abs(x32) * s[:, None] > CLIP) & mask).to(tl.int32)
                     und += ((x32 != 0.0) & (q.to(tl.float32) == 0.0) & mask).to(tl.int32)

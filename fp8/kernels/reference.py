@@ -186,51 +186,11 @@ def quantize_jagged_per_expert_ref(
     return x_fp8_MK, scale_EK
 
 
-# Rows of a quantized input sampled for its health statistics: a strided view of at most ~128 rows, so the
-# statistics cost no full pass over x (and no host sync).
-HEALTH_SAMPLE_ROWS = 64
-
-
-def health_sample_step(M: int) -> int:
-    """Row stride of the health sample: rows 0, step, 2 * step, ... (between 64 and 127 rows when M >= 64)."""
-    return max(1, M // HEALTH_SAMPLE_ROWS)
-
-
-def health_clip_limit(fp8_dtype: torch.dtype) -> float:
-    """|x| * scale beyond this was clipped by the cast: past the largest fp8 value by more than half a step, so it
-    would not have rounded to max. (Counting values *at* max would flag the amax element that every dynamic scale
-    maps exactly onto max, a false alarm on healthy steps.)"""
-    mantissa_bits = 2 if fp8_dtype in (torch.float8_e5m2, torch.float8_e5m2fnuz) else 3
-    return fp8_max(fp8_dtype) * (1 + 2.0 ** -(mantissa_bits + 1))
-
-
-def health_stats_ref(
-    x_hp_MK: torch.Tensor, x_fp8_MK: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype
-) -> torch.Tensor:
-    """float32 [saturated_frac, underflow_frac, amax] of one quantized 2D input, on device.
-
-    scale: the quantization multiplier, one value (tensorwise) or one per row ([M] or [M, 1]).
-    - saturated_frac: fraction of the sampled elements whose scaled value was clipped (see health_clip_limit).
-    - underflow_frac: fraction of the sampled elements that were non-zero and quantized to zero.
-    - amax: fp8_max / min(scale) over every scale: exact for tensorwise, an upper bound within 2x for
-      power-of-two scales; enough for a divergence alarm without a full read of x.
-    The fractions come from the rows health_sample_step picks. Fractions are count / count-of-sampled-elements in
-    IEEE fp32 division (the Triton kernel computes the same bits). An empty input reports zeros: nothing was
-    quantized, so nothing is unhealthy (a NaN would read as a broken FP8 path to the monitors).
-    """
-    M = x_hp_MK.shape[0]
-    if x_hp_MK.numel() == 0:
-        return torch.zeros(3, dtype=torch.float32, device=x_hp_MK.device)
-    step = health_sample_step(M)
-    xs_hp, xs_fp8 = x_hp_MK.detach()[::step], x_fp8_MK[::step].float()
-    scale_s = scale.detach().float()
-    if scale_s.numel() == M and M > 1:
-        scale_s = scale_s.reshape(M, 1)[::step]
-    saturated = (xs_hp.float().abs() * scale_s > health_clip_limit(fp8_dtype)).sum(dtype=torch.float32)
-    underflow = ((xs_hp != 0) & (xs_fp8 == 0)).sum(dtype=torch.float32)
-    counts = torch.stack([saturated, underflow])
-    # tensor / tensor: IEEE division (a Python scalar divisor may run as a multiply by its reciprocal).
-    fractions = counts / torch.full_like(counts, float(xs_hp.numel()))
-    min_scale = scale_s.new_full((1,), float("inf")) if scale.numel() == 0 else scale.detach().float().min().reshape(1)
-    amax = torch.full_like(min_scale, fp8_max(fp8_dtype)) / min_scale
-    return torch.cat([fractions, amax])
+# The health statistics' definition lives in fp8/health.py (pure torch, importable without this package, which
+# fp8.quant needs on every forward); re-exported here as the reference of the one-launch kernel.
+from fp8.health import (  # noqa: E402, F401
+    HEALTH_SAMPLE_ROWS,
+    health_clip_limit,
+    health_sample_step,
+    health_stats_ref,
+)
