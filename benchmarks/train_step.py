@@ -16,8 +16,9 @@ mode="reduce-overhead" (CUDA graphs); "+eagerloss" runs the cross-entropy eagerl
 "+eagergrp" / "+tracedgrp" run the FP8 grouped GEMMs in fp8.grouped's "eager" / "traced" modes (default "opaque");
 "+fp8dg" runs all their grad-input GEMMs in fp8 (default: fp8.grouped's dgrad="auto", bf16 where the width is not a
 multiple of 256); "+autogc" leaves Python's automatic garbage collection on during the timed steps (default: the
-worker's policy, orchestration/gc_policy.py; every row records its GC pauses under "gc"); "+minw<W>" keeps linears with K*N/(K+N) < W in bf16 (fp8.convert.min_width_module_filter); "+eagerbody" runs the
-grouped GEMM custom ops' bodies eagerly (FP8_GROUPED_BODY=eager; default: compiled on CUDA).
+worker's policy, orchestration/gc_policy.py; every row records its GC pauses under "gc"); "+minw<W>" keeps linears
+with K*N/(K+N) < W in bf16 (fp8.convert.min_width_module_filter); "+eagerbody" runs the grouped GEMM custom ops'
+bodies eagerly (FP8_GROUPED_BODY=eager; default: compiled on CUDA).
 Every row also times the AdamW step alone and checks the gradients' layout
 (`optimizer_probe`), which localises optimizer-time differences between variants.
 
@@ -465,8 +466,8 @@ def bench_config(name: str, cfg: dict, args, device) -> dict:
 
             base_variant, *flags = variant.split("+")
             known = {"nomix", "kern", "ntk", "cg", "eagerloss", "eagergrp", "tracedgrp", "fp8dg", "autogc", "eagerbody"}
-            min_widths = [float(f[4:]) for f in flags if f.startswith("minw") and f[4:].isdigit()]
-            unknown = set(flags) - known - {f for f in flags if f.startswith("minw") and f[4:].isdigit()}
+            width_flags = [f for f in flags if f.startswith("minw") and f[4:].isdigit()]
+            unknown = set(flags) - known - set(width_flags)
             if unknown:
                 raise ValueError(f"unknown variant suffix {sorted(unknown)} in {variant!r}: {sorted(known)}")
             os.environ["FP8_GROUPED_MODE"] = ("eager" if "eagergrp" in flags else "traced" if "tracedgrp" in flags
@@ -478,7 +479,7 @@ def bench_config(name: str, cfg: dict, args, device) -> dict:
             torch._dynamo.reset()  # fresh graphs per variant: the flags above are not part of dynamo's guards
             model = build(cfg["model"], cfg["overrides"], base_variant, device, compile_blocks=not args.eager,
                           compile_mode="reduce-overhead" if "cg" in flags else None,
-                          min_width=min_widths[0] if min_widths else None)
+                          min_width=float(width_flags[0][4:]) if width_flags else None)
             vocab = model.args.vocab_size
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
             impl = base_variant.split(":")[0]

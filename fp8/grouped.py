@@ -66,7 +66,7 @@ def _is_column_major(w_EKN: torch.Tensor) -> bool:
 def _scaled_or_emulated_2d3d(a_fp8, sa_M1, b_fp8, sb_E1N, offs_E, use_scaled: bool, fast_accum: bool):
     """out[rows of e] = a[rows of e] @ b[e], fp8 operands with scales along K (a: per row, b: per expert column)."""
     if use_scaled:
-        # Both dequant multipliers in one multi-tensor launch: these op bodies run eagerly, host time per launch counts.
+        # Both dequant multipliers in one multi-tensor launch (host time per launch counts in eager op bodies).
         inv_a, inv_b = torch._foreach_reciprocal([sa_M1, sb_E1N])
         return torch._scaled_grouped_mm(
             a_fp8,

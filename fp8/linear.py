@@ -80,7 +80,7 @@ def scaled_mm(
 
 def health_stats(x_hp: torch.Tensor, x_fp8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """float32 [saturated_frac, underflow_frac, amax] of one quantized input; stays on device, no extra pass
-    (fractions from a strided sample of rows, amax read off the scales: fp8.kernels.reference.health_stats_ref)."""
+    (fractions from a strided sample of rows, amax read off the scales: fp8.health.health_stats_ref)."""
     return quant.health_stats(x_hp.detach(), x_fp8, scale.detach(), dtype)
 
 

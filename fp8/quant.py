@@ -70,11 +70,6 @@ def _kernel_fn(x: torch.Tensor, name: str):
     # FP8_KERNELS=always puts every cast on the kernels; FP8_KERNELS=no_transposes lets Inductor write the fp8
     # transposed copies too (the session-3 default, kept for A/B runs).
     mode = os.environ.get(_USE_KERNELS_ENV)
-    if name == "health_stats" and mode != "always":
-        # The one-launch statistics kernel saved no host time in eager op bodies on the H200 hosts: a Triton launch
-        # from Python cost 270-530 us there, the reference's ~15 torch ops 320-400 us (results/session7, two
-        # machines); compiled graphs fuse the reference anyway. So it runs only with FP8_KERNELS=always.
-        return None
     if torch.compiler.is_compiling() and mode != "always":
         if name not in _KERNELS_UNDER_COMPILE or (mode == "no_transposes" and name == "transpose"):
             return None
@@ -201,11 +196,14 @@ def quantize_jagged_colwise(x_MK: torch.Tensor, offs_E: torch.Tensor, dtype: tor
 
 
 def health_stats(x_hp_MK: torch.Tensor, x_fp8_MK: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype):
-    """float32 [saturated_frac, underflow_frac, amax] of one cast, on device (fp8.kernels.health_stats_ref).
+    """float32 [saturated_frac, underflow_frac, amax] of one cast, on device (fp8.health.health_stats_ref).
 
-    The reference (under torch.compile Inductor fuses its ~15 ops); the one-launch kernel with FP8_KERNELS=always.
+    The reference (under torch.compile Inductor fuses its ~15 ops); the one-launch kernel only with
+    FP8_KERNELS=always: it saved no host time in eager op bodies on the H200 hosts, where a Triton launch from Python
+    cost 270-530 us and the reference's ~15 torch ops 320-400 us (results/session7, two machines).
     """
-    k = _kernel_fn(x_hp_MK, "health_stats")
+    always = os.environ.get(_USE_KERNELS_ENV) == "always"
+    k = _kernel_fn(x_hp_MK, "health_stats") if always else None
     if k is not None and x_hp_MK.dim() == 2 and scale.numel() in (1, x_hp_MK.shape[0]):
         out = _call("health_stats", k, None, x_hp_MK, x_fp8_MK, scale.float(), dtype)
         if out is not None:
