@@ -165,6 +165,28 @@ def cast_bandwidth(device: str) -> dict:
     return res
 
 
+def kernel_table(step, steps: int = 5) -> list[dict]:
+    """GPU time per step by kernel (torch.profiler over `steps` steps): where a variant's fixed costs are."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    rows = []
+    for ev in prof.key_averages():
+        t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+        if t > 0:
+            rows.append({"kernel": ev.key[:120], "us_per_step": t / steps, "calls_per_step": ev.count / steps})
+    rows.sort(key=lambda r: -r["us_per_step"])
+    total = sum(r["us_per_step"] for r in rows)
+    print(f"    kernels: {total:.1f} us GPU per step", flush=True)
+    for r in rows[:14]:
+        print(f"    {r['us_per_step']:8.1f} us {r['calls_per_step']:4.1f}x  {r['kernel'][:100]}", flush=True)
+    return rows
+
+
 def worker(args) -> None:
     """Compile-cache warmer: build and run once every compiled case assigned to this worker."""
     todo = [c for c in cases(args.shapes, args.impls, args.recipes) if c[1] != "ours_eager"]
@@ -189,6 +211,7 @@ def main() -> None:
     p.add_argument("--budget-s", type=float, default=300.0)
     p.add_argument("--prewarm", type=int, default=0, help="parallel compile-cache warmers (0: none)")
     p.add_argument("--skip-numerics", action="store_true")
+    p.add_argument("--profile", action="store_true", help="kernel table (torch.profiler) of every timed case")
     p.add_argument("--worker", type=int, default=-1)
     p.add_argument("--nworkers", type=int, default=1)
     args = p.parse_args()
@@ -228,6 +251,8 @@ def main() -> None:
             rec["first_call_s"] = time.time() - t0
             rec["ms"] = bench_ms(step)
             rec["tflops"] = 3 * 2 * args.m * k * n / rec["ms"] / 1e9
+            if args.profile and device == "cuda":
+                rec["kernels"] = kernel_table(step)
         except Exception as e:  # noqa: BLE001
             rec["error"] = f"{type(e).__name__}: {e}"[:400]
             traceback.print_exc()
