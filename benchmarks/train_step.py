@@ -155,12 +155,15 @@ class Guard:
 STEP_PHASES = ("step.forward", "step.backward", "step.clip", "step.guard", "step.optimizer")
 
 
-def make_step(model, optimizer, guard: Guard | None, compiled_loss: bool):
+def make_step(model, optimizer, guard: Guard | None, compiled_loss: bool, cuda_graphs: bool = False):
     from torch.profiler import record_function
 
     state = {"step": 0}
 
     def step(inputs, targets):
+        if cuda_graphs:
+            # A new iteration for CUDA-graph trees, as the worker marks it (orchestration/worker.py).
+            torch.compiler.cudagraph_mark_step_begin()
         with record_function("step.forward"):
             logits = model(inputs)
             loss = lm_loss(logits, targets, compiled=compiled_loss) + model.aux_loss()
@@ -474,6 +477,10 @@ def bench_config(name: str, cfg: dict, args, device) -> dict:
                                               else "opaque")
             os.environ["FP8_GROUPED_DGRAD"] = "fp8" if "fp8dg" in flags else "auto"
             os.environ["FP8_GROUPED_BODY"] = "eager" if "eagerbody" in flags else "compiled"
+            # As the worker's compile_blocks: CUDA graphs need eager op bodies (fp8.grouped.set_body_mode).
+            import fp8.grouped
+
+            fp8.grouped.set_body_mode("eager" if "cg" in flags else None)
             inductor_config.triton.mix_order_reduction = "nomix" not in flags
             os.environ["FP8_KERNELS"] = "always" if "kern" in flags else "no_transposes" if "ntk" in flags else "1"
             torch._dynamo.reset()  # fresh graphs per variant: the flags above are not part of dynamo's guards
@@ -485,7 +492,7 @@ def bench_config(name: str, cfg: dict, args, device) -> dict:
             impl = base_variant.split(":")[0]
             guard = Guard(fp8_model=impl == "ours") if impl == "ours" else None
             compiled_loss = COMPILED and "eagerloss" not in flags
-            step = make_step(model, optimizer, guard, compiled_loss)
+            step = make_step(model, optimizer, guard, compiled_loss, cuda_graphs="cg" in flags)
             batches = random_batches(vocab, cfg["batch"], cfg["seq"], device)
             gc_timer = GcTimer()
             # The worker's GC policy (orchestration/gc_policy.py, train.gc_every_steps): automatic collection off

@@ -206,18 +206,41 @@ class _Fp8GroupedMMFn(torch.autograd.Function):
 #               The body still runs inside the opaque op, so the outer graph and its gradients are what "opaque"
 #               mode gives (no autograd is traced here: the bodies are plain functions of tensors).
 #   "eager"     the Python bodies as written (always on CPU, where the emulated path runs outside compile).
+#   Under CUDA-graph trees (torch.compile mode="reduce-overhead") the bodies must run eagerly: entering any
+#   torch.compile'd function bumps dynamo's generation counter, which the trees read as "a new iteration began", so
+#   a compiled body called inside a graphed block's warm-up made the trees treat that step's own live outputs as
+#   stale ("accessing tensor output of CUDAGraphs that has been overwritten", session 8 on the H200). Graph replay
+#   skips the bodies' Python anyway. orchestration's compile_blocks sets this through set_body_mode.
 BODY_MODES = ("compiled", "eager")
 _BODY_ENV = "FP8_GROUPED_BODY"
 _COMPILED_BODIES: dict = {}
+_body_mode_override: str | None = None
+
+
+def set_body_mode(mode: str | None) -> None:
+    """Force how the opaque ops' bodies run ("compiled" | "eager"); None goes back to FP8_GROUPED_BODY / the
+    default. Process-wide: every MoE layer shares the two custom ops."""
+    global _body_mode_override
+    if mode is not None and mode not in BODY_MODES:
+        raise ValueError(f"grouped GEMM body mode must be one of {BODY_MODES} or None, got {mode!r}")
+    _body_mode_override = mode
+
+
+def body_mode() -> str:
+    """The body mode in force: set_body_mode's, else FP8_GROUPED_BODY's, else "compiled"."""
+    if _body_mode_override is not None:
+        return _body_mode_override
+    mode = os.environ.get(_BODY_ENV, "compiled")
+    if mode not in BODY_MODES:
+        raise ValueError(f"{_BODY_ENV} must be one of {BODY_MODES}, got {mode!r}")
+    return mode
 
 
 def _run_body(fn, on_cuda: bool, *args):
     """fn(*args), through torch.compile unless FP8_GROUPED_BODY=eager, off CUDA, while tracing, or while a CUDA graph
     is being captured (compiling there could launch autotuning inside the capture; captured, the eager body's launch
     cost is paid once anyway)."""
-    mode = os.environ.get(_BODY_ENV, "compiled")
-    if mode not in BODY_MODES:
-        raise ValueError(f"{_BODY_ENV} must be one of {BODY_MODES}, got {mode!r}")
+    mode = body_mode()
     if (mode == "eager" or not on_cuda or torch.compiler.is_compiling()
             or torch.cuda.is_current_stream_capturing()):
         return fn(*args)

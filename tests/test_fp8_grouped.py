@@ -250,3 +250,35 @@ def test_op_bodies_trace_without_graph_breaks(monkeypatch, wgrad):
         gx, gw = bwd(gy, w, offs, saved, e4m3, False, True, wgrad, hp_dgrad)
         gx_ref, gw_ref = g._grouped_backward(gy, w, offs, saved, e4m3, False, True, wgrad, hp_dgrad)
         assert torch.equal(gx, gx_ref) and torch.equal(gw, gw_ref), (wgrad, hp_dgrad)
+
+
+def test_body_mode_switch_overrides_env_and_compile_blocks_sets_it(monkeypatch):
+    """set_body_mode beats FP8_GROUPED_BODY; the worker's compile_blocks picks eager bodies for CUDA graphs (compiled
+    bodies break CUDA-graph trees' step tracking) and hands back to the env/default otherwise; bad values fail."""
+    from fp8 import grouped
+    from orchestration.worker import compile_blocks
+
+    class Blocks(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleDict()
+
+    try:
+        monkeypatch.setenv("FP8_GROUPED_BODY", "compiled")
+        assert grouped.body_mode() == "compiled"
+        compile_blocks(Blocks(), "reduce-overhead")
+        assert grouped.body_mode() == "eager"
+        compile_blocks(Blocks(), "default")
+        assert grouped.body_mode() == "compiled"
+        monkeypatch.setenv("FP8_GROUPED_BODY", "eager")
+        assert grouped.body_mode() == "eager"
+        grouped.set_body_mode("compiled")
+        assert grouped.body_mode() == "compiled"
+        with pytest.raises(ValueError, match="body mode"):
+            grouped.set_body_mode("fast")
+        grouped.set_body_mode(None)
+        monkeypatch.setenv("FP8_GROUPED_BODY", "fast")
+        with pytest.raises(ValueError, match="FP8_GROUPED_BODY"):
+            grouped.body_mode()
+    finally:
+        grouped.set_body_mode(None)
