@@ -35,6 +35,14 @@ _KERNELS_MODULE = None
 
 def _kernels():
     global _KERNELS_LOOKED_UP, _KERNELS_MODULE
+    if not _KERNELS_LOOKED_UP and torch.compiler.is_compiling():
+        # Look up without storing while dynamo traces: inside an autograd.Function (a higher-order op to dynamo)
+        # a store to module state is a "non-nullified side effect", and the whole Function then graph-breaks and
+        # runs eagerly. That happened to every tensorwise Float8Linear, whose first lookup is in its backward:
+        # the dense Llama3-8B step spent ~120 ms of host per step in the eager backwards and swung between 190
+        # and 270 ms (session 8, results/session8). fp8.convert looks the kernels up eagerly, so this path is
+        # only for models built some other way.
+        return _import_kernels()
     if not _KERNELS_LOOKED_UP:
         _KERNELS_MODULE = _import_kernels()
         _KERNELS_LOOKED_UP = True
@@ -87,6 +95,13 @@ def _call(name: str, kernel, ref, *args, **kwargs):
         _FAILED.add(name)
         warnings.warn(f"fp8.kernels.{name} failed ({type(e).__name__}: {e}); using the PyTorch reference", stacklevel=3)
         return ref
+
+
+def look_up_kernels_eagerly() -> None:
+    """Resolve the kernels package now, outside any torch.compile trace (see _kernels); cheap after the first call.
+    Only where CUDA exists: CPU-only processes never need Triton imported."""
+    if torch.cuda.is_available() and not torch.compiler.is_compiling():
+        _kernels()
 
 
 def kernels_active(device: torch.device | str) -> bool:

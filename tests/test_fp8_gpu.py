@@ -9,6 +9,7 @@ the eager one.
 from __future__ import annotations
 
 import functools
+import os
 
 import pytest
 import torch
@@ -257,19 +258,22 @@ def test_grouped_op_compiled_body_matches_eager_body(monkeypatch, dims):
 
 
 def test_fp8_moe_model_under_cuda_graphs_matches_default_compile():
-    """model.compile_mode=reduce-overhead (CUDA-graph trees) through the worker's compile_blocks: three training-style
+    """model.compile_mode=reduce-overhead (CUDA-graph trees) as the worker's compile_blocks sets it up: three training-style
     steps (fresh inputs, marked steps, backward) run, and the last step's loss and expert gradients equal those of
     the same model compiled without graphs. Session 8 found compiled grouped-op bodies inside graphed blocks fail
     on the first backward ("accessing tensor output of CUDAGraphs that has been overwritten")."""
     from fp8 import grouped as fp8_grouped
-    from orchestration.worker import compile_blocks
 
     results = {}
     try:
         for mode in ("default", "reduce-overhead"):
             torch._dynamo.reset()
             model = _moe_model("fp8", compiled=False)
-            compile_blocks(model, mode)
+            # What orchestration.worker.compile_blocks does (that module needs the launcher's config libraries, not
+            # on the GPU image; tests/test_fp8_grouped.py pins that compile_blocks sets the body mode this way).
+            fp8_grouped.set_body_mode("eager" if mode == "reduce-overhead" else None)
+            for block in model.layers.values():
+                block.compile(dynamic=False, mode=None if mode == "default" else mode)
             gen = torch.Generator(DEVICE).manual_seed(5)
             for _ in range(3):
                 tokens = torch.randint(0, 1024, (2, 512), device=DEVICE, generator=gen)
@@ -286,3 +290,32 @@ def test_fp8_moe_model_under_cuda_graphs_matches_default_compile():
     torch.testing.assert_close(loss_g, loss_d, rtol=1e-3, atol=0)
     for name, g in grads_d.items():
         assert _cosine(grads_g[name], g) > 0.999, name
+
+
+def test_tensorwise_float8_linear_compiles_to_one_graph_in_a_fresh_process():
+    """In a new process (the kernels package not yet looked up), a compiled tensorwise Float8Linear is one graph
+    with fullgraph=True, forward and backward, and matches eager. Its first kernel lookup happens while dynamo
+    traces its backward; a module-state store there broke the graph and the layer ran eagerly (session 8)."""
+    import subprocess
+    import sys
+
+    script = (
+        "import torch\n"
+        "from fp8 import Float8Linear\n"
+        "torch.manual_seed(0)\n"
+        "lin = Float8Linear.from_float(torch.nn.Linear(512, 1024, bias=False, device='cuda', dtype=torch.bfloat16),"
+        " 'tensorwise')\n"
+        "x = torch.randn(256, 512, device='cuda', dtype=torch.bfloat16, requires_grad=True)\n"
+        "outs = []\n"
+        "for mod in (torch.compile(lin, fullgraph=True), lin):\n"
+        "    x.grad, lin.weight.grad = None, None\n"
+        "    y = mod(x); y.float().square().sum().backward()\n"
+        "    outs.append((y.detach().clone(), x.grad.clone(), lin.weight.grad.clone()))\n"
+        "for a, b in zip(*outs):\n"
+        "    torch.testing.assert_close(a, b, rtol=0.02, atol=0.02)\n"
+        "print('ONE GRAPH OK')\n"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")})
+    assert proc.returncode == 0 and "ONE GRAPH OK" in proc.stdout, proc.stderr[-3000:]

@@ -164,3 +164,32 @@ def test_bias_and_leading_dims():
     assert sqnr(y, lin(x)) > 24
     mod.fp8_enabled = False
     assert torch.equal(mod(x), lin(x))
+
+
+def test_first_kernel_lookup_inside_a_compiled_backward_keeps_one_graph(monkeypatch):
+    """The kernels package's first lookup may happen while dynamo traces an autograd.Function's backward (a
+    tensorwise Float8Linear first reaches it there, for its fp8 transposes). It must not store module state then:
+    such a store is a side effect dynamo refuses inside the Function, and the whole Function graph-broke and ran
+    eagerly (session 8: ~120 ms of host per dense step on the H200). fullgraph=True turns a break into an error."""
+    from fp8 import quant
+
+    monkeypatch.setattr(quant, "_KERNELS_LOOKED_UP", False)
+    monkeypatch.setattr(quant, "_KERNELS_MODULE", None)
+
+    class LooksUpInBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * (3 if quant._kernels() is not None else 5)
+
+    torch._dynamo.reset()
+    fn = torch.compile(lambda x: LooksUpInBackward.apply(x), fullgraph=True, backend="aot_eager")
+    x = torch.ones(4, requires_grad=True)
+    fn(x).sum().backward()
+    expected = 3.0 if quant._import_kernels() is not None else 5.0
+    torch.testing.assert_close(x.grad, torch.full((4,), expected))
+    assert quant._KERNELS_LOOKED_UP is False  # nothing stored while tracing; the eager path stores it
+    assert (quant._kernels() is not None) == (expected == 3.0) and quant._KERNELS_LOOKED_UP is True
