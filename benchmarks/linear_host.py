@@ -50,6 +50,7 @@ def set_kernels_env(value: str) -> None:
 
     os.environ["FP8_KERNELS"] = value
     quant._KERNELS_LOOKED_UP = False
+    quant._FAILED.clear()  # a kernel that failed under one variant is tried again under the next
     # Look it up again now, eagerly, as convert_to_fp8 does (session 8's run reset it without this, and every ours
     # row measured a graph-broken layer: see fp8.quant._kernels).
     quant.look_up_kernels_eagerly()

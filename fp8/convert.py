@@ -13,7 +13,6 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
-from fp8 import quant
 from fp8.grouped import Fp8GroupedMM
 from fp8.linear import Float8Linear
 from fp8.recipes import Recipe, get_recipe
@@ -120,8 +119,6 @@ def convert_to_fp8(
             _set_module(module, True)
     for parent, child, module in swaps:
         setattr(parent, child, Float8Linear.from_float(module, rec))
-    # Before any compile traces the casts: a first lookup inside a trace cannot be cached (fp8.quant._kernels).
-    quant.look_up_kernels_eagerly()
     return model
 
 

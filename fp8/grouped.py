@@ -237,9 +237,9 @@ def body_mode() -> str:
 
 
 def _run_body(fn, on_cuda: bool, *args):
-    """fn(*args), through torch.compile unless FP8_GROUPED_BODY=eager, off CUDA, while tracing, or while a CUDA graph
-    is being captured (compiling there could launch autotuning inside the capture; captured, the eager body's launch
-    cost is paid once anyway)."""
+    """fn(*args), through torch.compile unless the body mode (set_body_mode, else FP8_GROUPED_BODY) is eager, off CUDA,
+    while tracing, or while a CUDA graph is being captured (compiling there could launch autotuning inside the
+    capture; captured, the eager body's launch cost is paid once anyway)."""
     mode = body_mode()
     if (mode == "eager" or not on_cuda or torch.compiler.is_compiling()
             or torch.cuda.is_current_stream_capturing()):
@@ -365,6 +365,7 @@ class Fp8GroupedMM:
                  mode: str | None = None, dgrad: str = "auto"):
         if wgrad_scaling not in WGRAD_SCALINGS:
             raise ValueError(f"wgrad_scaling must be one of {WGRAD_SCALINGS}, got {wgrad_scaling!r}")
+        quant.look_up_kernels_eagerly()  # before any compile traces the casts (fp8.quant._kernels)
         if dgrad not in DGRAD_CHOICES:
             raise ValueError(f"dgrad must be one of {DGRAD_CHOICES}, got {dgrad!r}")
         self.dgrad = dgrad

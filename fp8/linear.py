@@ -172,6 +172,7 @@ class Float8Linear(nn.Linear):
         new.bias = mod.bias
         new.fp8_health_stats = torch.zeros(3, device=mod.weight.device)
         new.train(mod.training)
+        quant.look_up_kernels_eagerly()  # before any compile traces the casts (fp8.quant._kernels)
         return new
 
     def extra_repr(self) -> str:

@@ -40,8 +40,8 @@ def _kernels():
         # a store to module state is a "non-nullified side effect", and the whole Function then graph-breaks and
         # runs eagerly. That happened to every tensorwise Float8Linear, whose first lookup is in its backward:
         # the dense Llama3-8B step spent ~120 ms of host per step in the eager backwards and swung between 190
-        # and 270 ms (session 8, results/session8). fp8.convert looks the kernels up eagerly, so this path is
-        # only for models built some other way.
+        # and 270 ms (session 8, results/session8). convert_to_fp8, Float8Linear.from_float and Fp8GroupedMM look
+        # the kernels up eagerly (a graph traced before the lookup guards on it and recompiles once after it).
         return _import_kernels()
     if not _KERNELS_LOOKED_UP:
         _KERNELS_MODULE = _import_kernels()
@@ -92,6 +92,10 @@ def _call(name: str, kernel, ref, *args, **kwargs):
     try:
         return kernel(*args, **kwargs)
     except Exception as e:  # noqa: BLE001  # the kernels are an optimization: never let them stop training
+        if torch.compiler.is_compiling():
+            # No record or warning while dynamo traces: inside an autograd.Function both are side effects it refuses,
+            # and the Function would fall out of the graph (see _kernels). The eager path records the failure.
+            return ref
         _FAILED.add(name)
         warnings.warn(f"fp8.kernels.{name} failed ({type(e).__name__}: {e}); using the PyTorch reference", stacklevel=3)
         return ref

@@ -193,3 +193,35 @@ def test_first_kernel_lookup_inside_a_compiled_backward_keeps_one_graph(monkeypa
     torch.testing.assert_close(x.grad, torch.full((4,), expected))
     assert quant._KERNELS_LOOKED_UP is False  # nothing stored while tracing; the eager path stores it
     assert (quant._kernels() is not None) == (expected == 3.0) and quant._KERNELS_LOOKED_UP is True
+
+
+def test_kernel_failure_while_tracing_a_backward_falls_back_without_breaking_the_graph(monkeypatch):
+    """A kernel that raises while dynamo traces an autograd.Function runs the reference in the graph without
+    recording the failure or warning there (both are side effects dynamo refuses inside the Function, which would
+    then run eagerly); the eager path records it and warns once."""
+    from fp8 import quant
+
+    monkeypatch.setattr(quant, "_FAILED", set())
+
+    def broken_kernel(x):
+        raise RuntimeError("unsupported shape")
+
+    class FallsBack(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            out = quant._call("transpose", broken_kernel, None, g)
+            return (g * 7) if out is None else out
+
+    torch._dynamo.reset()
+    fn = torch.compile(lambda x: FallsBack.apply(x), fullgraph=True, backend="aot_eager")
+    x = torch.ones(4, requires_grad=True)
+    fn(x).sum().backward()
+    torch.testing.assert_close(x.grad, torch.full((4,), 7.0))
+    assert quant._FAILED == set()
+    with pytest.warns(UserWarning, match="transpose failed"):
+        assert quant._call("transpose", broken_kernel, None, x) is None
+    assert quant._FAILED == {"transpose"}
