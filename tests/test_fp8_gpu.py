@@ -319,6 +319,6 @@ def test_tensorwise_float8_linear_compiles_to_one_graph_in_a_fresh_process():
         "print('ONE GRAPH OK')\n"
     )
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=300,
+    proc = subprocess.run([sys.executable, "-c", script], check=False, cwd=root, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")})
     assert proc.returncode == 0 and "ONE GRAPH OK" in proc.stdout, proc.stderr[-3000:]
