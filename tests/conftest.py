@@ -44,3 +44,16 @@ def no_ray_leftovers():
 
 def which_ray() -> str:
     return shutil.which("ray") or str(Path(sys.executable).parent / "ray")
+
+
+@pytest.fixture(autouse=True)
+def restore_grouped_body_mode(monkeypatch):
+    """The grouped GEMM body mode is process-wide (fp8.grouped.set_body_mode, set by compile_blocks for CUDA graphs):
+    restore it and compile_blocks' record of it after every test, so no test sees another's setting."""
+    import fp8.grouped
+
+    monkeypatch.setattr(fp8.grouped, "_body_mode_override", None)
+    worker = sys.modules.get("orchestration.worker")
+    if worker is not None:
+        monkeypatch.setattr(worker, "_BODIES_SET_EAGER_FOR_GRAPHS", False)
+    yield
