@@ -107,3 +107,22 @@ def run_workers(script: str, args: list[str], n: int, timeout_s: float) -> list[
             p.kill()
             codes.append(-9)
     return codes
+
+
+def kernel_times(step, steps: int = 1, name_chars: int = 120) -> list[dict]:
+    """GPU time per kernel name over `steps` calls of step() (torch.profiler), longest first:
+    [{"kernel", "us_per_step", "calls_per_step"}]."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    rows = []
+    for ev in prof.key_averages():
+        t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+        if t > 0:
+            rows.append({"kernel": ev.key[:name_chars], "us_per_step": t / steps, "calls_per_step": ev.count / steps})
+    rows.sort(key=lambda r: -r["us_per_step"])
+    return rows

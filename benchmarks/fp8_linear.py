@@ -32,7 +32,7 @@ from torch import nn
 torch._dynamo.config.recompile_limit = 1024
 torch._dynamo.config.accumulated_recompile_limit = 4096
 
-from benchmarks.common import Budget, bench_ms, env_info, run_workers, sqnr_db, write_json
+from benchmarks.common import Budget, bench_ms, env_info, kernel_times, run_workers, sqnr_db, write_json
 
 SHAPES = {  # name: (K, N); priority order (the targets' shapes first)
     "llama3_8b.w13": (4096, 28672),
@@ -167,19 +167,7 @@ def cast_bandwidth(device: str) -> dict:
 
 def kernel_table(step, steps: int = 5) -> list[dict]:
     """GPU time per step by kernel (torch.profiler over `steps` steps): where a variant's fixed costs are."""
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            step()
-        torch.cuda.synchronize()
-    rows = []
-    for ev in prof.key_averages():
-        t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
-        if t > 0:
-            rows.append({"kernel": ev.key[:120], "us_per_step": t / steps, "calls_per_step": ev.count / steps})
-    rows.sort(key=lambda r: -r["us_per_step"])
+    rows = kernel_times(step, steps)
     total = sum(r["us_per_step"] for r in rows)
     print(f"    kernels: {total:.1f} us GPU per step", flush=True)
     for r in rows[:14]:

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 torch._dynamo.config.recompile_limit = 1024
 torch._dynamo.config.accumulated_recompile_limit = 4096
 
-from benchmarks.common import Budget, bench_ms, env_info, run_workers, sqnr_db, write_json
+from benchmarks.common import Budget, bench_ms, env_info, kernel_times, run_workers, sqnr_db, write_json
 
 CASES = ("bf16_compiled", "ours_eager", "ours_compiled", "ours_pe_compiled", "ours_hp_compiled", "torchao_compiled",
          "torchao_eager", "bf16_eager")
@@ -192,19 +192,9 @@ def gemm_breakdown(m: int, e: int, d: int, i: int, device: str) -> dict:
 
 def profile_top(step, top: int = 14) -> list[dict]:
     """GPU time per kernel name over one step (torch.profiler): where the FP8 step spends its time."""
-    from torch.profiler import ProfilerActivity, profile
-
     step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        step()
-        torch.cuda.synchronize()
-    rows = []
-    for ev in prof.key_averages():
-        t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
-        if t > 0:
-            rows.append({"kernel": ev.key[:90], "ms": t / 1e3, "calls": ev.count})
-    rows.sort(key=lambda r: -r["ms"])
+    rows = [{"kernel": r["kernel"], "ms": r["us_per_step"] / 1e3, "calls": int(r["calls_per_step"])}
+            for r in kernel_times(step, 1, name_chars=90)]
     for r in rows[:top]:
         print(f"{r['ms']:8.3f} ms {r['calls']:4d}x  {r['kernel']}", flush=True)
     return rows[:40]
