@@ -206,11 +206,11 @@ class _Fp8GroupedMMFn(torch.autograd.Function):
 #               The body still runs inside the opaque op, so the outer graph and its gradients are what "opaque"
 #               mode gives (no autograd is traced here: the bodies are plain functions of tensors).
 #   "eager"     the Python bodies as written (always on CPU, where the emulated path runs outside compile).
-#   Under CUDA-graph trees (torch.compile mode="reduce-overhead") the bodies must run eagerly: entering any
-#   torch.compile'd function bumps dynamo's generation counter, which the trees read as "a new iteration began", so
-#   a compiled body called inside a graphed block's warm-up made the trees treat that step's own live outputs as
-#   stale ("accessing tensor output of CUDAGraphs that has been overwritten", session 8 on the H200). Graph replay
-#   skips the bodies' Python anyway. orchestration's compile_blocks sets this through set_body_mode.
+#   Under CUDA-graph trees (torch.compile mode="reduce-overhead") the bodies run eagerly: where steps are not
+#   marked (cudagraph_mark_step_begin), the trees find iterations by dynamo's generation counter, which entering any
+#   torch.compile'd function bumps, so a compiled body inside a graphed block made the trees treat that step's own
+#   live outputs as stale ("accessing tensor output of CUDAGraphs that has been overwritten", session 8 on the
+#   H200). Graph replay skips the bodies' Python anyway. orchestration's compile_blocks sets this (set_body_mode).
 BODY_MODES = ("compiled", "eager")
 _BODY_ENV = "FP8_GROUPED_BODY"
 _COMPILED_BODIES: dict = {}
@@ -365,9 +365,9 @@ class Fp8GroupedMM:
                  mode: str | None = None, dgrad: str = "auto"):
         if wgrad_scaling not in WGRAD_SCALINGS:
             raise ValueError(f"wgrad_scaling must be one of {WGRAD_SCALINGS}, got {wgrad_scaling!r}")
-        quant.look_up_kernels_eagerly()  # before any compile traces the casts (fp8.quant._kernels)
         if dgrad not in DGRAD_CHOICES:
             raise ValueError(f"dgrad must be one of {DGRAD_CHOICES}, got {dgrad!r}")
+        quant.look_up_kernels_eagerly()  # before any compile traces the casts (fp8.quant._kernels)
         self.dgrad = dgrad
         if mode is not None and mode not in GROUPED_MODES:
             raise ValueError(f"mode must be one of {GROUPED_MODES} (or None: ${_GROUPED_MODE_ENV}), got {mode!r}")

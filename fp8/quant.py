@@ -40,8 +40,8 @@ def _kernels():
         # a store to module state is a "non-nullified side effect", and the whole Function then graph-breaks and
         # runs eagerly. That happened to every tensorwise Float8Linear, whose first lookup is in its backward:
         # the dense Llama3-8B step spent ~120 ms of host per step in the eager backwards and swung between 190
-        # and 270 ms (session 8, results/session8). convert_to_fp8, Float8Linear.from_float and Fp8GroupedMM look
-        # the kernels up eagerly (a graph traced before the lookup guards on it and recompiles once after it).
+        # and 270 ms (session 8, results/session8). Float8Linear.from_float and Fp8GroupedMM (so convert_to_fp8)
+        # look the kernels up eagerly (a graph traced before the lookup guards on it and recompiles once after it).
         return _import_kernels()
     if not _KERNELS_LOOKED_UP:
         _KERNELS_MODULE = _import_kernels()
