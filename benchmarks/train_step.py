@@ -18,7 +18,8 @@ mode="reduce-overhead" (CUDA graphs); "+eagerloss" runs the cross-entropy eagerl
 multiple of 256); "+autogc" leaves Python's automatic garbage collection on during the timed steps (default: the
 worker's policy, orchestration/gc_policy.py; every row records its GC pauses under "gc"); "+minw<W>" keeps linears
 with K*N/(K+N) < W in bf16 (fp8.convert.min_width_module_filter); "+eagerbody" runs the grouped GEMM custom ops'
-bodies eagerly (FP8_GROUPED_BODY=eager; default: compiled on CUDA).
+bodies eagerly (FP8_GROUPED_BODY=eager; default: compiled on CUDA); "+head" converts the LM output head too (ours:
+precision.fp8_output_head, fp8.convert.make_module_filter; torchao: the same filter without its head exclusion).
 Every row also times the AdamW step alone and checks the gradients' layout
 (`optimizer_probe`), which localises optimizer-time differences between variants.
 
@@ -71,13 +72,14 @@ CONFIGS = {
 
 
 def build(model_name: str, overrides: dict, variant: str, device: torch.device, compile_blocks: bool,
-          dtype: torch.dtype = torch.bfloat16, compile_mode: str | None = None, min_width: float | None = None):
+          dtype: torch.dtype = torch.bfloat16, compile_mode: str | None = None, min_width: float | None = None,
+          output_head: bool = False, seed: int = 0):
     from models.deepseek_moe import set_forward_recompute
     from models.registry import build_model
 
     model = build_model(model_name, device="meta", overrides=overrides)
     model.to_empty(device=device)
-    model.init_weights(seed=0)
+    model.init_weights(seed=seed)
     set_forward_recompute(model, False)  # no activation checkpointing here, as in the worker without it
     # Throughput: bf16 parameters on every side (AdamW states in bf16 too, the same for all). Loss parity: fp32
     # master weights under bf16 autocast, as the worker loop trains.
@@ -86,17 +88,19 @@ def build(model_name: str, overrides: dict, variant: str, device: torch.device, 
     if impl in ("ours", "ours_nomon"):
         import fp8
 
-        module_filter = None if min_width is None else fp8.convert.min_width_module_filter(min_width)
+        module_filter = fp8.convert.make_module_filter(min_gemm_width=min_width or 0.0, output_head=output_head)
         fp8.convert_to_fp8(model, recipe, module_filter=module_filter)
     elif impl == "torchao":
-        convert_torchao(model, recipe)
+        convert_torchao(model, recipe, output_head=output_head)
     if compile_blocks:
         for block in model.layers.values():
             block.compile(dynamic=False, mode=compile_mode)  # static shapes: see the note on CONFIGS
+        if output_head:  # an FP8 head compiles too (its casts fuse), as orchestration.worker.compile_blocks does
+            model.output.compile(dynamic=False, mode=compile_mode)
     return model
 
 
-def convert_torchao(model, recipe: str) -> None:
+def convert_torchao(model, recipe: str, output_head: bool = False) -> None:
     if recipe == "moe":
         # torchao's MoE FP8 training: wraps expert weights so torch._grouped_mm dispatches to its FP8 path.
         # torchao 0.18: Float8TrainingOpConfig (prototype.moe_training.config), applied with quantize_.
@@ -119,8 +123,8 @@ def convert_torchao(model, recipe: str) -> None:
     name = {"tensorwise": "tensorwise", "rowwise": "rowwise", "rowwise_gw_hp": "rowwise_with_gw_hp"}[recipe]
     config = Float8LinearConfig.from_recipe_name(name)
 
-    def keep(module, fqn):  # same filter as ours: no output head, no router, 16-aligned dims
-        return "output" not in fqn and "gate" != fqn.rsplit(".", 1)[-1] and \
+    def keep(module, fqn):  # same filter as ours: no output head (unless output_head), no router, 16-aligned dims
+        return (output_head or "output" not in fqn) and "gate" != fqn.rsplit(".", 1)[-1] and \
             module.in_features % 16 == 0 and module.out_features % 16 == 0
 
     convert_to_float8_training(model, config=config, module_filter_fn=keep)
@@ -468,7 +472,7 @@ def bench_config(name: str, cfg: dict, args, device) -> dict:
             import torch._inductor.config as inductor_config
 
             base_variant, *flags = variant.split("+")
-            known = {"nomix", "kern", "ntk", "cg", "eagerloss", "eagergrp", "tracedgrp", "fp8dg", "autogc", "eagerbody"}
+            known = {"nomix", "kern", "ntk", "cg", "eagerloss", "eagergrp", "tracedgrp", "fp8dg", "autogc", "eagerbody", "head"}
             width_flags = [f for f in flags if f.startswith("minw") and f[4:].isdigit()]
             unknown = set(flags) - known - set(width_flags)
             if unknown:
@@ -486,7 +490,7 @@ def bench_config(name: str, cfg: dict, args, device) -> dict:
             torch._dynamo.reset()  # fresh graphs per variant: the flags above are not part of dynamo's guards
             model = build(cfg["model"], cfg["overrides"], base_variant, device, compile_blocks=not args.eager,
                           compile_mode="reduce-overhead" if "cg" in flags else None,
-                          min_width=float(width_flags[0][4:]) if width_flags else None)
+                          min_width=float(width_flags[0][4:]) if width_flags else None, output_head="head" in flags)
             vocab = model.args.vocab_size
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
             impl = base_variant.split(":")[0]
@@ -512,7 +516,7 @@ def bench_config(name: str, cfg: dict, args, device) -> dict:
             row["optimizer_probe"] = optimizer_probe(model, optimizer, batches[0], compiled_loss)
             if args.profile:
                 print(f"[{name}] {variant} profile of one step:", flush=True)
-                row["profile"] = kernel_profile(step, batches[0])
+                row["profile"] = kernel_profile(step, batches[0], top=args.profile_top)
             if args.host_profile:
                 print(f"[{name}] {variant} host profile of 6 steps:", flush=True)
                 row["host_profile"] = host_profile(step, batches)
@@ -541,12 +545,27 @@ def loss_parity(args, device) -> dict:
 
     files = collect_text_files(python_stdlib_dir(), "*.py", 400)
     seq, batch = 1024, 8
-    data = ByteTextDataset(files, seq, seed=1234)
-    overrides = {"n_layers": 4, "vocab_size": 256, "max_seq_len": seq}
+    # "pairs": each token is two bytes (vocab 65536), a large-vocabulary head with a skewed (Zipf-like) token
+    # distribution like a real tokenizer's, for the +head rows; "bytes": vocab 256.
+    pairs = args.loss_vocab == "pairs"
+    data = ByteTextDataset(files, 2 * seq + 1 if pairs else seq, seed=1234)
+    vocab = 65536 if pairs else 256
+    overrides = {"n_layers": 4, "vocab_size": vocab, "max_seq_len": seq}
     curves = {}
-    for variant in ("bf16", "ours:tensorwise"):
-        torch.manual_seed(0)
-        model = build("llama3_1b", overrides, variant, device, compile_blocks=not args.eager, dtype=torch.float32)
+    variants = args.loss_variants.split(",")
+    if variants[0] != "bf16":
+        raise ValueError("--loss-variants must start with bf16 (the reference)")
+    for variant in variants:
+        base_variant, *flags = variant.split("+")
+        # "+seed<N>": another initialisation (same data order): a second bf16 row this way measures how far two
+        # bf16 runs drift apart, the yardstick for the FP8 rows' differences.
+        seeds = [int(f[4:]) for f in flags if f.startswith("seed") and f[4:].isdigit()]
+        if set(flags) - {"head"} - {f"seed{n}" for n in seeds}:
+            raise ValueError(f"loss-parity variants take only the +head and +seed<N> suffixes, got {variant!r}")
+        seed = seeds[0] if seeds else 0
+        torch.manual_seed(seed)
+        model = build("llama3_1b", overrides, base_variant, device, compile_blocks=not args.eager,
+                      dtype=torch.float32, output_head="head" in flags, seed=seed)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1,
                                       fused=True)
         warm = 20
@@ -555,6 +574,10 @@ def loss_parity(args, device) -> dict:
         losses = []
         for s in range(args.loss_steps):
             inputs, targets = data.batch(s * batch, (s + 1) * batch)
+            if pairs:  # bytes b0 b1 b2 ... -> tokens b0*256+b1, b2*256+b3, ...; targets are the next pair
+                rows = torch.cat([inputs, targets[:, -1:]], dim=1)
+                tokens = rows[:, 0::2] * 256 + rows[:, 1::2]
+                inputs, targets = tokens[:, :-1], tokens[:, 1:]
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 logits = model(inputs.to(device))
             loss = lm_loss(logits, targets.to(device), compiled=COMPILED)
@@ -572,7 +595,8 @@ def loss_parity(args, device) -> dict:
     ref = statistics.mean(curves["bf16"][-10:])
     summary = {v: {"last10_mean": statistics.mean(c[-10:]),
                    "rel_diff_vs_bf16": (statistics.mean(c[-10:]) - ref) / ref} for v, c in curves.items()}
-    return {"steps": args.loss_steps, "seq": seq, "batch": batch, "model": "llama3_1b shape, 4 layers, byte vocab",
+    return {"steps": args.loss_steps, "seq": seq, "batch": batch,
+            "model": f"llama3_1b shape, 4 layers, vocab {vocab} ({args.loss_vocab})",
             "summary": summary, "curves": curves}
 
 
@@ -587,8 +611,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--loss-steps", type=int, default=150)
+    ap.add_argument("--loss-variants", default="bf16,ours:tensorwise", help="loss-parity rows; bf16 first")
+    ap.add_argument("--loss-vocab", choices=("bytes", "pairs"), default="bytes",
+                    help="loss-parity tokens: bytes (vocab 256) or byte pairs (vocab 65536)")
     ap.add_argument("--eager", action="store_true")
     ap.add_argument("--profile", action="store_true", help="torch.profiler kernel table of one step per variant")
+    ap.add_argument("--profile-top", type=int, default=15, help="how many kernels --profile lists")
     ap.add_argument("--host-profile", action="store_true",
                     help="per variant: host time by step phase, GPU idle attributed to phases, top CPU ops")
     ap.add_argument("--dense-layers", type=int, default=CONFIGS["dense"]["overrides"]["n_layers"],

@@ -70,12 +70,35 @@ def min_width_module_filter(min_width: float) -> Callable[[str, nn.Module], bool
 
     Grouped experts are not affected (their casts are per routed token, their GEMMs grouped; measured separately).
     """
+    return make_module_filter(min_gemm_width=min_width)
+
+
+# Leaf names of LM output heads (the Llama3 and DeepSeek models name theirs "output"; Hugging Face's "lm_head").
+_OUTPUT_HEAD_NAMES = frozenset({"output", "lm_head"})
+
+
+def is_output_head(name: str, module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in _OUTPUT_HEAD_NAMES
+
+
+def make_module_filter(min_gemm_width: float = 0.0, output_head: bool = False) -> Callable[[str, nn.Module], bool]:
+    """default_module_filter with the two opt-in changes the precision config exposes.
+
+    min_gemm_width: linears with gemm_width below it stay in high precision (0: none kept for width).
+    output_head: convert the LM output head too (16-aligned dims). Off by default, as in torchtitan and DeepSeek-V3:
+    the head's logits feed the softmax directly. It is the largest single GEMM of a Llama3-8B step (vocab 128256: ~32
+    ms of bf16 GEMM per step at seq 8192 on an H200, BENCHMARKS.md), so converting it is the biggest speed lever left
+    once the layers are in FP8; take it with the divergence monitors on, which fall the head back to bf16 with
+    the rest of the model.
+    """
 
     def keep(name: str, module: nn.Module) -> bool:
+        if output_head and is_output_head(name, module):
+            return module.in_features % 16 == 0 and module.out_features % 16 == 0
         if not default_module_filter(name, module):
             return False
-        if isinstance(module, nn.Linear):
-            return gemm_width(module.in_features, module.out_features) >= min_width
+        if isinstance(module, nn.Linear) and min_gemm_width > 0:
+            return gemm_width(module.in_features, module.out_features) >= min_gemm_width
         return True
 
     return keep
@@ -197,7 +220,8 @@ def load_precision_state(model: nn.Module, state: dict) -> None:
     unknown = sorted(set(state["modules"]) - set(mods))
     if unknown:
         raise ValueError(f"precision state names modules this model does not convert: {unknown[:5]}; the checkpoint "
-                         "was made with another FP8 recipe or module filter (precision.fp8_min_gemm_width): resume "
+                         "was made with another FP8 recipe or module filter (precision.fp8_min_gemm_width, "
+                         "precision.fp8_output_head): resume "
                          "with the settings it was trained with")
     for name, prec in state["modules"].items():
         if prec not in PRECISIONS:

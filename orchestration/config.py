@@ -64,6 +64,9 @@ class PrecisionConfig:
     # M * K * N, the cost of its casts with M * (K + N)). 0 converts every eligible linear. See README for the
     # widths measured to break even on the H200.
     fp8_min_gemm_width: float = 0.0
+    # Convert the LM output head to FP8 too (fp8.convert.make_module_filter). Off: the head stays bf16, as in
+    # torchtitan; on: the largest GEMM of a dense step runs in FP8 (see BENCHMARKS.md for its speed and loss).
+    fp8_output_head: bool = False
     # Dtype of the matmul inputs outside the fp8 layers (autocast); float32 keeps CPU tests exact.
     compute_dtype: str = "bfloat16"
     # FSDP2 MixedPrecisionPolicy: parameters gathered in this dtype, gradients reduced in reduce_dtype.

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from fp8 import grouped as fp8_grouped
+from fp8.linear import Float8Linear
 from models.loss import lm_loss as lm_loss_fn
 from orchestration.config import JobConfig, from_dict
 from orchestration.data import ByteTextDataset, collect_text_files, python_stdlib_dir
@@ -80,7 +81,8 @@ def build_training_model(job: JobConfig, world_size: int, device: torch.device):
 
         recipe = job.precision.recipe if job.precision.recipe != "auto" else fp8.recommended_recipe(device)
         width = job.precision.fp8_min_gemm_width
-        module_filter = fp8.convert.min_width_module_filter(width) if width > 0 else None
+        module_filter = fp8.convert.make_module_filter(min_gemm_width=width,
+                                                       output_head=job.precision.fp8_output_head)
         fp8.convert_to_fp8(model, recipe, module_filter=module_filter, moe_wgrad=job.precision.moe_wgrad)
         if not fp8.precision_state(model)["modules"]:
             # An "fp8" run with nothing in fp8 would fail later, at the first shadow check or RetryFP8.
@@ -137,6 +139,11 @@ def compile_blocks(model: torch.nn.Module, mode: str = "default") -> None:
     for block in model.layers.values():
         # fixed sequence length: no symbolic-shape kernels
         block.compile(dynamic=False, mode=None if mode == "default" else mode)
+    head = getattr(model, "output", None)
+    if isinstance(head, Float8Linear):
+        # An FP8 output head (precision.fp8_output_head) is compiled too, so Inductor fuses its casts; a bf16 head
+        # is one matmul, which compiling would not change.
+        head.compile(dynamic=False, mode=None if mode == "default" else mode)
 
 
 class Trainer:

@@ -11,16 +11,18 @@ from orchestration.config import load_job_config
 from orchestration.worker import build_training_model
 
 
-def _loss_and_grads(precision: str, compile_blocks: bool):
+def _loss_and_grads(precision: str, compile_blocks: bool, fp8_output_head: bool = False):
     job = load_job_config({
         "model": {"name": "debug_dense", "compile": compile_blocks, "overrides": {"n_layers": 2}},
-        "precision": {"name": precision, "recipe": "tensorwise", "compute_dtype": "float32"},
+        "precision": {"name": precision, "recipe": "tensorwise", "compute_dtype": "float32",
+                      "fp8_output_head": fp8_output_head},
         "cluster": {"min_workers": 1, "max_workers": 1},
         "train": {"global_batch_size": 2, "micro_batch_size": 2},
     })
     torch.manual_seed(0)
     model, _ = build_training_model(job, world_size=1, device=torch.device("cpu"))
-    compiled = [getattr(b, "_compiled_call_impl", None) is not None for b in model.layers.values()]
+    compiled = [getattr(b, "_compiled_call_impl", None) is not None
+                for b in [*model.layers.values(), *([model.output] if fp8_output_head else [])]]
     tokens = torch.randint(0, model.args.vocab_size, (2, 33), generator=torch.Generator().manual_seed(1))
     logits = model(tokens[:, :-1])
     loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
@@ -49,6 +51,21 @@ def test_compiled_fp8_blocks_train():
     assert grads_c.keys() == grads_e.keys()
     # Fused casts may put a value one fp8 step away from eager's (ENV.md), so gradients are compared by direction
     # (measured: equal losses, every cosine >= 0.9999998).
+    for name in grads_e:
+        cos = F.cosine_similarity(grads_c[name].flatten(), grads_e[name].flatten(), dim=0)
+        assert cos > 0.99999, name
+
+
+@pytest.mark.slow
+def test_compiled_fp8_output_head_matches_eager():
+    """precision.fp8_output_head=true: the FP8 head is compiled with the blocks and computes what eager does."""
+    compiled_flags, loss_c, grads_c = _loss_and_grads("fp8", compile_blocks=True, fp8_output_head=True)
+    _, loss_e, grads_e = _loss_and_grads("fp8", compile_blocks=False, fp8_output_head=True)
+    _, loss_hp_head, _ = _loss_and_grads("fp8", compile_blocks=False)
+    assert all(compiled_flags) and len(compiled_flags) == 3
+    torch.testing.assert_close(loss_c, loss_e, rtol=1e-5, atol=1e-5)
+    assert not torch.equal(loss_e, loss_hp_head)  # the head really ran in fp8
+    assert grads_c.keys() == grads_e.keys()
     for name in grads_e:
         cos = F.cosine_similarity(grads_c[name].flatten(), grads_e[name].flatten(), dim=0)
         assert cos > 0.99999, name

@@ -98,6 +98,27 @@ def test_fp8_min_gemm_width_keeps_narrow_linears_in_bf16():
     assert experts == all_experts
 
 
+def test_fp8_output_head_setting_reaches_the_conversion():
+    """precision.fp8_output_head: false (the default) keeps the LM head nn.Linear; true makes it a Float8Linear,
+    with the same layers converted besides; a non-boolean value is refused naming the key."""
+    import torch
+
+    from fp8 import Float8Linear
+    from orchestration.worker import build_training_model
+
+    def fp8_layers(*overrides):
+        job = compose_job("model=debug_dense", "model.compile=false", "cluster.min_workers=1",
+                          "cluster.max_workers=1", "precision=fp8", *overrides)
+        model, _ = build_training_model(job, world_size=1, device=torch.device("cpu"))
+        return {n for n, m in model.named_modules() if isinstance(m, Float8Linear)}
+
+    default = fp8_layers()
+    assert default and "output" not in default
+    assert fp8_layers("precision.fp8_output_head=true") == default | {"output"}
+    with pytest.raises(ConfigError, match="fp8_output_head"):
+        compose_job("model=debug_dense", "precision.fp8_output_head=sometimes")
+
+
 def test_fp8_min_gemm_width_that_leaves_nothing_in_fp8_is_refused():
     import torch
 

@@ -116,6 +116,35 @@ def test_min_width_filter_keeps_narrow_linears_and_converts_experts():
     assert type(model.output) is nn.Linear  # the default filter's exclusions still hold
 
 
+def test_output_head_converts_only_when_asked_and_falls_back_with_the_model():
+    """make_module_filter(output_head=True) adds the LM head (and nothing else the default keeps: embeddings,
+    routers, unaligned linears); its fp8 logits stay close to the bf16 head's; set_precision("bf16") puts the head
+    back to the exact bf16 computation; a precision state saved with the head in fp8 is refused by a model
+    converted without it, naming the setting."""
+    from fp8.convert import make_module_filter
+
+    base = build()
+    plain = {n for n, m in fp8.convert_to_fp8(copy.deepcopy(base), "tensorwise").named_modules()
+             if isinstance(m, Float8Linear)}
+    model = fp8.convert_to_fp8(copy.deepcopy(base), "tensorwise", module_filter=make_module_filter(output_head=True))
+    with_head = {n for n, m in model.named_modules() if isinstance(m, Float8Linear)}
+    assert with_head == plain | {"output"}
+    assert type(model.tok_embeddings) is nn.Embedding
+    assert all(type(model.layers[i].gate) is nn.Linear and type(model.layers[i].odd) is nn.Linear for i in "01")
+    # The head alone in fp8: logits within fp8's error of the bf16 head's (SQNR in dB against float64).
+    x = torch.randn(64, DIM, dtype=torch.bfloat16)
+    ref = x.double() @ base.output.weight.double().t()
+    sqnr = lambda y: (10 * torch.log10(ref.pow(2).sum() / (y.double() - ref).pow(2).sum())).item()  # noqa: E731
+    assert 20 < sqnr(model.output(x)) < sqnr(base.output(x)) - 10
+    fp8.set_precision(model, "bf16")
+    assert torch.equal(loss_of(model), loss_of(base))
+    fp8.set_precision(model, "fp8")
+    state = fp8.precision_state(model)
+    assert state["modules"]["output"] == "fp8"
+    with pytest.raises(ValueError, match="fp8_output_head"):
+        fp8.load_precision_state(fp8.convert_to_fp8(build(), "tensorwise"), state)
+
+
 def test_parameters_and_state_dict_untouched():
     model = build()
     params_before = {n: p for n, p in model.named_parameters()}
