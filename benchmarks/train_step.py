@@ -19,7 +19,8 @@ multiple of 256); "+autogc" leaves Python's automatic garbage collection on duri
 worker's policy, orchestration/gc_policy.py; every row records its GC pauses under "gc"); "+minw<W>" keeps linears
 with K*N/(K+N) < W in bf16 (fp8.convert.min_width_module_filter); "+eagerbody" runs the grouped GEMM custom ops'
 bodies eagerly (FP8_GROUPED_BODY=eager; default: compiled on CUDA); "+head" converts the LM output head too (ours:
-precision.fp8_output_head, fp8.convert.make_module_filter; torchao: the same filter without its head exclusion).
+precision.fp8_output_head, fp8.convert.make_module_filter; torchao: the same filter without its head exclusion);
+"+cdt" turns on Inductor's coordinate-descent tuning of its Triton kernels' block sizes (slower compiles).
 Every row also times the AdamW step alone and checks the gradients' layout
 (`optimizer_probe`), which localises optimizer-time differences between variants.
 
@@ -472,7 +473,8 @@ def bench_config(name: str, cfg: dict, args, device) -> dict:
             import torch._inductor.config as inductor_config
 
             base_variant, *flags = variant.split("+")
-            known = {"nomix", "kern", "ntk", "cg", "eagerloss", "eagergrp", "tracedgrp", "fp8dg", "autogc", "eagerbody", "head"}
+            known = {"nomix", "kern", "ntk", "cg", "eagerloss", "eagergrp", "tracedgrp", "fp8dg", "autogc", "eagerbody", "head",
+                     "cdt"}
             width_flags = [f for f in flags if f.startswith("minw") and f[4:].isdigit()]
             unknown = set(flags) - known - set(width_flags)
             if unknown:
@@ -486,6 +488,7 @@ def bench_config(name: str, cfg: dict, args, device) -> dict:
 
             fp8.grouped.set_body_mode("eager" if "cg" in flags else None)
             inductor_config.triton.mix_order_reduction = "nomix" not in flags
+            inductor_config.coordinate_descent_tuning = "cdt" in flags
             os.environ["FP8_KERNELS"] = "always" if "kern" in flags else "no_transposes" if "ntk" in flags else "1"
             torch._dynamo.reset()  # fresh graphs per variant: the flags above are not part of dynamo's guards
             model = build(cfg["model"], cfg["overrides"], base_variant, device, compile_blocks=not args.eager,
