@@ -205,6 +205,9 @@ def validate(job: JobConfig) -> None:
              f"'{job.precision.recipe}' is not one of {RECIPES}")
     _require(job.precision.fp8_min_gemm_width >= 0, "precision.fp8_min_gemm_width",
              f"must be >= 0 (0 converts every eligible linear), got {job.precision.fp8_min_gemm_width}")
+    _require(not (job.precision.fp8_output_head and job.precision.name != "fp8"), "precision.fp8_output_head",
+             f"true needs precision=fp8 (got precision={job.precision.name}, which converts nothing): drop "
+             "precision.fp8_output_head or use precision=fp8")
     _require(job.precision.moe_wgrad in MOE_WGRADS, "precision.moe_wgrad",
              f"'{job.precision.moe_wgrad}' is not one of {MOE_WGRADS}")
     for key in ("compute_dtype", "fsdp_param_dtype", "fsdp_reduce_dtype"):

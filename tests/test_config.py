@@ -117,6 +117,8 @@ def test_fp8_output_head_setting_reaches_the_conversion():
     assert fp8_layers("precision.fp8_output_head=true") == default | {"output"}
     with pytest.raises(ConfigError, match="fp8_output_head"):
         compose_job("model=debug_dense", "precision.fp8_output_head=sometimes")
+    with pytest.raises(ConfigError, match="precision.fp8_output_head: true needs precision=fp8"):
+        compose_job("model=debug_dense", "precision=bf16", "precision.fp8_output_head=true")
 
 
 def test_fp8_min_gemm_width_that_leaves_nothing_in_fp8_is_refused():
