@@ -436,8 +436,8 @@ def main():
                          xs8[0].t().contiguous().view(torch.uint8))
         checks.append({"op": "transpose", "shape": key, "ok": ok})
         nxt = cycle(xs8)
-        tri_ms = bench_ms(lambda: fk.transpose(nxt(), use_triton=use_triton))
-        torch_ms = bench_ms(lambda: nxt().t().contiguous())
+        tri_ms = bench_ms(lambda nxt=nxt: fk.transpose(nxt(), use_triton=use_triton))
+        torch_ms = bench_ms(lambda nxt=nxt: nxt().t().contiguous())
         gbps = 2 * M * N / tri_ms / 1e6
         kernels.append({"kernel": "transpose fp8", "shape": key, "ms": tri_ms, "torch_t_contiguous_ms": torch_ms,
                         "pct_copy": 100 * gbps / copy_gbps[key]})

@@ -44,16 +44,15 @@ import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
-
-import torch._dynamo  # noqa: E402
+import torch
+import torch._dynamo
 
 torch._dynamo.config.recompile_limit = 1024
 torch._dynamo.config.accumulated_recompile_limit = 4096
 
-from benchmarks.common import env_info, write_json  # noqa: E402
-from orchestration.gc_policy import ManagedGc  # noqa: E402
-from models.loss import lm_loss  # noqa: E402
+from benchmarks.common import env_info, write_json
+from models.loss import lm_loss
+from orchestration.gc_policy import ManagedGc
 
 # The loss is compiled with the blocks (as the worker does); --eager turns both off.
 COMPILED = True
@@ -523,7 +522,7 @@ def bench_config(name: str, cfg: dict, args, device) -> dict:
             if args.host_profile:
                 print(f"[{name}] {variant} host profile of 6 steps:", flush=True)
                 row["host_profile"] = host_profile(step, batches)
-        except Exception as exc:  # record and go on: one failing variant must not lose the others
+        except Exception as exc:  # noqa: BLE001  # record and go on: one failing variant must not lose the others
             row["error"] = f"{type(exc).__name__}: {exc}"
             traceback.print_exc()
         rows.append(row)
@@ -573,7 +572,8 @@ def loss_parity(args, device) -> dict:
                                       fused=True)
         warm = 20
         sched = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / args.loss_steps))))
+            optimizer,
+            lambda s, warm=warm: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / args.loss_steps))))
         losses = []
         for s in range(args.loss_steps):
             inputs, targets = data.batch(s * batch, (s + 1) * batch)

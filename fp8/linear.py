@@ -23,6 +23,7 @@ from fp8 import quant
 from fp8.backend import Fp8Backend, get_backend
 from fp8.recipes import Recipe, get_recipe
 
+
 def _row_major(a: torch.Tensor) -> torch.Tensor:
     return a if a.stride(-1) == 1 else quant.transposed_copy(a.t())
 

@@ -78,9 +78,9 @@ def _kernel_fn(x: torch.Tensor, name: str):
     # FP8_KERNELS=always puts every cast on the kernels; FP8_KERNELS=no_transposes lets Inductor write the fp8
     # transposed copies too (the session-3 default, kept for A/B runs).
     mode = os.environ.get(_USE_KERNELS_ENV)
-    if torch.compiler.is_compiling() and mode != "always":
-        if name not in _KERNELS_UNDER_COMPILE or (mode == "no_transposes" and name == "transpose"):
-            return None
+    if torch.compiler.is_compiling() and mode != "always" and (
+            name not in _KERNELS_UNDER_COMPILE or (mode == "no_transposes" and name == "transpose")):
+        return None
     mod = _kernels()
     if mod is None or name in _FAILED:
         return None

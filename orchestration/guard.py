@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 
 class StepGuard:
-    def __init__(self, trainer: "Trainer"):
+    def __init__(self, trainer: Trainer):
         self.trainer = trainer
         job = trainer.job
         self.enabled = job.monitor.enabled
@@ -32,7 +32,7 @@ class StepGuard:
         # Per-block FP8 saturation slots let the policy fall back only the offending blocks (fallback_scope=layers).
         self.layer_names: tuple[str, ...] = ()
         if self.fp8_run and job.monitor.fallback_scope == "layers":
-            self.layer_names = tuple(f"layers.{name}" for name in trainer.model.layers.keys())
+            self.layer_names = tuple(f"layers.{name}" for name in trainer.model.layers)
         self.monitor = StepMonitor(job.monitor, self.layer_names)
         self.policy = DivergencePolicy(job.monitor, precision="fp8" if self.fp8_run else "bf16")
         self.faults = FaultInjector(job.faults, rank=trainer.rank, marker_dir=trainer.run_dir.path / "faults")
@@ -167,7 +167,7 @@ class StepGuard:
                 from orchestration.ray_metrics import TrainingMetrics
 
                 self.ray_metrics = TrainingMetrics(tags)
-            except Exception as exc:  # outside Ray (torchrun, tests) there is no metrics agent
+            except Exception as exc:  # noqa: BLE001  # outside Ray (torchrun, tests) there is no metrics agent
                 print(f"[rank 0] Ray metrics disabled: {exc}", flush=True)
         if job.logging.wandb and job.logging.wandb_mode != "disabled":
             from orchestration.config import to_dict

@@ -16,7 +16,6 @@ GIB = 1024**3
 def build_job_plan(job: JobConfig) -> dict[str, Any]:
     from models.planning import plan_model
     from models.registry import resolve_flavor
-
     from orchestration.trainer import ray_plan, resolve_run_root
 
     c = job.cluster

@@ -31,8 +31,14 @@ def main(argv: list[str]) -> int:
         return 2
 
     from orchestration.events import RunDir
-    from orchestration.trainer import (close_run_dir, default_run_name, final_status, open_run_dir, print_summary,
-                                       resolve_run_root)
+    from orchestration.trainer import (
+        close_run_dir,
+        default_run_name,
+        final_status,
+        open_run_dir,
+        print_summary,
+        resolve_run_root,
+    )
     from orchestration.worker import train_loop
 
     rank = int(os.environ.get("RANK", "0"))

@@ -210,7 +210,7 @@ def run_job(job: JobConfig) -> dict[str, Any]:
     except (KeyboardInterrupt, SystemExit):
         # Ray Train installs a SIGINT handler that aborts the run and may call sys.exit(0).
         status = "interrupted"
-    except Exception as exc:  # a failed fit (max_failures exhausted) still gets a summary
+    except Exception as exc:  # noqa: BLE001  # a failed fit (max_failures exhausted) still gets a summary
         status = "failed"
         print(f"Training failed: {type(exc).__name__}: {exc}", flush=True)
     finally:

@@ -47,7 +47,7 @@ class TrainState:
                 "skipped_ranges": self.skipped_ranges, "precision": self.precision, "lr_scale": self.lr_scale}
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "TrainState":
+    def from_dict(cls, data: dict[str, Any]) -> TrainState:
         return cls(**{k: data[k] for k in ("step", "cursor", "consumed_ranges", "skipped_ranges", "precision",
                                             "lr_scale") if k in data})
 

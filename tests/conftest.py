@@ -23,13 +23,13 @@ def isolated_env(tmp_path):
 
 def launch(env: dict, *overrides: str, timeout: float = 600) -> subprocess.CompletedProcess:
     """Run launch.py in a subprocess (its own Ray cluster, cleaned up by launch.py itself)."""
-    proc = subprocess.run([sys.executable, str(REPO / "launch.py"), *overrides], capture_output=True, text=True,
-                          timeout=timeout, cwd=REPO, env=env)
+    proc = subprocess.run([sys.executable, str(REPO / "launch.py"), *overrides], check=False, capture_output=True,
+                          text=True, timeout=timeout, cwd=REPO, env=env)
     return proc
 
 
 def ray_processes_left() -> list[str]:
-    out = subprocess.run(["pgrep", "-af", "raylet|gcs_server"], capture_output=True, text=True).stdout
+    out = subprocess.run(["pgrep", "-af", "raylet|gcs_server"], check=False, capture_output=True, text=True).stdout
     return [line for line in out.splitlines() if line.strip()]
 
 
@@ -38,7 +38,7 @@ def no_ray_leftovers():
     yield
     leftovers = ray_processes_left()
     if leftovers:
-        subprocess.run(["ray", "stop", "--force"], capture_output=True)
+        subprocess.run(["ray", "stop", "--force"], check=False, capture_output=True)
     assert not leftovers, f"Ray processes left behind: {leftovers}"
 
 

@@ -3,9 +3,8 @@
 import json
 import math
 
-import yaml
-
 import pytest
+import yaml
 
 from tests.conftest import launch
 

@@ -114,7 +114,7 @@ def test_same_worker_loop_under_torchrun_without_ray(tmp_path, isolated_env):
 
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                            "-m", "orchestration.torchrun", f"run_root={tmp_path}", "run_name=tr", "model=debug_moe",
-                           "train.steps=30", "logging.wandb=false", "logging.ray_metrics=false"],
+                           "train.steps=30", "logging.wandb=false", "logging.ray_metrics=false"], check=False,
                           cwd=REPO, env=isolated_env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((tmp_path / "tr" / "summary.json").read_text())

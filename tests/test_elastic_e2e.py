@@ -137,7 +137,7 @@ def test_lose_a_node_shrink_then_grow_back(tmp_path, reference_loss):
         args = [sys.executable, str(REPO / "launch.py"), *COMMON, f"run_root={tmp_path}", "run_name=elastic",
                 f"cluster.address={cluster.address}", "cluster.min_workers=1", "cluster.max_workers=2",
                 "cluster.worker_group_start_timeout_s=30", "cluster.elastic_resize_interval_s=10"]
-        log = open(tmp_path / "driver.log", "w")
+        log = open(tmp_path / "driver.log", "w")  # noqa: SIM115  # the driver subprocess writes it until it is reaped
         driver = subprocess.Popen(args, cwd=REPO, env=cluster.env, stdout=log, stderr=subprocess.STDOUT)
         wait_for(lambda: any(e["world_size"] == 2 for e in events_of(run_dir, "worker_group_start")), 180,
                  "a 2-worker group")

@@ -134,7 +134,7 @@ def test_output_head_converts_only_when_asked_and_falls_back_with_the_model():
     # The head alone in fp8: logits within fp8's error of the bf16 head's (SQNR in dB against float64).
     x = torch.randn(64, DIM, dtype=torch.bfloat16)
     ref = x.double() @ base.output.weight.double().t()
-    sqnr = lambda y: (10 * torch.log10(ref.pow(2).sum() / (y.double() - ref).pow(2).sum())).item()  # noqa: E731
+    sqnr = lambda y: (10 * torch.log10(ref.pow(2).sum() / (y.double() - ref).pow(2).sum())).item()
     assert 20 < sqnr(model.output(x)) < sqnr(base.output(x)) - 10
     fp8.set_precision(model, "bf16")
     assert torch.equal(loss_of(model), loss_of(base))

@@ -107,5 +107,5 @@ def test_fp8_layers_work_when_the_kernels_package_cannot_import():
         "assert lin.fp8_health_valid and torch.isfinite(lin.fp8_health_stats).all()\n"
         "print('ok', fp8.quant.kernels_active('cpu'))\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and proc.stdout.startswith("ok"), proc.stdout + proc.stderr[-3000:]

@@ -188,7 +188,7 @@ def quantize_jagged_per_expert_ref(
 
 # The health statistics' definition lives in fp8/health.py (pure torch, importable without this package, which
 # fp8.quant needs on every forward); re-exported here as the reference of the one-launch kernel.
-from fp8.health import (  # noqa: E402, F401
+from fp8.health import (  # noqa: F401
     HEALTH_SAMPLE_ROWS,
     health_clip_limit,
     health_sample_step,
