@@ -145,6 +145,23 @@ def test_output_head_converts_only_when_asked_and_falls_back_with_the_model():
         fp8.load_precision_state(fp8.convert_to_fp8(build(), "tensorwise"), state)
 
 
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_fp8_output_head_numerics_with_a_large_vocabulary(recipe):
+    """A 16384-token head with peaked logits and Zipf targets in FP8 (CPU: the emulated path, the same function as
+    torch._scaled_mm's): loss within 0.5% of float64, logits and both gradients above 23 dB SQNR (measured ~28.5 /
+    ~26.6 / ~26.6; bf16 gives ~55 / ~44 / ~44)."""
+    from tests.numerics import head_loss_and_grads, lm_head_case, sqnr
+
+    head, x, targets = lm_head_case("cpu")
+    ref_head = nn.Linear(head.in_features, head.out_features, bias=False).double()
+    ref_head.weight.data.copy_(head.weight.double())
+    ref = head_loss_and_grads(ref_head, x, targets, torch.float64)
+    got = head_loss_and_grads(Float8Linear.from_float(head, recipe), x, targets)
+    assert abs(got[0].item() - ref[0].item()) / ref[0].item() < 5e-3
+    for what, g, r in zip(("logits", "grad_x", "grad_w"), got[1:], ref[1:], strict=True):
+        assert 23 < sqnr(g, r) < 40, (what, sqnr(g, r))
+
+
 def test_parameters_and_state_dict_untouched():
     model = build()
     params_before = {n: p for n, p in model.named_parameters()}
