@@ -100,3 +100,19 @@ def all_reduce_grads_if_unsharded(model: nn.Module, world_size: int, sharding: s
         n = g.numel()
         g.copy_(flat[offset:offset + n].view_as(g))
         offset += n
+
+
+def global_grad_norm(local_norm: torch.Tensor, world_size: int, sharding: str) -> torch.Tensor:
+    """L2 norm of the whole model's gradient from this rank's local one (Trainer.local_grad_norm).
+
+    Under FSDP2 each rank holds a disjoint shard of every gradient, so the squares add across ranks: one scalar
+    all-reduce. Unsharded (one worker, or sharding=none after all_reduce_grads_if_unsharded) every rank holds the
+    whole gradient and the local norm is the global one. The worker needs the local norm anyway (which rank went
+    non-finite), so deriving the global norm from it saves the second pass over every gradient that
+    clip_grad_norm_ would make. A non-finite shard makes the result non-finite on every rank, as clip_grad_norm_'s.
+    """
+    if world_size <= 1 or sharding == "none":
+        return local_norm
+    squares = local_norm.float().square()
+    dist.all_reduce(squares)
+    return squares.sqrt()

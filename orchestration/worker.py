@@ -22,7 +22,7 @@ from fp8.linear import Float8Linear
 from models.loss import lm_loss as lm_loss_fn
 from orchestration.config import JobConfig, from_dict
 from orchestration.data import ByteTextDataset, collect_text_files, python_stdlib_dir
-from orchestration.distributed import all_reduce_grads_if_unsharded, init_distributed, parallelize
+from orchestration.distributed import all_reduce_grads_if_unsharded, global_grad_norm, init_distributed, parallelize
 from orchestration.elastic import BatchPlan, count_in_ranges, merge_ranges, plan_batch
 from orchestration.events import EVENTS_FILE, FINAL_STATE_FILE, METRICS_FILE, RunDir, read_jsonl
 from orchestration.gc_policy import ManagedGc
@@ -363,9 +363,9 @@ class Trainer:
             loss, weighted_loss, aux = self.forward_backward()
             self.guard.faults.maybe_corrupt_grads(self.model, self.state.step, self.rank)
             local_norm = self.local_grad_norm()
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), job.train.grad_clip)
-            if hasattr(grad_norm, "full_tensor"):
-                grad_norm = grad_norm.full_tensor()
+            # One pass over the gradients for both norms (clip_grad_norm_ would read them all a second time).
+            grad_norm = global_grad_norm(local_norm, self.world_size, job.train.sharding)
+            torch.nn.utils.clip_grads_with_norm_(self.model.parameters(), job.train.grad_clip, grad_norm)
             # The global norm is the same on every rank, so a NaN in one rank's shard would show everywhere and
             # hide which rank produced it: a rank reports a non-finite norm only if its own shard is non-finite.
             monitored_norm = torch.where(torch.isfinite(local_norm), torch.nan_to_num(grad_norm, nan=0.0, posinf=0.0),
