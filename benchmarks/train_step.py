@@ -52,6 +52,7 @@ torch._dynamo.config.accumulated_recompile_limit = 4096
 
 from benchmarks.common import env_info, write_json
 from models.loss import lm_loss
+from orchestration.distributed import global_grad_norm
 from orchestration.gc_policy import ManagedGc
 
 # The loss is compiled with the blocks (as the worker does); --eager turns both off.
@@ -174,7 +175,11 @@ def make_step(model, optimizer, guard: Guard | None, compiled_loss: bool, cuda_g
         with record_function("step.backward"):
             loss.backward()
         with record_function("step.clip"):
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            # As the worker (Trainer._run_steps): one pass for the norm, then the clip with it.
+            grads = [p.grad for p in model.parameters() if p.grad is not None]
+            grad_norm = global_grad_norm(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)).float()),
+                                         world_size=1, sharding="fsdp")
+            torch.nn.utils.clip_grads_with_norm_(model.parameters(), 1.0, grad_norm)
         applies_update = True
         if guard is not None:
             with record_function("step.guard"):
