@@ -175,17 +175,18 @@ def make_step(model, optimizer, guard: Guard | None, compiled_loss: bool, cuda_g
         with record_function("step.backward"):
             loss.backward()
         with record_function("step.clip"):
-            # As the worker (Trainer._run_steps): one pass for the norm, then the clip with it.
+            # As the worker (Trainer._run_steps): one pass for the norm here, the clip with it after the guard.
             grads = [p.grad for p in model.parameters() if p.grad is not None]
             grad_norm = global_grad_norm(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)).float()),
                                          world_size=1, sharding="fsdp")
-            torch.nn.utils.clip_grads_with_norm_(model.parameters(), 1.0, grad_norm)
         applies_update = True
         if guard is not None:
             with record_function("step.guard"):
                 applies_update = guard.check(model, loss.detach(), grad_norm, state["step"]).applies_update
         with record_function("step.optimizer"):
             if applies_update:
+                # After the guard's host read, as the worker does.
+                torch.nn.utils.clip_grads_with_norm_(model.parameters(), 1.0, grad_norm)
                 optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         state["step"] += 1

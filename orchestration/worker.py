@@ -365,7 +365,6 @@ class Trainer:
             local_norm = self.local_grad_norm()
             # One pass over the gradients for both norms (clip_grad_norm_ would read them all a second time).
             grad_norm = global_grad_norm(local_norm, self.world_size, job.train.sharding)
-            torch.nn.utils.clip_grads_with_norm_(self.model.parameters(), job.train.grad_clip, grad_norm)
             # The global norm is the same on every rank, so a NaN in one rank's shard would show everywhere and
             # hide which rank produced it: a rank reports a non-finite norm only if its own shard is non-finite.
             monitored_norm = torch.where(torch.isfinite(local_norm), torch.nan_to_num(grad_norm, nan=0.0, posinf=0.0),
@@ -378,6 +377,11 @@ class Trainer:
                 continue
             step_range = [self.state.cursor, self.state.cursor + job.train.global_batch_size]
             if action == "proceed":
+                # The clip is launched after the guard's host read, not before: its scaling pass then keeps the GPU
+                # busy while the host runs AdamW's Python prologue, where the GPU waited 1.0-1.9 ms a step in
+                # session 10's MoE host profile (BENCHMARKS.md; the gain is not measured yet). A skipped step does
+                # not scale the gradients it drops.
+                torch.nn.utils.clip_grads_with_norm_(self.model.parameters(), job.train.grad_clip, grad_norm)
                 self.optimizer.step()
                 self.update_router_bias()
                 self.state.consumed_ranges = merge_ranges(self.state.consumed_ranges + [step_range])
