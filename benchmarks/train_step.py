@@ -52,7 +52,7 @@ torch._dynamo.config.accumulated_recompile_limit = 4096
 
 from benchmarks.common import env_info, write_json
 from models.loss import lm_loss
-from orchestration.distributed import global_grad_norm
+from orchestration.distributed import global_grad_norm, local_grad_norm
 from orchestration.gc_policy import ManagedGc
 
 # The loss is compiled with the blocks (as the worker does); --eager turns both off.
@@ -176,9 +176,7 @@ def make_step(model, optimizer, guard: Guard | None, compiled_loss: bool, cuda_g
             loss.backward()
         with record_function("step.clip"):
             # As the worker (Trainer._run_steps): one pass for the norm here, the clip with it after the guard.
-            grads = [p.grad for p in model.parameters() if p.grad is not None]
-            grad_norm = global_grad_norm(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)).float()),
-                                         world_size=1, sharding="fsdp")
+            grad_norm = global_grad_norm(local_grad_norm(model, inputs.device), world_size=1, sharding="fsdp")
         applies_update = True
         if guard is not None:
             with record_function("step.guard"):

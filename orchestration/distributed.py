@@ -102,8 +102,17 @@ def all_reduce_grads_if_unsharded(model: nn.Module, world_size: int, sharding: s
         offset += n
 
 
+def local_grad_norm(model: nn.Module, device: torch.device) -> torch.Tensor:
+    """L2 norm of this rank's gradient shards (no collective): one fused multi-tensor kernel."""
+    grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+             for p in model.parameters() if p.grad is not None]
+    if not grads:
+        return torch.zeros((), device=device)
+    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)).float())
+
+
 def global_grad_norm(local_norm: torch.Tensor, world_size: int, sharding: str) -> torch.Tensor:
-    """L2 norm of the whole model's gradient from this rank's local one (Trainer.local_grad_norm).
+    """L2 norm of the whole model's gradient from this rank's local one (local_grad_norm).
 
     Under FSDP2 each rank holds a disjoint shard of every gradient, so the squares add across ranks: one scalar
     all-reduce. Unsharded (one worker, or sharding=none after all_reduce_grads_if_unsharded) every rank holds the

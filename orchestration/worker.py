@@ -22,7 +22,13 @@ from fp8.linear import Float8Linear
 from models.loss import lm_loss as lm_loss_fn
 from orchestration.config import JobConfig, from_dict
 from orchestration.data import ByteTextDataset, collect_text_files, python_stdlib_dir
-from orchestration.distributed import all_reduce_grads_if_unsharded, global_grad_norm, init_distributed, parallelize
+from orchestration.distributed import (
+    all_reduce_grads_if_unsharded,
+    global_grad_norm,
+    init_distributed,
+    local_grad_norm,
+    parallelize,
+)
 from orchestration.elastic import BatchPlan, count_in_ranges, merge_ranges, plan_batch
 from orchestration.events import EVENTS_FILE, FINAL_STATE_FILE, METRICS_FILE, RunDir, read_jsonl
 from orchestration.gc_policy import ManagedGc
@@ -362,7 +368,7 @@ class Trainer:
             self.guard.faults.maybe_crash(self.state.step, self.rank)
             loss, weighted_loss, aux = self.forward_backward()
             self.guard.faults.maybe_corrupt_grads(self.model, self.state.step, self.rank)
-            local_norm = self.local_grad_norm()
+            local_norm = local_grad_norm(self.model, self.device)
             # One pass over the gradients for both norms (clip_grad_norm_ would read them all a second time).
             grad_norm = global_grad_norm(local_norm, self.world_size, job.train.sharding)
             # The global norm is the same on every rank, so a NaN in one rank's shard would show everywhere and
@@ -403,14 +409,6 @@ class Trainer:
                 self.save_checkpoint()
             managed_gc.step(self.state.step)
         return status
-
-    def local_grad_norm(self) -> torch.Tensor:
-        """L2 norm of this rank's gradient shards (no collective): one fused multi-tensor kernel."""
-        grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-                 for p in self.model.parameters() if p.grad is not None]
-        if not grads:
-            return torch.zeros((), device=self.device)
-        return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)).float())
 
     def update_router_bias(self) -> None:
         """DeepSeek-V3 aux-loss-free balancing: one bias update per kept step from the expert loads of all ranks."""

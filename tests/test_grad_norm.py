@@ -1,6 +1,6 @@
-"""The worker's gradient norm and clipping (orchestration.distributed.global_grad_norm + clip_grads_with_norm_):
-the same norm and clipped gradients as torch.nn.utils.clip_grad_norm_, on one process and under FSDP2 on two
-(gloo, CPU), from one pass over the gradients instead of two."""
+"""The worker's gradient norm and clipping (orchestration.distributed.local_grad_norm, global_grad_norm,
+clip_grads_with_norm_): the same norm and clipped gradients as torch.nn.utils.clip_grad_norm_, on one process and
+under FSDP2 on two (gloo, CPU), from one pass over the gradients instead of two."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from orchestration.distributed import global_grad_norm
+from orchestration.distributed import global_grad_norm, local_grad_norm
 
 
 def _model(seed: int = 0) -> nn.Module:
@@ -26,18 +26,12 @@ def _backward(model: nn.Module, seed: int = 1) -> None:
     (10 * (model(x) - y).square().mean()).backward()  # scaled so the norm is well above the clip threshold
 
 
-def _local_norm(model: nn.Module) -> torch.Tensor:
-    # What Trainer.local_grad_norm computes.
-    grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in model.parameters()]
-    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)).float())
-
-
 def test_one_process_matches_clip_grad_norm():
     ref, ours = _model(), _model()
     _backward(ref)
     _backward(ours)
     ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
-    norm = global_grad_norm(_local_norm(ours), world_size=1, sharding="fsdp")
+    norm = global_grad_norm(local_grad_norm(ours, torch.device("cpu")), world_size=1, sharding="fsdp")
     torch.nn.utils.clip_grads_with_norm_(ours.parameters(), 1.0, norm)
     assert ref_norm.item() > 1.0  # clipping really happened
     torch.testing.assert_close(norm, ref_norm, rtol=1e-6, atol=0)
@@ -60,7 +54,7 @@ def _fsdp_rank(rank: int, world: int, init_file: str, out: dict) -> None:
         _backward(ref)
         _backward(sharded)
         ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
-        local = _local_norm(sharded)
+        local = local_grad_norm(sharded, torch.device("cpu"))
         norm = global_grad_norm(local, world_size=world, sharding="fsdp")
         torch.nn.utils.clip_grads_with_norm_(sharded.parameters(), 1.0, norm)
         full_grads = [p.grad.full_tensor() for p in sharded.parameters()]
