@@ -12,6 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from orchestration.agreement import RANK_MASK, AgreedVerdict, DivergenceGuard, agree, decode_keys, encode_keys
+from tests.spawned import rank_process_group
 
 SPECIAL = [0.0, -0.0, 1.0, -1.0, 1e-45, -1e-45, 1e-30, 3.4e38, -3.4e38, float("inf"), float("-inf"), 2.5, -2.5]
 
@@ -75,9 +76,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str, backend: str = "gloo
     if backend == "nccl":
         device = torch.device("cuda", rank)
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=60))
-    try:
+    with rank_process_group(backend, f"tcp://127.0.0.1:{port}", rank, world, timeout=timedelta(seconds=60)):
         config = MonitorConfig(warmup_steps=10)
         guard = DivergenceGuard(StepMonitor(config), DivergencePolicy(config))
         log = []
@@ -99,8 +98,6 @@ def _worker(rank: int, world: int, port: int, out_dir: str, backend: str = "gloo
                   "policy": guard.policy.state_dict(), "monitor": guard.monitor.state_dict()}
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump(result, f)
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("backend", ["gloo", pytest.param("nccl", marks=pytest.mark.gpu)])

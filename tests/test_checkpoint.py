@@ -6,7 +6,6 @@ Legend: sd = state dict; full sd = unsharded tensors gathered on rank 0.
 from __future__ import annotations
 
 import json
-import os
 import random
 import socket
 from pathlib import Path
@@ -26,6 +25,7 @@ from orchestration.checkpoint import (
     derive_rng_seed,
     ray_checkpoint_dir,
 )
+from tests.spawned import rank_process_group
 
 # ---------------------------------------------------------------------------------------------------------------
 # Tiny model and training helpers (shared by the spawned workers and the local tests)
@@ -115,9 +115,7 @@ def _worker(rank: int, world: int, port: int, root_a: str, root_b: str, out: str
     from torch.distributed.fsdp import fully_shard
 
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
+    with rank_process_group("gloo", f"tcp://127.0.0.1:{port}", rank, world):
         out_dir = Path(out)
         model, opt, sched = build(seed=99)  # a different init than the checkpoint: loading must overwrite it
         mesh = init_device_mesh("cpu", (world,))
@@ -171,8 +169,6 @@ def _worker(rank: int, world: int, port: int, root_a: str, root_b: str, out: str
             torch.save({"ref": ref_b, "reloaded": reloaded_b, "extra": extra_b, "sched_ref": sched_b,
                         "sched_reloaded": sched.state_dict(), "info_step": info_b.step,
                         "info_world": info_b.world_size}, out_dir / "b.pt")
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")

@@ -8,11 +8,11 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
 from orchestration.distributed import global_grad_norm, local_grad_norm
+from tests.spawned import rank_process_group
 
 
 def _model(seed: int = 0) -> nn.Module:
@@ -39,11 +39,10 @@ def test_one_process_matches_clip_grad_norm():
         torch.testing.assert_close(p.grad, p_ref.grad, rtol=1e-6, atol=1e-7)
 
 
-def _fsdp_rank(rank: int, world: int, init_file: str, out: dict) -> None:
+def _run_rank(rank: int, world: int, init_file: str, result_file: str) -> None:
     from torch.distributed.fsdp import fully_shard
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
+    with rank_process_group("gloo", f"file://{init_file}", rank, world):
         ref = _model()
         sharded = copy.deepcopy(ref)
         for layer in sharded:
@@ -59,18 +58,11 @@ def _fsdp_rank(rank: int, world: int, init_file: str, out: dict) -> None:
         torch.nn.utils.clip_grads_with_norm_(sharded.parameters(), 1.0, norm)
         full_grads = [p.grad.full_tensor() for p in sharded.parameters()]
         if rank == 0:
+            out = {}
             out["ref_norm"], out["norm"], out["local"] = ref_norm.item(), norm.item(), local.item()
             out["max_grad_err"] = max((g - p.grad).abs().max().item()
                                       for g, p in zip(full_grads, ref.parameters(), strict=True))
-    finally:
-        dist.destroy_process_group()
-
-
-def _run_rank(rank: int, world: int, init_file: str, result_file: str) -> None:
-    out: dict = {}
-    _fsdp_rank(rank, world, init_file, out)
-    if rank == 0:
-        torch.save(out, result_file)
+            torch.save(out, result_file)
 
 
 @pytest.mark.slow
