@@ -86,6 +86,8 @@ def build(model_name: str, overrides: dict, variant: str, device: torch.device, 
     # master weights under bf16 autocast, as the worker loop trains.
     model.to(dtype)
     impl, _, recipe = variant.partition(":")
+    if output_head and impl == "bf16":
+        raise ValueError("+head runs the output head in FP8; the bf16 rows keep every linear in bf16 (drop +head)")
     if impl in ("ours", "ours_nomon"):
         import fp8
 
@@ -164,6 +166,7 @@ def make_step(model, optimizer, guard: Guard | None, compiled_loss: bool, cuda_g
     from torch.profiler import record_function
 
     state = {"step": 0}
+    update_router_bias = getattr(model, "update_load_balance_bias", None)
 
     def step(inputs, targets):
         if cuda_graphs:
@@ -186,6 +189,8 @@ def make_step(model, optimizer, guard: Guard | None, compiled_loss: bool, cuda_g
                 # After the guard's host read, as the worker does.
                 torch.nn.utils.clip_grads_with_norm_(model.parameters(), 1.0, grad_norm)
                 optimizer.step()
+                if update_router_bias is not None:  # the worker's per-kept-step MoE balancing (update_router_bias)
+                    update_router_bias()
             optimizer.zero_grad(set_to_none=True)
         state["step"] += 1
         return loss.detach()

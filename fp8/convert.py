@@ -81,6 +81,11 @@ def is_output_head(name: str, module: nn.Module) -> bool:
     return isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in _OUTPUT_HEAD_NAMES
 
 
+def output_heads(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The model's LM output heads by name (converted or not): what precision.fp8_output_head is about."""
+    return [(name, module) for name, module in model.named_modules() if is_output_head(name, module)]
+
+
 def make_module_filter(min_gemm_width: float = 0.0, output_head: bool = False) -> Callable[[str, nn.Module], bool]:
     """default_module_filter with the two opt-in changes the precision config exposes.
 

@@ -23,6 +23,19 @@ if TYPE_CHECKING:
     from orchestration.worker import Trainer
 
 
+def fp8_watch_units(model: torch.nn.Module) -> tuple[str, ...]:
+    """The parts of a converted model that fall back one by one under fallback_scope=layers: each transformer
+    block, and the output head when it runs in FP8 (precision.fp8_output_head). The head needs its own slot: in the
+    model-wide saturation (a mean over every FP8 linear) a head clipping 5% of its logits moves the mean by ~2e-4,
+    under the 1e-3 alarm."""
+    from fp8.linear import Float8Linear
+
+    units = tuple(f"layers.{name}" for name in model.layers)
+    if isinstance(getattr(model, "output", None), Float8Linear):
+        units += ("output",)
+    return units
+
+
 class StepGuard:
     def __init__(self, trainer: Trainer):
         self.trainer = trainer
@@ -32,7 +45,7 @@ class StepGuard:
         # Per-block FP8 saturation slots let the policy fall back only the offending blocks (fallback_scope=layers).
         self.layer_names: tuple[str, ...] = ()
         if self.fp8_run and job.monitor.fallback_scope == "layers":
-            self.layer_names = tuple(f"layers.{name}" for name in trainer.model.layers)
+            self.layer_names = fp8_watch_units(trainer.model)
         self.monitor = StepMonitor(job.monitor, self.layer_names)
         self.policy = DivergencePolicy(job.monitor, precision="fp8" if self.fp8_run else "bf16")
         self.faults = FaultInjector(job.faults, rank=trainer.rank, marker_dir=trainer.run_dir.path / "faults")
@@ -54,13 +67,13 @@ class StepGuard:
         start, end = t.plan.sample_slice(t.rank, 0)
         inputs, targets = t.dataset.batch(t.state.cursor + start, t.state.cursor + end)
         inputs, targets = inputs.to(t.device), targets.to(t.device)
-        losses = []
         with torch.no_grad():
-            for precision in ("fp8", "bf16"):
-                fp8.set_precision(t.model, precision)
-                losses.append(t.compute_loss(inputs, targets)[0])
-        fp8.set_precision(t.model, "fp8")
-        return losses[0], losses[1]
+            # FP8 as the run trains now (layers the policy holds in bf16 stay there), against all-bf16.
+            loss_fp8 = t.compute_loss(inputs, targets)[0]
+            fp8.set_precision(t.model, "bf16")
+            loss_bf16 = t.compute_loss(inputs, targets)[0]
+        self.apply_policy_precision()
+        return loss_fp8, loss_bf16
 
     def check(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> str:
         """Returns 'proceed' | 'skip' | 'rolled_back' | 'stop'. Identical on every rank (one agreed verdict)."""
@@ -115,6 +128,15 @@ class StepGuard:
         if scope is None:
             t.state.precision = precision
 
+    def apply_policy_precision(self) -> None:
+        """Put the model in the precision the policy has in force: the run's mode, then the layers a layer-scoped
+        fallback holds in bf16 (a whole-model switch alone would silently return them to FP8)."""
+        if not self.fp8_run:
+            return
+        self._set_precision(self.policy.precision, None)
+        if self.policy.bf16_layers:
+            self._set_precision("bf16", self.policy.bf16_layers)
+
     def _rollback(self, decision: Rollback) -> None:
         """In-process: reload the newest good checkpoint (resharded if the world size changed), skip the data."""
         t = self.trainer
@@ -135,8 +157,7 @@ class StepGuard:
         t.state.cursor = new_cursor
         t.state.lr_scale = decision.lr_scale
         # The precision in force is the policy's, not the checkpoint's (a fallback stays in effect after it).
-        if self.fp8_run:
-            self._set_precision(self.policy.precision, None)
+        self.apply_policy_precision()
         t.optimizer.zero_grad(set_to_none=True)
         if t.rank == 0:
             t.ckpt.discard_newer_than(t.state.step)  # a restart must not resume into the diverged trajectory
@@ -154,8 +175,7 @@ class StepGuard:
         self.policy.load_state_dict(state["policy"])
         self.monitor.load_state_dict(state["monitor"])
         self.last_bad_step = state.get("last_bad_step")
-        if self.fp8_run:
-            self._set_precision(self.policy.precision, None)
+        self.apply_policy_precision()
 
     # -- loggers (rank 0) -----------------------------------------------------------------------------------
     def _start_loggers(self) -> None:

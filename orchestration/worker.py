@@ -98,12 +98,33 @@ def build_training_model(job: JobConfig, world_size: int, device: torch.device):
                 f"precision=fp8 converts no layer of model {job.model.name}: precision.fp8_min_gemm_width={width} is "
                 f"above its widest linear ({max(widths, default=0):.0f}, in*out/(in+out)) and it has no MoE experts; "
                 "lower precision.fp8_min_gemm_width (0 converts every eligible linear) or use precision=bf16")
+        if job.precision.fp8_output_head:
+            require_fp8_output_head(model, job.model.name)
     model = parallelize(model, world_size, job.train.sharding, job.precision.fsdp_param_dtype,
                         job.precision.fsdp_reduce_dtype, job.model.activation_checkpointing)
     model.to(device)
     if compile_enabled(job, device):
         compile_blocks(model, job.model.compile_mode)
     return model, recipe
+
+
+def require_fp8_output_head(model: torch.nn.Module, model_name: str) -> None:
+    """precision.fp8_output_head=true must convert the head; a head left in bf16 would pass for an FP8 one silently
+    (the speed and the risk the user opted into would both be missing from the run)."""
+    import fp8
+
+    heads = fp8.convert.output_heads(model)
+    if not heads:
+        raise ValueError(f"precision.fp8_output_head=true but model {model_name} has no output head named 'output' "
+                         "or 'lm_head'; set precision.fp8_output_head=false")
+    for name, head in heads:
+        if not isinstance(head, Float8Linear):
+            padded_vocab = -(-head.out_features // 16) * 16
+            raise ValueError(  # noqa: TRY004 - a config value to change, not a wrong Python type
+                f"precision.fp8_output_head=true but model {model_name}'s head {name} ({head.in_features} -> "
+                f"{head.out_features}) cannot run in FP8: FP8 GEMMs need both sizes to be multiples of 16; pad the "
+                f"vocabulary (model.overrides.vocab_size={padded_vocab}) or the width, or set "
+                "precision.fp8_output_head=false")
 
 
 def compile_enabled(job: JobConfig, device: torch.device) -> bool:

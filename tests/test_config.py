@@ -119,6 +119,10 @@ def test_fp8_output_head_setting_reaches_the_conversion():
         compose_job("model=debug_dense", "precision.fp8_output_head=sometimes")
     with pytest.raises(ConfigError, match="precision.fp8_output_head: true needs precision=fp8"):
         compose_job("model=debug_dense", "precision=bf16", "precision.fp8_output_head=true")
+    # A vocabulary that is not a multiple of 16 cannot run in FP8: refused with the padded size, not left in bf16.
+    with pytest.raises(ValueError, match=r"fp8_output_head=true.*model.overrides.vocab_size=272"):
+        fp8_layers("precision.fp8_output_head=true", "+model.overrides.vocab_size=257")
+    assert "output" not in fp8_layers("+model.overrides.vocab_size=257")  # without the setting: bf16 head, fine
 
 
 def test_fp8_min_gemm_width_that_leaves_nothing_in_fp8_is_refused():

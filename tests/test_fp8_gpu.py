@@ -334,18 +334,22 @@ def test_compiled_fp8_output_head_matches_eager_and_float64(recipe):
     from tests.numerics import head_loss_and_grads, lm_head_case
 
     torch._dynamo.reset()
-    head, x, targets = lm_head_case(DEVICE)
-    ref_head = torch.nn.Linear(head.in_features, head.out_features, bias=False).to(DEVICE, torch.float64)
-    ref_head.weight.data.copy_(head.weight.double())
-    ref = head_loss_and_grads(ref_head, x, targets, torch.float64)
-    fp8_head = Float8Linear.from_float(head, recipe)
-    eager = head_loss_and_grads(fp8_head, x, targets)
-    fp8_head.compile(dynamic=False)
-    compiled = head_loss_and_grads(fp8_head, x, targets)
-    for got in (eager, compiled):
-        assert abs(got[0].item() - ref[0].item()) / ref[0].item() < 5e-3
-        for what, g, r in zip(("logits", "grad_x", "grad_w"), got[1:], ref[1:], strict=True):
-            assert sqnr(g, r) > 23, (recipe, what, sqnr(g, r))
-    for what, c, e in zip(("logits", "grad_x", "grad_w"), compiled[1:], eager[1:], strict=True):
-        assert sqnr(c, e) > 40, (recipe, what, sqnr(c, e))
-    torch._dynamo.reset()
+    try:
+        head, x, targets = lm_head_case(DEVICE)
+        ref_head = torch.nn.Linear(head.in_features, head.out_features, bias=False).to(DEVICE, torch.float64)
+        ref_head.weight.data.copy_(head.weight.double())
+        ref = head_loss_and_grads(ref_head, x, targets, torch.float64)
+        fp8_head = Float8Linear.from_float(head, recipe)
+        eager = head_loss_and_grads(fp8_head, x, targets)
+        assert fp8_head.fp8_health_valid  # the forward went through the FP8 path, not the bf16 one
+        fp8_head.compile(dynamic=False)
+        compiled = head_loss_and_grads(fp8_head, x, targets)
+        for got in (eager, compiled):
+            assert abs(got[0].item() - ref[0].item()) / ref[0].item() < 5e-3
+            for what, g, r in zip(("logits", "grad_x", "grad_w"), got[1:], ref[1:], strict=True):
+                # Below 40 dB: a head that silently ran in bf16 (~48 dB) must fail, as on the CPU twin.
+                assert 23 < sqnr(g, r) < 40, (recipe, what, sqnr(g, r))
+        for what, c, e in zip(("logits", "grad_x", "grad_w"), compiled[1:], eager[1:], strict=True):
+            assert sqnr(c, e) > 40, (recipe, what, sqnr(c, e))
+    finally:
+        torch._dynamo.reset()

@@ -75,3 +75,60 @@ def test_resuming_a_run_of_another_model_is_refused_and_loses_nothing(tmp_path):
     with pytest.raises(ValueError, match="choose a new run_name"):
         other.start()
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == checkpoints
+
+
+def _saturate_from_step_2(trainer, module_name):
+    def hook(module, args, output):
+        # Synthetic evidence: every sampled value at the FP8 max (what a stale scale gives).
+        if trainer.state.step >= 2:
+            module.fp8_health_stats[0] = 1.0
+        return output
+
+    trainer.model.get_submodule(module_name).register_forward_hook(hook)
+
+
+def test_saturation_in_the_fp8_head_falls_back_only_the_head(tmp_path):
+    """With precision.fp8_output_head the head has its own slot: in the model-wide mean a saturating head would
+    stay under the alarm, and a block's fallback would leave the head in FP8."""
+    import fp8
+
+    trainer = make_trainer(tmp_path, "train.steps=4", "monitor.fallback_scope=layers", "precision.fp8_output_head=true")
+    assert trainer.guard.layer_names[-1] == "output"
+    _saturate_from_step_2(trainer, "output")
+    trainer.start()
+    assert trainer.run() == "completed"
+    events = read_jsonl(tmp_path / "run" / "events.jsonl")
+    layer_detectors = {e["detector"] for e in events
+                       if e["event"] == "divergence_detected" and e["detector"].startswith("fp8_layer:")}
+    assert layer_detectors == {"fp8_layer:output"}
+    change = next(e for e in events if e["event"] == "precision_changed")
+    assert change["scope"] == ["output"] and change["to"] == "bf16"
+    modules = fp8.precision_state(trainer.model)["modules"]
+    assert modules["output"] == "bf16"
+    assert all(v == "fp8" for k, v in modules.items() if k != "output")
+
+
+def test_layer_fallback_survives_the_shadow_check_and_a_resume(tmp_path):
+    """The shadow check and a resume put the model back in the policy's precision: the whole-model switch must not
+    return the layers a layer-scoped fallback holds in bf16 to FP8."""
+    import fp8
+
+    def bf16_modules(trainer):
+        return {k for k, v in fp8.precision_state(trainer.model)["modules"].items() if v == "bf16"}
+
+    first = make_trainer(tmp_path, "train.steps=4", "monitor.fallback_scope=layers", "monitor.shadow_every=1")
+    _saturate_from_step_2(first, "layers.1.feed_forward.w1")
+    first.start()
+    assert first.run() == "completed"
+    events = read_jsonl(tmp_path / "run" / "events.jsonl")
+    assert [e["scope"] for e in events if e["event"] == "precision_changed"] == [["layers.1"]]
+    held = bf16_modules(first)
+    assert held and all(k.startswith("layers.1.") for k in held)  # after step 3's shadow check too
+    assert first.guard.policy.bf16_layers == ("layers.1",)
+
+    resumed = make_trainer(tmp_path, "train.steps=5", "monitor.fallback_scope=layers", "monitor.shadow_every=1")
+    resumed.start()
+    assert resumed.state.step == 4
+    assert bf16_modules(resumed) == held
+    assert resumed.run() == "completed"
+    assert bf16_modules(resumed) == held  # step 4's shadow check ran in the resumed run
