@@ -85,8 +85,13 @@ def main():
     use_triton = True
     dense = SMOKE_DENSE if args.smoke else DENSE_SHAPES
     jagged = SMOKE_JAGGED if args.smoke else JAGGED_SHAPES
-    dt8 = torch.float8_e4m3fn
-    check_dtypes = [torch.float8_e4m3fn, torch.float8_e5m2]
+    try:  # the fnuz pair on MI300 (e4m3fnuz max 240), the OCP pair elsewhere
+        from fp8.backend import fp8_dtypes
+
+        check_dtypes = list(fp8_dtypes(dev))
+    except ImportError:  # fp8/kernels loaded standalone (see load_kernels): no backend detection, OCP
+        check_dtypes = [torch.float8_e4m3fn, torch.float8_e5m2]
+    dt8 = check_dtypes[0]
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
 

@@ -26,6 +26,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 import torch._dynamo
 
+from fp8.backend import fp8_dtypes
+
 torch._dynamo.config.recompile_limit = 1024
 torch._dynamo.config.accumulated_recompile_limit = 4096
 
@@ -63,7 +65,7 @@ def launch_costs(calls: int, repeats: int) -> dict:
     from fp8.kernels.quantize import transpose_triton
 
     set_kernels_env("1")
-    x = torch.randn(8192, 4096, device="cuda").to(torch.float8_e4m3fn)
+    x = torch.randn(8192, 4096, device="cuda").to(fp8_dtypes("cuda")[0])
     ours_in_graph = torch.compile(lambda t: quant.transposed_copy(t), dynamic=False)
     inductor_own = torch.compile(lambda t: t.t().contiguous(), dynamic=False)
     empty_graph = torch.compile(lambda t: t.view(-1)[:1], dynamic=False)

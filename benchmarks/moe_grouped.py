@@ -33,6 +33,8 @@ import torch
 import torch._dynamo
 import torch.nn.functional as F
 
+from fp8.backend import fp8_dtypes
+
 # Every shape and recipe is a new compiled module of the same classes: without this, dynamo's default of
 # 8 recompiles per code object silently falls back to eager after the 8th case (seen on the first run).
 torch._dynamo.config.recompile_limit = 1024
@@ -166,7 +168,8 @@ def gemm_breakdown(m: int, e: int, d: int, i: int, device: str) -> dict:
     the layouts fp8/grouped.py uses), and the casts fp8/grouped.py runs: the step splits into GEMMs + casts."""
     from fp8 import quant
 
-    f8 = torch.float8_e4m3fn
+    f8 = fp8_dtypes(device)[0]  # e4m3fnuz (max 240) on MI300, e4m3fn elsewhere
+    f8_max = torch.finfo(f8).max
     gen = torch.Generator(device=device).manual_seed(0)
     offs = group_offsets(m, e, 16, device)
 
@@ -174,7 +177,7 @@ def gemm_breakdown(m: int, e: int, d: int, i: int, device: str) -> dict:
         return torch.randn(*shape, device=device, dtype=torch.bfloat16, generator=gen)
 
     def q(t):  # fp8 copy with unit scales (GEMM timing only)
-        return t.clamp(-448, 448).to(f8)
+        return t.clamp(-f8_max, f8_max).to(f8)
 
     out = {}
     one_m, j = torch.ones(m, device=device), 2 * i

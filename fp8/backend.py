@@ -10,12 +10,15 @@ Kinds:
            float8_e5m2fnuz (max 57344). Using 448 there silently clips every value above 240 - the bug the
            AMD work fixed, so the max always comes from `torch.finfo` of the chosen dtype, never a constant.
            gfx950 (MI350/MI355) uses the OCP formats like NVIDIA. hipBLASLt backs _scaled_mm; torch routes
-           _scaled_grouped_mm to Composable Kernel.
+           _scaled_grouped_mm to Composable Kernel kernels that ship only in builds with MSLK (named FBGEMM
+           GenAI in older torch), for gfx942 and gfx950 only: torch's own test gate
+           (torch.testing._internal.common_cuda.evaluate_platform_supports_fp8_grouped_gemm) asks the same.
 - "cpu" / anything else: emulated FP8 (real fp8 casts, matmuls on dequantized float32), same numerics.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +26,18 @@ import torch
 # ROCm architectures (gcnArchName prefix) and the FP8 flavour their matrix cores implement.
 _ROCM_FNUZ_ARCHS = ("gfx940", "gfx941", "gfx942")  # MI300A/MI300X/MI325X
 _ROCM_OCP_ARCHS = ("gfx950",)  # MI350/MI355
+_ROCM_GROUPED_ARCHS = ("gfx942", "gfx950")  # the archs torch's FP8 grouped GEMM (CK, through MSLK) is built for
+_ROCM_GROUPED_BUILD_FLAGS = ("USE_MSLK", "USE_FBGEMM_GENAI")  # the library's build flag, new and old name
+
+
+def rocm_build_has_fp8_grouped_gemm(build_config: str) -> bool:
+    """Whether torch.__config__.show() text names the library that carries ROCm's FP8 grouped GEMM as built in.
+    A flag written as =OFF / =0 is not built in (torch's gate checks only for the name: stricter here)."""
+    for flag in _ROCM_GROUPED_BUILD_FLAGS:
+        for match in re.finditer(rf"(?:\b|(?<=-D)){flag}(?!\w)(?:=(\w+))?", build_config):
+            if match.group(1) is None or match.group(1).upper() in ("ON", "1", "TRUE", "YES"):
+                return True
+    return False
 
 
 @dataclass(frozen=True)
@@ -77,10 +92,11 @@ def _detect(kind: str, index: int) -> Fp8Backend:
     props = torch.cuda.get_device_properties(index)
     if torch.version.hip is not None:
         arch = str(getattr(props, "gcnArchName", "")).split(":")[0]
+        grouped = arch.startswith(_ROCM_GROUPED_ARCHS) and rocm_build_has_fp8_grouped_gemm(torch.__config__.show())
         if arch.startswith(_ROCM_FNUZ_ARCHS):
-            return Fp8Backend("rocm", arch, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz, False, True, True)
+            return Fp8Backend("rocm", arch, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz, False, True, grouped)
         if arch.startswith(_ROCM_OCP_ARCHS):
-            return Fp8Backend("rocm", arch, torch.float8_e4m3fn, torch.float8_e5m2, False, True, True)
+            return Fp8Backend("rocm", arch, torch.float8_e4m3fn, torch.float8_e5m2, False, True, grouped)
         # Older Instinct/Radeon parts have no FP8 matrix cores: emulate with OCP dtypes.
         return Fp8Backend("rocm", arch or "gfx?", torch.float8_e4m3fn, torch.float8_e5m2, True, False, False)
     cc = (int(props.major), int(props.minor))

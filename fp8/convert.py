@@ -86,7 +86,8 @@ def output_heads(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(name, module) for name, module in model.named_modules() if is_output_head(name, module)]
 
 
-def make_module_filter(min_gemm_width: float = 0.0, output_head: bool = False) -> Callable[[str, nn.Module], bool]:
+def make_module_filter(min_gemm_width: float = 0.0, output_head: bool = False,
+                       experts: bool = True) -> Callable[[str, nn.Module], bool]:
     """default_module_filter with the two opt-in changes the precision config exposes.
 
     min_gemm_width: linears with gemm_width below it stay in high precision (0: none kept for width).
@@ -95,9 +96,13 @@ def make_module_filter(min_gemm_width: float = 0.0, output_head: bool = False) -
     ms of bf16 GEMM per step at seq 8192 on an H200, BENCHMARKS.md), so converting it is the biggest speed lever left
     once the layers are in FP8; take it with the divergence monitors on, which fall the head back to bf16 with
     the rest of the model.
+    experts: convert MoE grouped experts (False keeps them in high precision: for devices without an FP8 grouped
+    GEMM, where the emulated one would run in float32).
     """
 
     def keep(name: str, module: nn.Module) -> bool:
+        if not experts and _is_grouped(module):
+            return False
         if output_head and is_output_head(name, module):
             return module.in_features % 16 == 0 and module.out_features % 16 == 0
         if not default_module_filter(name, module):
@@ -107,6 +112,11 @@ def make_module_filter(min_gemm_width: float = 0.0, output_head: bool = False) -
         return True
 
     return keep
+
+
+def is_fp8_grouped(module: nn.Module) -> bool:
+    """A grouped-experts module that convert_to_fp8 converted (whatever its current precision)."""
+    return hasattr(module, _FP8_OP)
 
 
 def _is_grouped(module: nn.Module) -> bool:

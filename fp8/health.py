@@ -5,6 +5,8 @@ fp8.kernels.health_stats computes the same bits in one Triton launch; fp8.quant 
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -27,7 +29,11 @@ def health_clip_limit(fp8_dtype: torch.dtype) -> float:
     would not have rounded to max. (Counting values *at* max would flag the amax element that every dynamic scale
     maps exactly onto max, a false alarm on healthy steps.)"""
     mantissa_bits = 2 if fp8_dtype in (torch.float8_e5m2, torch.float8_e5m2fnuz) else 3
-    return _fp8_max(fp8_dtype) * (1 + 2.0 ** -(mantissa_bits + 1))
+    largest = _fp8_max(fp8_dtype)
+    # The step at max is that of its binade (2**exponent / 2**mantissa_bits), not max / 2**mantissa_bits: max's own
+    # mantissa is above 1 (448 = 1.75 * 2**8), so the latter overstated the half step (476 instead of 464).
+    step_at_max = 2.0 ** (math.floor(math.log2(largest)) - mantissa_bits)
+    return largest + step_at_max / 2
 
 
 def health_stats_ref(

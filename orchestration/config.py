@@ -67,6 +67,9 @@ class PrecisionConfig:
     # Convert the LM output head to FP8 too (fp8.convert.make_module_filter). Off: the head stays bf16, as in
     # torchtitan; on: the largest GEMM of a dense step runs in FP8 (see BENCHMARKS.md for its speed and loss).
     fp8_output_head: bool = False
+    # Run the MoE routed experts' grouped GEMMs in FP8 (torch._scaled_grouped_mm). false keeps them bf16 while the
+    # rest runs FP8: for GPUs or torch builds without an FP8 grouped GEMM (the worker refuses to emulate it there).
+    fp8_experts: bool = True
     # Dtype of the matmul inputs outside the fp8 layers (autocast); float32 keeps CPU tests exact.
     compute_dtype: str = "bfloat16"
     # FSDP2 MixedPrecisionPolicy: parameters gathered in this dtype, gradients reduced in reduce_dtype.
@@ -226,6 +229,13 @@ def validate(job: JobConfig) -> None:
     _require(c.memory_per_worker_gb > 0, "cluster.memory_per_worker_gb", "must be > 0")
     _require(c.env_preset in ENV_PRESET_NAMES, "cluster.env_preset",
              f"'{c.env_preset}' is not one of {ENV_PRESET_NAMES}")
+    if c.device in ("cuda", "rocm"):  # device=auto is checked by the worker once it knows its GPU's vendor
+        from orchestration.env_presets import check_preset_device
+
+        try:
+            check_preset_device(c.env_preset, c.device)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
     _require(c.max_failures >= 0, "cluster.max_failures", "must be >= 0 (-1 is not supported: bound restarts)")
     _require(c.worker_group_start_timeout_s > 0, "cluster.worker_group_start_timeout_s", "must be > 0")
     _require(c.health_check_interval_s > 0, "cluster.health_check_interval_s", "must be > 0")

@@ -30,6 +30,7 @@ from orchestration.distributed import (
     parallelize,
 )
 from orchestration.elastic import BatchPlan, count_in_ranges, merge_ranges, plan_batch
+from orchestration.env_presets import check_preset_device
 from orchestration.events import EVENTS_FILE, FINAL_STATE_FILE, METRICS_FILE, RunDir, read_jsonl
 from orchestration.gc_policy import ManagedGc
 from orchestration.guard import StepGuard
@@ -88,7 +89,8 @@ def build_training_model(job: JobConfig, world_size: int, device: torch.device):
         recipe = job.precision.recipe if job.precision.recipe != "auto" else fp8.recommended_recipe(device)
         width = job.precision.fp8_min_gemm_width
         module_filter = fp8.convert.make_module_filter(min_gemm_width=width,
-                                                       output_head=job.precision.fp8_output_head)
+                                                       output_head=job.precision.fp8_output_head,
+                                                       experts=job.precision.fp8_experts)
         fp8.convert_to_fp8(model, recipe, module_filter=module_filter, moe_wgrad=job.precision.moe_wgrad)
         if not fp8.precision_state(model)["modules"]:
             # An "fp8" run with nothing in fp8 would fail later, at the first shadow check or RetryFP8.
@@ -100,6 +102,7 @@ def build_training_model(job: JobConfig, world_size: int, device: torch.device):
                 "lower precision.fp8_min_gemm_width (0 converts every eligible linear) or use precision=bf16")
         if job.precision.fp8_output_head:
             require_fp8_output_head(model, job.model.name)
+        require_fp8_grouped_gemm(model, fp8.get_backend(device))
     model = parallelize(model, world_size, job.train.sharding, job.precision.fsdp_param_dtype,
                         job.precision.fsdp_reduce_dtype, job.model.activation_checkpointing)
     model.to(device)
@@ -125,6 +128,25 @@ def require_fp8_output_head(model: torch.nn.Module, model_name: str) -> None:
                 f"{head.out_features}) cannot run in FP8: FP8 GEMMs need both sizes to be multiples of 16; pad the "
                 f"vocabulary (model.overrides.vocab_size={padded_vocab}) or the width, or set "
                 "precision.fp8_output_head=false")
+
+
+def require_fp8_grouped_gemm(model: torch.nn.Module, backend) -> None:
+    """FP8 experts on a GPU without torch._scaled_grouped_mm would run the emulated path: float32 grouped GEMMs,
+    slower than bf16 and far more memory. Refuse, naming the settings that keep the run FP8 elsewhere. (The CPU
+    emulates by design: correctness runs.)"""
+    import fp8
+
+    if backend.kind == "cpu" or backend.has_scaled_grouped_mm:
+        return
+    experts = [name for name, module in model.named_modules() if fp8.convert.is_fp8_grouped(module)]
+    if not experts:
+        return
+    where = ("gfx942 or gfx950 with a torch ROCm build that includes MSLK / FBGEMM GenAI" if backend.kind == "rocm"
+             else "sm90 (H100/H200)")
+    raise ValueError(
+        f"this GPU ({backend.kind} {backend.arch}) has no FP8 grouped GEMM in this torch build (torch."
+        f"_scaled_grouped_mm needs {where}), so the MoE experts ({experts[0]}, ...) cannot run in FP8: set "
+        "precision.fp8_experts=false (experts in bf16, the other layers in FP8) or precision=bf16")
 
 
 def compile_enabled(job: JobConfig, device: torch.device) -> bool:
@@ -182,6 +204,8 @@ class Trainer:
         job = self.job
         self.info = init_distributed(job.cluster.device)
         self.rank, self.world_size, self.device = self.info.rank, self.info.world_size, self.info.device
+        if self.device.type == "cuda":  # the config checked explicit devices; device=auto is known only here
+            check_preset_device(job.cluster.env_preset, "rocm" if torch.version.hip is not None else "cuda")
         self.run_dir = RunDir(config["run_dir"], self.rank)
         self.group_id = config.get("group_id") or f"{int(t_setup)}"
         # Set by the Ray driver (orchestration.trainer); torchrun and in-process tests run without Ray reports.

@@ -173,3 +173,57 @@ def test_launch_help_lists_groups_and_options():
     for group in ("model", "precision", "cluster", "data", "train", "monitor", "checkpoint", "logging", "faults"):
         assert f"{group}:" in proc.stdout, group
     assert "deepseek_moe16b" in proc.stdout and "llama3_8b" in proc.stdout
+
+
+def test_env_preset_of_the_other_vendor_is_refused_for_an_explicit_device():
+    """cluster.device=cuda with an RCCL preset (or rocm with an NCCL one) fails at config time, naming the presets
+    that fit; device=auto is checked by the worker once it sees its GPU."""
+    with pytest.raises(ConfigError, match=r"env_preset=rccl_mi300x is for rocm devices but cluster.device=cuda"):
+        compose_job("cluster.device=cuda", "cluster.gpus_per_worker=1", "cluster.env_preset=rccl_mi300x")
+    with pytest.raises(ConfigError, match=r"env_preset=nccl_h200 is for cuda devices but cluster.device=rocm"):
+        compose_job("cluster.device=rocm", "cluster.gpus_per_worker=1", "cluster.env_preset=nccl_h200")
+    assert compose_job("cluster.device=auto", "cluster.env_preset=rccl_mi300x").cluster.env_preset == "rccl_mi300x"
+    import yaml
+
+    from orchestration.env_presets import check_preset_device
+
+    for path in sorted((REPO / "conf" / "cluster").glob("*.yaml")):  # the shipped cluster configs pair them right
+        cluster = yaml.safe_load(path.read_text())
+        check_preset_device(cluster["env_preset"], cluster["device"])
+
+
+def test_fp8_experts_setting_and_gpus_without_an_fp8_grouped_gemm():
+    """precision.fp8_experts=false keeps the MoE experts bf16 (dense linears still FP8). FP8 experts on a GPU whose
+    torch has no FP8 grouped GEMM (an MI300X build without MSLK, mocked: no AMD GPU here) are refused, naming that
+    setting, instead of running the float32 emulation; the CPU emulates by design and an H200 has the GEMM."""
+    import torch
+
+    import fp8
+    from fp8 import Float8Linear
+    from fp8.backend import Fp8Backend
+    from orchestration.worker import build_training_model, require_fp8_grouped_gemm
+
+    def build(*overrides):
+        job = compose_job("model=debug_moe", "model.compile=false", "cluster.min_workers=1", "cluster.max_workers=1",
+                          "precision=fp8", *overrides)
+        model, _ = build_training_model(job, world_size=1, device=torch.device("cpu"))
+        experts = [n for n, m in model.named_modules() if fp8.convert.is_fp8_grouped(m)]
+        linears = {n for n, m in model.named_modules() if isinstance(m, Float8Linear)}
+        return model, experts, linears
+
+    mi300x_without_mslk = Fp8Backend("rocm", "gfx942", torch.float8_e4m3fnuz, torch.float8_e5m2fnuz,
+                                     emulate=False, has_scaled_mm=True, has_scaled_grouped_mm=False)
+    h200 = Fp8Backend("cuda", "sm90", torch.float8_e4m3fn, torch.float8_e5m2,
+                      emulate=False, has_scaled_mm=True, has_scaled_grouped_mm=True)
+    model, experts, linears = build()
+    assert experts and linears
+    with pytest.raises(ValueError, match=r"gfx942.*MSLK.*precision.fp8_experts=false"):
+        require_fp8_grouped_gemm(model, mi300x_without_mslk)
+    require_fp8_grouped_gemm(model, h200)
+    require_fp8_grouped_gemm(model, fp8.get_backend("cpu"))
+
+    model_hp, experts_hp, linears_hp = build("precision.fp8_experts=false")
+    assert experts_hp == [] and linears_hp == linears
+    require_fp8_grouped_gemm(model_hp, mi300x_without_mslk)  # nothing left to refuse
+    with pytest.raises(ConfigError, match="fp8_experts"):
+        compose_job("precision.fp8_experts=maybe")

@@ -16,9 +16,10 @@ from fp8.recipes import amax_to_scale, quantize_tensorwise_ref
 def mock_device(monkeypatch):
     """Pretend cuda:0 is a given GPU; returns a setter(hip, **props)."""
 
-    def set_device(hip: str | None, **props):
+    def set_device(hip: str | None, build_config: str = "", **props):
         be.clear_backend_cache()
         monkeypatch.setattr(torch.version, "hip", hip)
+        monkeypatch.setattr(torch.__config__, "show", lambda: build_config)
         monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: SimpleNamespace(**props))
         monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
 
@@ -40,18 +41,34 @@ def test_cuda_capabilities(mock_device, cc, emulate, grouped):
 
 
 def test_rocm_mi300_uses_fnuz_with_max_240(mock_device):
-    mock_device("6.4", gcnArchName="gfx942:sramecc+:xnack-", major=9, minor=4)
+    mock_device("6.4", "USE_ROCM=ON, USE_MSLK=ON", gcnArchName="gfx942:sramecc+:xnack-", major=9, minor=4)
     b = be.get_backend("cuda:0")
-    assert (b.kind, b.arch, b.emulate) == ("rocm", "gfx942", False)
+    assert (b.kind, b.arch, b.emulate, b.has_scaled_grouped_mm) == ("rocm", "gfx942", False, True)
     assert fp8.fp8_dtypes("cuda:0") == (torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
     assert b.e4m3_max == 240.0 and b.e5m2_max == 57344.0
     assert fp8.recommended_recipe("cuda:0") == "rowwise_gw_hp"
 
 
 def test_rocm_mi350_uses_ocp(mock_device):
-    mock_device("7.0", gcnArchName="gfx950", major=9, minor=5)
+    mock_device("7.0", "USE_FBGEMM_GENAI=1", gcnArchName="gfx950", major=9, minor=5)
     b = be.get_backend("cuda:0")
     assert (b.kind, b.e4m3, b.emulate, b.has_scaled_grouped_mm) == ("rocm", torch.float8_e4m3fn, False, True)
+
+
+@pytest.mark.parametrize("arch, build_config, grouped", [
+    ("gfx942:sramecc+:xnack-", "USE_ROCM=ON, USE_MSLK=OFF", False),  # FP8 GEMMs yes, grouped kernels not built
+    ("gfx942", "", False),
+    ("gfx942", "CXX_FLAGS= -DUSE_MSLK -O2", True),
+    ("gfx940", "USE_MSLK=ON", False),  # torch builds the grouped kernels for gfx942 and gfx950 only
+    ("gfx950", "USE_MSLKX=ON", False),  # another flag that merely starts with the name
+])
+def test_rocm_fp8_grouped_gemm_needs_the_arch_and_the_build(mock_device, arch, build_config, grouped):
+    """torch._scaled_grouped_mm on ROCm exists only in builds with MSLK (FBGEMM GenAI before) and on gfx942/gfx950;
+    elsewhere the experts would fall to the float32 emulation, which the worker refuses on a GPU."""
+    mock_device("6.4", build_config, gcnArchName=arch, major=9, minor=4)
+    b = be.get_backend("cuda:0")
+    assert not b.emulate and b.has_scaled_mm
+    assert b.has_scaled_grouped_mm is grouped
 
 
 def test_rocm_without_fp8_units_emulates(mock_device):

@@ -351,6 +351,21 @@ def _health_cases():
     return cases
 
 
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2,
+                                   torch.float8_e5m2fnuz])
+def test_health_clip_limit_is_max_plus_half_its_step(dtype):
+    """The saturation count starts where a cast without saturation would have left max: halfway to the next step
+    above it, the step being the gap below max, read from the format's own 256 codes (not from a formula)."""
+    from fp8.health import health_clip_limit
+
+    codes = torch.arange(256, dtype=torch.uint8).view(dtype).float()
+    finite = codes[torch.isfinite(codes)].unique()
+    largest, below = finite[-1].item(), finite[-2].item()
+    assert health_clip_limit(dtype) == largest + (largest - below) / 2
+    assert health_clip_limit(dtype) == {torch.float8_e4m3fn: 464.0, torch.float8_e4m3fnuz: 248.0,
+                                        torch.float8_e5m2: 61440.0, torch.float8_e5m2fnuz: 61440.0}[dtype]
+
+
 def test_health_reference_counts():
     """The reference's fractions are exact counts over the sampled rows, amax is fp8_max / min(scale)."""
     x = torch.zeros(200, 10)
