@@ -232,17 +232,46 @@ def test_optimizer_state_untouched():
         assert all(torch.equal(v, after["state"][k][n]) for n, v in st.items())
     opt.zero_grad()
     loss_of(model).backward()
-    opt.step()  # still trains after the switch
+    params_before = [p.detach().clone() for p in model.parameters()]
+    opt.step()  # still trains after the switch: every parameter with a gradient moves
+    moved = [not torch.equal(p0, p) for p0, p in zip(params_before, model.parameters(), strict=True) if p.grad is not None]
+    assert moved and all(moved)
 
 
 def test_fp8_health_aggregates_on_device():
     model = fp8.convert_to_fp8(build(torch.float32), "tensorwise")
     assert fp8.fp8_health(model)["amax_max"].item() == 0.0  # nothing ran yet: no garbage from buffers
+    # Each layer's input, to recompute its statistics from the definition (fp8.health.health_stats_ref).
+    inputs = {}
+    for name, module in model.named_modules():
+        if isinstance(module, Float8Linear):
+            module.register_forward_hook(lambda m, args, out, name=name: inputs.__setitem__(name, args[0].detach()))
     loss_of(model)
     h = fp8.fp8_health(model)
     assert set(h) == {"saturated_frac", "underflow_frac", "amax_max"}
     assert all(v.dim() == 0 and torch.isfinite(v) for v in h.values())
-    assert h["amax_max"].item() > 0 and 0 <= h["saturated_frac"].item() < 0.05
+    from fp8.health import health_stats_ref
+    from fp8.recipes import quantize_tensorwise_ref
+
+    # Each linear's statistics follow the definition on its own input...
+    per_module = []
+    for name, x in inputs.items():
+        x_2d = x.reshape(-1, x.shape[-1])
+        want = health_stats_ref(x_2d, *quantize_tensorwise_ref(x_2d, torch.float8_e4m3fn), torch.float8_e4m3fn)
+        got = model.get_submodule(name).fp8_health_stats
+        assert torch.allclose(got, want, rtol=1e-6, atol=0), (name, got.tolist(), want.tolist())
+        per_module.append(got)
+    assert len(per_module) == 4
+    # ... and the model's figures are the mean (fractions) and max (amax) over every fp8 module, the grouped
+    # experts' last statistics included.
+    grouped = [m._fp8_grouped_op.last_stats for m in model.modules() if fp8.convert.is_fp8_grouped(m)]
+    assert len(grouped) == 2 and all(g is not None for g in grouped)
+    all_S3 = torch.stack(per_module + grouped)
+    assert h["saturated_frac"].item() == pytest.approx(all_S3[:, 0].mean().item(), rel=1e-6, abs=0)
+    assert h["underflow_frac"].item() == pytest.approx(all_S3[:, 1].mean().item(), rel=1e-6, abs=0)
+    assert all_S3[:, 1].max() > 0  # the mean is over something nonzero
+    assert h["amax_max"].item() == all_S3[:, 2].max().item()
+    assert h["amax_max"].item() >= max(x.abs().max().item() for x in inputs.values())
     fp8.set_precision(model, "bf16")
     assert fp8.fp8_health(model)["amax_max"].item() == 0.0
 

@@ -54,11 +54,25 @@ def test_saturation_in_one_block_falls_back_only_that_block(tmp_path):
 
 def test_shadow_check_compares_fp8_and_bf16_losses_without_false_alarm(tmp_path):
     trainer = make_trainer(tmp_path, "train.steps=4", "monitor.shadow_every=2")
+    shadows = {}
+    shadow_losses = trainer.guard.shadow_losses
+
+    def recorded():
+        losses = shadow_losses()
+        if losses is not None:
+            shadows[trainer.state.step] = tuple(v.item() for v in losses)
+        return losses
+
+    trainer.guard.shadow_losses = recorded
     trainer.start()
     assert trainer.run() == "completed"
     events = read_jsonl(tmp_path / "run" / "events.jsonl")
     assert not [e for e in events if e["event"] == "divergence_detected"]
-    # The shadow check ran (steps 0 and 2) and left the model in FP8.
+    # The shadow check ran at steps 0 and 2 only, on two different computations (fp8 and bf16 differ, but by less
+    # than the alarm's relative tolerance), and left the model in FP8.
+    assert sorted(shadows) == [0, 2]
+    for loss_fp8, loss_bf16 in shadows.values():
+        assert 0 < abs(loss_fp8 - loss_bf16) / loss_bf16 < trainer.job.monitor.shadow_rel_tol
     import fp8
 
     assert set(fp8.precision_state(trainer.model)["modules"].values()) == {"fp8"}
@@ -118,8 +132,19 @@ def test_layer_fallback_survives_the_shadow_check_and_a_resume(tmp_path):
 
     first = make_trainer(tmp_path, "train.steps=4", "monitor.fallback_scope=layers", "monitor.shadow_every=1")
     _saturate_from_step_2(first, "layers.1.feed_forward.w1")
+    shadow_steps = []
+    shadow_losses = first.guard.shadow_losses
+
+    def recorded():
+        losses = shadow_losses()
+        if losses is not None:
+            shadow_steps.append(first.state.step)
+        return losses
+
+    first.guard.shadow_losses = recorded
     first.start()
     assert first.run() == "completed"
+    assert 3 in shadow_steps  # a shadow check ran after the fallback (step 2)
     events = read_jsonl(tmp_path / "run" / "events.jsonl")
     assert [e["scope"] for e in events if e["event"] == "precision_changed"] == [["layers.1"]]
     held = bf16_modules(first)
