@@ -67,11 +67,17 @@ def test_each_cluster_config_builds_the_right_ray_plan(cluster):
                                                       "train.micro_batch_size=1"])
     job = load_job_config(cfg)
     plan = ray_plan(job, "r", REPO / "runs")
-    c = job.cluster
-    expected_workers = c.min_workers if c.min_workers == c.max_workers else (c.min_workers, c.max_workers)
-    assert plan.num_workers == expected_workers
-    assert plan.use_gpu == (c.gpus_per_worker > 0 and c.device != "cpu")
-    assert plan.backend == ("nccl" if plan.use_gpu else "gloo")
-    assert plan.max_failures == c.max_failures
-    if c.storage_path:
-        assert plan.storage_path == c.storage_path
+    # Written out per preset (not derived from the YAML it tests): a wrong preset file must fail here.
+    local_runs = str(REPO / "runs" / "_ray")
+    expected = {
+        "local": (2, False, "gloo", 3, local_runs, {"CPU": 1.0}),
+        "existing": ((1, 2), False, "gloo", 3, local_runs, {"CPU": 1.0}),
+        "aws_h200": ((8, 32), True, "nccl", 20, "s3://your-bucket/elastic-fp8?region=us-east-2",
+                     {"CPU": 16.0, "GPU": 1.0}),
+        "gcp_a3": ((8, 32), True, "nccl", 20, "gs://your-bucket/elastic-fp8", {"CPU": 16.0, "GPU": 1.0}),
+        "azure_mi300x": ((8, 32), True, "nccl", 20,  # RCCL through torch's "nccl" backend on ROCm
+                         "abfss://checkpoints@youraccount.dfs.core.windows.net/elastic-fp8", {"CPU": 10.0, "GPU": 1.0}),
+        "kuberay": ((8, 32), True, "nccl", 20, "/mnt/shared/elastic-fp8", {"CPU": 8.0, "GPU": 1.0}),
+    }[cluster]
+    assert (plan.num_workers, plan.use_gpu, plan.backend, plan.max_failures, plan.storage_path,
+            plan.resources_per_worker) == expected
