@@ -182,4 +182,7 @@ def test_worker_crash_restarts_from_checkpoint(tmp_path, reference_loss):
     resume = events_of(run_dir, "resume")
     assert len(resume) == 1 and resume[0]["from_step"] == 40  # the checkpoint before the crash at step 50
     assert summary["consumed_ranges"] == [[0, STEPS * GLOBAL_BATCH]]
-    assert abs(summary["final_loss"] - reference_loss) < LOSS_TOL, (summary["final_loss"], reference_loss)
+    # Same world size before and after the crash, so the same summation order: the resumed trajectory is the
+    # uninterrupted one bit for bit (the model, optimizer, scheduler, data cursor and RNG all come from the
+    # checkpoint), not merely within LOSS_TOL.
+    assert summary["final_loss"] == reference_loss, (summary["final_loss"], reference_loss)
