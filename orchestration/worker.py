@@ -149,6 +149,16 @@ def require_fp8_grouped_gemm(model: torch.nn.Module, backend) -> None:
         "precision.fp8_experts=false (experts in bf16, the other layers in FP8) or precision=bf16")
 
 
+def adamw_kwargs(job: JobConfig, device: torch.device) -> dict[str, Any]:
+    """AdamW's settings. Fused on GPUs: one multi-tensor kernel per step for all parameters instead of torch's
+    default foreach chain (about a dozen launches, and their host time, where the MoE step's GPU already waits on
+    the host before the optimizer, BENCHMARKS.md session 10); torchtitan's default, and what benchmarks/train_step.py
+    times. CPU runs keep torch's default implementation. A resumed run takes the implementation its checkpoint was
+    saved with (torch restores a param group's settings with its state)."""
+    return {"lr": job.train.lr, "betas": (job.train.beta1, job.train.beta2), "weight_decay": job.train.weight_decay,
+            "fused": True if device.type == "cuda" else None}
+
+
 def compile_enabled(job: JobConfig, device: torch.device) -> bool:
     """model.compile, where null means: compile on GPUs (ROCm included), eager on CPU."""
     return job.model.compile if job.model.compile is not None else device.type == "cuda"
@@ -216,9 +226,7 @@ class Trainer:
         self.model, self.recipe = build_training_model(job, self.world_size, self.device)
         self.compiled = compile_enabled(job, self.device)  # the loss follows the blocks
         self.cuda_graphs = self.compiled and job.model.compile_mode == "reduce-overhead" and self.device.type == "cuda"
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=job.train.lr,
-                                           betas=(job.train.beta1, job.train.beta2),
-                                           weight_decay=job.train.weight_decay)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), **adamw_kwargs(job, self.device))
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_at(s, job))
         self.state = TrainState(precision="fp8" if self.recipe else "bf16")
         self.compute_dtype = _DTYPES[job.precision.compute_dtype]

@@ -227,3 +227,23 @@ def test_fp8_experts_setting_and_gpus_without_an_fp8_grouped_gemm():
     require_fp8_grouped_gemm(model_hp, mi300x_without_mslk)  # nothing left to refuse
     with pytest.raises(ConfigError, match="fp8_experts"):
         compose_job("precision.fp8_experts=maybe")
+
+
+def test_adamw_is_fused_on_gpus_and_default_on_cpu():
+    """The worker's AdamW runs fused on GPUs (what benchmarks/train_step.py times) with the configured
+    hyperparameters; CPU runs keep torch's default implementation."""
+    import torch
+
+    from orchestration.worker import adamw_kwargs
+
+    job = compose_job("train.lr=0.002", "train.beta2=0.9", "train.weight_decay=0.05")
+    gpu = adamw_kwargs(job, torch.device("cuda", 0))
+    cpu = adamw_kwargs(job, torch.device("cpu"))
+    assert gpu["fused"] is True and cpu["fused"] is None
+    assert gpu["lr"] == cpu["lr"] == 0.002 and gpu["weight_decay"] == 0.05
+    assert gpu["betas"] == (job.train.beta1, 0.9)
+    # The kwargs build a working optimizer (fused AdamW exists on CPU too, so the GPU settings are checked here).
+    param = torch.nn.Parameter(torch.ones(4))
+    param.grad = torch.ones(4)
+    torch.optim.AdamW([param], **gpu).step()
+    assert torch.allclose(param.detach(), torch.full((4,), 1 - 0.002 - 0.002 * 0.05), rtol=1e-5)
