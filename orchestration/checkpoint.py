@@ -58,6 +58,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_state_dict,
@@ -298,13 +299,21 @@ def verify_checkpoint(path: str | Path, *, checksums: bool = True, share: tuple[
         if Path(rel).is_absolute() or ".." in Path(rel).parts:
             raise CheckpointError(f"{MANIFEST} lists a path outside the checkpoint: {rel!r}")
         file_path = path / rel
+        if not isinstance(meta, dict):
+            raise CheckpointError(f"{MANIFEST} entry for {rel!r} is not a dict")
         if not file_path.is_file():
             raise CheckpointError(f"file missing: {rel}")
-        size = file_path.stat().st_size
+        try:  # an unreadable file (permissions, I/O error, stale NFS handle) is a bad checkpoint, not a crash
+            size = file_path.stat().st_size
+        except OSError as e:
+            raise CheckpointError(f"cannot stat {rel}: {e}") from e
         if size != meta.get("size"):
             raise CheckpointError(f"size mismatch in {rel}: manifest {meta.get('size')}, on disk {size}")
         if checksums and index % share_size == share_rank:
-            digest = file_digest(file_path, algorithm)
+            try:
+                digest = file_digest(file_path, algorithm)
+            except OSError as e:
+                raise CheckpointError(f"cannot read {rel}: {e}") from e
             if digest != meta.get("digest"):
                 raise CheckpointError(f"{algorithm} mismatch in {rel}: manifest {meta.get('digest')}, "
                                       f"on disk {digest}")
@@ -314,6 +323,18 @@ def verify_checkpoint(path: str | Path, *, checksums: bool = True, share: tuple[
 
 # ---------------------------------------------------------------------------------------------------------------
 # Collectives (no-ops without an initialized process group)
+
+
+def _dcp_failure_summary(exc: CheckpointException) -> str:
+    """The causes of a DCP load failure, one per distinct message (e.g. 'Size mismatch ... for model.w'), without
+    the per-rank tracebacks DCP's own message carries."""
+    causes = []
+    for failure in getattr(exc, "failures", {}).values():
+        cause = failure[0] if isinstance(failure, tuple) else failure
+        text = f"{type(cause).__name__}: {cause}"
+        if text not in causes:
+            causes.append(text)
+    return "; ".join(causes[:5]) or str(exc).splitlines()[0]
 
 
 def _dist_on() -> bool:
@@ -386,6 +407,9 @@ class CheckpointManager:
                              f"process group ({dist_rank}/{dist_world}); leave them out to use the group's")
         self.keep_last = keep_last
         self.keep_good = keep_good
+        # Steps whose good/bad verdict is still pending (the worker waits monitor.good_after_steps clean steps):
+        # retention keeps them, or a short every_steps would delete a checkpoint before it could be marked good.
+        self.awaiting_good: set[int] = set()
         self.seed = seed
         self.checksum = checksum
         self.event_sink = event_sink
@@ -555,6 +579,7 @@ class CheckpointManager:
             manifest = read_manifest(path)
         except CheckpointError as e:
             raise CheckpointError(f"cannot mark step {step} good: {path}: {e}") from e
+        self.awaiting_good.discard(step)
         if not manifest["good"]:
             manifest["good"] = True
             manifest["good_time"] = time.time()
@@ -573,7 +598,7 @@ class CheckpointManager:
         entries = self.finalized()
         steps = [s for s, _ in entries]
         good_steps = [s for s, p in entries if self._is_good(p)]
-        keep = set(steps[: self.keep_last]) | set(good_steps[: self.keep_good])
+        keep = set(steps[: self.keep_last]) | set(good_steps[: self.keep_good]) | (set(steps) & self.awaiting_good)
         return sorted(keep), sorted(s for s in steps if s not in keep)
 
     def _apply_retention(self) -> list[tuple[int, Path]]:
@@ -690,7 +715,12 @@ class CheckpointManager:
         tensors, _ = split_tensors(dest)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-            dcp.load(tensors, checkpoint_id=path / DCP_DIR)  # in place, resharded to the current layout
+            try:
+                dcp.load(tensors, checkpoint_id=path / DCP_DIR)  # in place, resharded to the current layout
+            except CheckpointException as e:  # a BaseException: would escape `except Exception` handlers
+                raise CheckpointError(f"checkpoint {path} does not fit this model/optimizer: "
+                                      f"{_dcp_failure_summary(e)}; a run resumes with the model settings it was "
+                                      "saved with (model.name, model.overrides), or choose a new run_name") from None
         merged = merge_trees(saved_rest, tensors)
         if optimizer is None:
             set_model_state_dict(model, merged["model"])

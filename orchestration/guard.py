@@ -140,7 +140,9 @@ class StepGuard:
     def _rollback(self, decision: Rollback) -> None:
         """In-process: reload the newest good checkpoint (resharded if the world size changed), skip the data."""
         t = self.trainer
-        info = t.ckpt.latest(good_only=True)
+        # Collective, as at start: every rank must load the same step even if a shared filesystem shows one of them
+        # an older manifest (only rank 0 writes the good marks).
+        info = t.ckpt.latest(good_only=True, collective=True)
         if info is None:
             raise RuntimeError("rollback requested but no good checkpoint exists (the step-0 one was removed?)")
         bad_end = t.state.cursor + t.job.train.global_batch_size  # the bad step's samples are dropped too
@@ -161,10 +163,14 @@ class StepGuard:
         t.optimizer.zero_grad(set_to_none=True)
         if t.rank == 0:
             t.ckpt.discard_newer_than(t.state.step)  # a restart must not resume into the diverged trajectory
-        t.pending_good = [s for s in t.pending_good if s <= t.state.step]
+        t.ckpt.awaiting_good = {s for s in t.ckpt.awaiting_good if s <= t.state.step}
         t.event("rollback", all_ranks=True, to_step=t.state.step, from_step=decision.bad_step,
                 skipped_samples=skipped[1] - skipped[0], skipped_range=skipped, checkpoint=str(info.path),
                 lr_scale=decision.lr_scale)
+        # Re-save the step with what the rollback decided (data cursor past the bad samples, skipped ranges, lr scale,
+        # the policy's counters and precision): a restart before the next periodic save would otherwise resume the
+        # checkpoint as it was, replay the skipped samples and forget the rollback (max_rollbacks unbounded).
+        t.save_checkpoint(good=True)
 
     # -- checkpointable state -------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -244,7 +244,6 @@ class Trainer:
             if target is None:
                 raise ValueError("faults=fp8_overflow needs an FP8 model: use precision=fp8")
             self.guard.faults.attach_activation_fault(target, self.rank, lambda: self.state.step)
-        self.pending_good: list[int] = []  # checkpoints waiting for their good_after_steps clean steps
         self.setup_s = time.time() - t_setup
 
     # -- events ---------------------------------------------------------------------------------------------
@@ -349,7 +348,7 @@ class Trainer:
         if good:
             self.ckpt.mark_good(self.state.step)
         else:
-            self.pending_good.append(self.state.step)
+            self.ckpt.awaiting_good.add(self.state.step)  # waits for good_after_steps clean steps; retention keeps it
         self.event("checkpoint_timing", seconds=round(time.time() - t0, 3))
         self.report_to_ray(path)
         return path
@@ -480,12 +479,12 @@ class Trainer:
     def maybe_mark_good(self) -> None:
         """A checkpoint is good once monitor.good_after_steps steps after it passed the monitors (DESIGN.md)."""
         last_bad = self.guard.last_bad_step
-        for step in list(self.pending_good):
+        for step in sorted(self.ckpt.awaiting_good):
             if last_bad is not None and last_bad >= step:
-                self.pending_good.remove(step)  # trouble after it: never mark it good
+                self.ckpt.awaiting_good.discard(step)  # trouble after it: never mark it good (retention may drop it)
             elif self.state.step - step >= self.job.monitor.good_after_steps:
-                self.ckpt.mark_good(step)  # emits checkpoint_good
-                self.pending_good.remove(step)
+                self.ckpt.mark_good(step)  # emits checkpoint_good, ends the wait
+                self.ckpt.awaiting_good.discard(step)
 
     def log_metrics(self, loss: torch.Tensor, aux: torch.Tensor, grad_norm: torch.Tensor, tokens_per_s: float,
                     step_time_s: float) -> None:

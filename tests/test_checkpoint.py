@@ -423,6 +423,25 @@ def test_retention_keep_good_two(tmp_path):
     assert [s for s, _ in mgr.finalized()] == [4, 3, 2]
 
 
+def test_retention_keeps_checkpoints_awaiting_their_good_mark(tmp_path):
+    """A checkpoint waiting for good_after_steps clean steps survives keep_last (saves more frequent than the wait
+    used to delete it, and its mark_good then failed on rank 0); once marked or given up on, retention applies."""
+    mgr, events, (model, opt, sched) = _saved(tmp_path, [], keep_last=2, keep_good=1)
+    mgr.save(1, model, opt, sched)
+    mgr.mark_good(1)
+    for step in (2, 3, 4):
+        mgr.save(step, model, opt, sched)
+        mgr.awaiting_good.add(step)
+    assert [s for s, _ in mgr.finalized()] == [4, 3, 2, 1]  # 2 outlived keep_last=2: still awaiting
+    mgr.mark_good(2)  # would raise "does not exist" had retention deleted it
+    assert 2 not in mgr.awaiting_good
+    assert [s for s, _ in mgr.finalized()] == [4, 3, 2]  # 1: no longer the newest good one
+    mgr.awaiting_good.discard(3)  # trouble after 3: the worker gives up on it
+    mgr.save(5, model, opt, sched)
+    assert [s for s, _ in mgr.finalized()] == [5, 4, 2]  # 4 still awaiting; 3 went; 2 the newest good
+    assert [p["step"] for n, p in events if n == "checkpoint_deleted"] == [1, 3]
+
+
 def test_resave_same_step_replaces_and_discard_newer(tmp_path):
     mgr, events, (model, opt, sched) = _saved(tmp_path, [1, 2, 3], keep_last=5)
     mgr.save(3, model, opt, sched, {"again": True})
@@ -479,3 +498,38 @@ def test_blake2b_checksum_and_info_fields(tmp_path):
     assert isinstance(info, CheckpointInfo)
     assert (info.step, info.world_size, info.good) == (7, 1, False) and info.manifest["checksum"] == "blake2b"
     assert all(len(f["digest"]) == 128 for f in info.manifest["files"].values())
+
+
+def test_loading_into_a_model_of_another_shape_names_the_tensor(tmp_path):
+    """DCP's own error is a BaseException with every rank's traceback: it becomes a CheckpointError naming the
+    mismatched tensor and what to change, and the checkpoint is untouched."""
+    model, opt, sched = build(seed=0)
+    train_steps(model, opt, sched, 1)
+    mgr = CheckpointManager(tmp_path, rank=0, world_size=1)
+    path = mgr.save(1, model, opt, sched)
+    before = sorted((p.relative_to(path), p.stat().st_size) for p in path.rglob("*") if p.is_file())
+    wider = TinyNet()
+    wider.layers[0] = nn.Linear(wider.layers[0].in_features, wider.layers[0].out_features + 16)
+    wider.layers[1] = nn.Linear(wider.layers[1].in_features + 16, wider.layers[1].out_features)
+    wider_opt = torch.optim.AdamW(wider.parameters())
+    with pytest.raises(CheckpointError, match=r"does not fit.*Size mismatch.*layers\.0\.weight.*model.overrides"):
+        mgr.load(mgr.latest(), wider, wider_opt, torch.optim.lr_scheduler.LambdaLR(wider_opt, halving))
+    assert sorted((p.relative_to(path), p.stat().st_size) for p in path.rglob("*") if p.is_file()) == before
+
+
+def test_an_unreadable_checkpoint_file_is_a_bad_checkpoint_not_a_crash(tmp_path, monkeypatch):
+    """An OSError while hashing (I/O error, stale NFS handle) skips that checkpoint like corruption does."""
+    import orchestration.checkpoint as ckpt_module
+
+    mgr, events, _ = _saved(tmp_path, [1, 2])
+    real_digest = ckpt_module.file_digest
+
+    def failing_digest(path, algorithm):
+        if "step_000002" in str(path):
+            raise OSError(5, "Input/output error")
+        return real_digest(path, algorithm)
+
+    monkeypatch.setattr(ckpt_module, "file_digest", failing_digest)
+    assert mgr.latest().step == 1
+    corrupt = [p for n, p in events if n == "checkpoint_corrupt"]
+    assert [p["step"] for p in corrupt] == [2] and "Input/output error" in corrupt[0]["reason"]

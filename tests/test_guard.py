@@ -157,3 +157,31 @@ def test_layer_fallback_survives_the_shadow_check_and_a_resume(tmp_path):
     assert bf16_modules(resumed) == held
     assert resumed.run() == "completed"
     assert bf16_modules(resumed) == held  # step 4's shadow check ran in the resumed run
+
+
+def test_rollback_resaves_its_step_with_what_it_decided(tmp_path):
+    """A rollback re-saves the step it went back to with the new data cursor, skipped window, precision and
+    rollback count: a restart before the next periodic save resumes past the bad samples with the rollback
+    counted (max_rollbacks stays a bound), instead of the checkpoint's state as it was before the rollback."""
+    import json
+
+    batch = 8
+    trainer = make_trainer(tmp_path, "train.steps=34", f"train.global_batch_size={batch}",
+                           f"train.micro_batch_size={batch}", "checkpoint.every_steps=10",
+                           "monitor.good_after_steps=5", "faults=loss_spike", "faults.rank=0", "faults.step=30",
+                           "faults.num_steps=3")
+    trainer.start()
+    assert trainer.run() == "completed"
+    events = read_jsonl(tmp_path / "run" / "events.jsonl")
+    rollback = next(e for e in events if e["event"] == "rollback")
+    assert (rollback["to_step"], rollback["from_step"]) == (20, 32)
+    resaved = [e for e in events if e["event"] == "checkpoint_saved" and e["step"] == 20]
+    assert len(resaved) == 2 and resaved[1]["time"] >= rollback["time"]
+    extra = json.loads((tmp_path / "run" / "checkpoints" / "step_000020" / "extra_state.json").read_text())
+    assert extra["train_state"]["step"] == 20
+    assert extra["train_state"]["cursor"] == 33 * batch  # past the bad step's samples
+    assert extra["train_state"]["skipped_ranges"] == [[20 * batch, 33 * batch]]
+    assert extra["train_state"]["precision"] == "bf16"  # the fallback before the rollback stays in force
+    assert extra["guard"]["policy"]["rollbacks"] == 1
+    manifest = json.loads((tmp_path / "run" / "checkpoints" / "step_000020" / "manifest.json").read_text())
+    assert manifest["good"] is True
