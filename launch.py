@@ -40,7 +40,11 @@ def main(cfg: DictConfig) -> None:
 
     from orchestration.trainer import run_job
 
-    summary = run_job(job)
+    try:
+        summary = run_job(job)
+    except ConfigError as exc:  # refused before the run directory changed (orchestration.trainer.check_start)
+        print(f"config error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(2)
     if summary["status"] not in ("completed",):
         sys.exit(1)
 

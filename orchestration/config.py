@@ -138,6 +138,8 @@ class CheckpointConfig:
     every_steps: int = 40
     keep_last: int = 3
     keep_good: int = 2
+    # true: a start with an existing run's name resumes it (same RESUME_KEYS settings, orchestration/trainer.py).
+    # false: refuse to start over a run that has checkpoints. Restarts within one start always resume.
     resume: bool = True
     report_to_ray: bool = True
 

@@ -38,27 +38,47 @@ def main(argv: list[str]) -> int:
         open_run_dir,
         print_summary,
         resolve_run_root,
+        worker_env,
     )
     from orchestration.worker import train_loop
 
     rank = int(os.environ.get("RANK", "0"))
-    run_name = job.run_name or os.environ.get("TORCHELASTIC_RUN_ID") or default_run_name(job)
+    # torchrun's run id is the literal "none" unless --rdzv-id (or --standalone) sets one: every such launch would
+    # share runs/none and resume each other. Ask for a name instead.
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if not job.run_name and run_id == "none":
+        print("config error: run_name: torchrun gave no run id (TORCHELASTIC_RUN_ID=none); pass run_name=NAME "
+              "or torchrun --standalone / --rdzv-id", file=sys.stderr)
+        return 2
+    run_name = job.run_name or run_id or default_run_name(job)
     t_start = time.time()
     if rank == 0:
-        run_dir = open_run_dir(job, run_name, launcher="torchrun", world_size=world)
+        try:
+            run_dir = open_run_dir(job, run_name, launcher="torchrun", world_size=world)
+        except ConfigError as exc:  # refused before the run directory changed
+            print(f"config error: {exc}", file=sys.stderr)
+            return 2
     else:
         run_dir = RunDir(resolve_run_root(job) / run_name)
-    train_loop({"job": to_dict(job), "run_dir": str(run_dir.path), "run_name": run_name})
     import torch.distributed as dist
 
-    if dist.is_initialized():
-        # Tear gloo/NCCL down before interpreter exit: live communicator threads at exit abort the process
-        # ("terminate called without an active exception") and torchrun reports the run as failed.
-        dist.barrier()
-        dist.destroy_process_group()
+    try:
+        # The cluster's NCCL/RCCL preset and env_vars, as the Ray driver hands them to its workers.
+        train_loop({"job": to_dict(job), "run_dir": str(run_dir.path), "run_name": run_name,
+                    "env": worker_env(job), "launcher": "torchrun"})
+    finally:
+        # Also when the loop raised: rank 0 still writes run_end and a summary ("failed": no final state).
+        if dist.is_initialized():
+            # Tear gloo/NCCL down before interpreter exit: live communicator threads at exit abort the process
+            # ("terminate called without an active exception") and torchrun reports the run as failed. After a
+            # failure the peers may be gone: abort-free destroy without the barrier.
+            if sys.exc_info()[0] is None:
+                dist.barrier()
+            dist.destroy_process_group()
+        if rank == 0:
+            status = final_status(run_dir) or "failed"
+            print_summary(close_run_dir(run_dir, status, t_start))
     if rank == 0:
-        status = final_status(run_dir) or "failed"
-        print_summary(close_run_dir(run_dir, status, t_start))
         return 0 if status == "completed" else 1
     return 0
 

@@ -143,8 +143,60 @@ def start_ray(job: JobConfig, plan: RayPlan) -> bool:
     return started
 
 
+# What a resumed run must share with the run that saved its checkpoints: the model's tensors, what runs in FP8, and
+# the sample each data index maps to. Everything else (steps, lr, world size, monitors, cluster) may change.
+RESUME_KEYS = ("model.name", "model.overrides", "precision.name", "precision.recipe", "precision.fp8_min_gemm_width",
+               "precision.fp8_output_head", "precision.fp8_experts", "data.source", "data.glob", "data.max_files",
+               "data.seq_len", "data.seed")
+
+
+def _lookup(tree: dict[str, Any], dotted: str) -> Any:
+    for part in dotted.split("."):
+        tree = tree.get(part) if isinstance(tree, dict) else None
+    return tree
+
+
+def check_start(job: JobConfig, run_name: str) -> None:
+    """Refuse, before anything in the run directory changes, a start that cannot work: a run_root that is a file,
+    checkpoint.resume=false over a run that has checkpoints, or a resume whose settings differ in RESUME_KEYS from
+    the saved run's (the workers would fail on every Ray retry, after this driver had rewritten config.yaml)."""
+    import yaml
+
+    from orchestration.config import ConfigError
+    from orchestration.events import CONFIG_FILE
+
+    root = resolve_run_root(job)
+    if root.exists() and not root.is_dir():
+        raise ConfigError(f"run_root: {root} is a file, not a directory; point run_root at a directory")
+    run_path = root / run_name
+    checkpoints = run_path / "checkpoints"
+    saved = sorted(p.name for p in checkpoints.glob("step_*") if p.is_dir()) if checkpoints.is_dir() else []
+    if not saved:
+        return  # nothing to resume: a fresh start (an empty or aborted run directory is reused)
+    if not job.checkpoint.resume:
+        raise ConfigError(f"checkpoint.resume=false but run '{run_name}' already has checkpoints ({saved[-1]} the "
+                          f"newest, in {checkpoints}): starting over would mix two runs in one directory; choose a "
+                          "new run_name, or drop checkpoint.resume=false to resume it (nothing was changed on disk)")
+    config_file = run_path / CONFIG_FILE
+    if not config_file.is_file():
+        return  # no saved settings to compare; the workers still check model and corpus against the checkpoint
+    try:
+        saved_config = yaml.safe_load(config_file.read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"run '{run_name}': cannot read its saved {config_file}: {exc}; restore the file or "
+                          "choose a new run_name (nothing was changed on disk)") from None
+    new_config = to_dict(job)
+    changed = [f"{key} (saved {_lookup(saved_config, key)!r}, now {_lookup(new_config, key)!r})"
+               for key in RESUME_KEYS if _lookup(saved_config, key) != _lookup(new_config, key)]
+    if changed:
+        raise ConfigError(f"run '{run_name}' has checkpoints ({saved[-1]} the newest) made with other settings: "
+                          f"{'; '.join(changed)}. Resuming needs the saved ones: restore them, or choose a new "
+                          "run_name (nothing was changed on disk)")
+
+
 def open_run_dir(job: JobConfig, run_name: str, **start_fields: Any) -> RunDir:
     """Driver side of a start (Ray or torchrun): config.yaml, the run_start event, no stale final state."""
+    check_start(job, run_name)
     run_dir = RunDir(resolve_run_root(job) / run_name)
     config = redact_secrets(to_dict(job))
     config["run_name"] = run_name
@@ -186,10 +238,16 @@ def run_job(job: JobConfig) -> dict[str, Any]:
 
     from orchestration.worker import train_loop
 
-    started = start_ray(job, plan)
     progress = ProgressPrinter(run_dir.path, job.logging.progress_every_s, job.train.steps)
     status = "failed"
+    started = False
     try:
+        try:
+            started = start_ray(job, plan)
+        except ConnectionError as exc:
+            hint = ("start it (ray start --head) or set cluster.address=null for an embedded local cluster")
+            raise RuntimeError(f"cannot reach the Ray cluster at cluster.address={plan.address!r} ({exc}); "
+                               f"{hint}") from None
         trainer = TorchTrainer(
             train_loop,
             train_loop_config={"job": to_dict(job), "run_dir": str(run_dir.path), "run_name": run_name,

@@ -268,10 +268,12 @@ class Trainer:
 
     # -- start / resume -------------------------------------------------------------------------------------
     def start(self) -> None:
-        job = self.job
         previous = [e for e in read_jsonl(self.run_dir.path / EVENTS_FILE)]
         # Collective: every rank must resume from the same checkpoint even if one of them sees a corrupt file.
-        info = self.ckpt.latest(collective=True) if job.checkpoint.resume else None
+        # Always, whatever checkpoint.resume says: the driver refuses resume=false over a run that has checkpoints
+        # (orchestration.trainer.check_start), so checkpoints found here are this start's own, and a Ray restart
+        # after a lost worker must continue from them, not train again from step 0.
+        info = self.ckpt.latest(collective=True)
         t_load = time.time()
         if info is not None:
             self.check_resumable(info)
@@ -319,6 +321,16 @@ class Trainer:
             raise ValueError(f"run directory {self.run_dir.path} was trained on another corpus (fingerprint "
                              f"{saved_data}, now {self.dataset.fingerprint}): resuming would not replay the same "
                              "samples; restore data.* or choose a new run_name (nothing was changed on disk)")
+        saved_sampling = extra.get("data_sampling")  # absent in checkpoints older than this check
+        sampling = self.data_sampling()
+        if saved_sampling is not None and saved_sampling != sampling:
+            raise ValueError(f"run directory {self.run_dir.path} maps sample indices with data settings "
+                             f"{saved_sampling}, now {sampling}: resuming would not replay the same samples; "
+                             "restore them or choose a new run_name (nothing was changed on disk)")
+
+    def data_sampling(self) -> dict[str, int]:
+        """The data settings that decide which window a sample index reads (beside the corpus fingerprint)."""
+        return {"seed": self.job.data.seed, "seq_len": self.job.data.seq_len}
 
     def restore_extra(self, extra: dict[str, Any]) -> None:
         self.state = TrainState.from_dict(extra["train_state"])
@@ -335,7 +347,8 @@ class Trainer:
     def extra_state(self) -> dict[str, Any]:
         extra: dict[str, Any] = {"train_state": self.state.to_dict(), "plan": self.plan.to_dict(),
                                  "model": self.job.model.name,
-                                 "guard": self.guard.state_dict(), "data_fingerprint": self.dataset.fingerprint}
+                                 "guard": self.guard.state_dict(), "data_fingerprint": self.dataset.fingerprint,
+                                 "data_sampling": self.data_sampling()}
         if self.recipe is not None:
             import fp8
 

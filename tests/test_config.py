@@ -247,3 +247,38 @@ def test_adamw_is_fused_on_gpus_and_default_on_cpu():
     param.grad = torch.ones(4)
     torch.optim.AdamW([param], **gpu).step()
     assert torch.allclose(param.detach(), torch.full((4,), 1 - 0.002 - 0.002 * 0.05), rtol=1e-5)
+
+
+def test_a_start_that_cannot_resume_is_refused_before_the_run_directory_changes(tmp_path):
+    """orchestration.trainer.check_start (called by open_run_dir, for Ray and torchrun): a run_root that is a file,
+    resume=false over checkpoints, and a resume with other model/precision/data settings are refused with the
+    keys to restore; compatible changes (steps, lr, workers) pass; nothing in the run directory is touched."""
+    from orchestration.config import to_dict
+    from orchestration.events import RunDir
+    from orchestration.trainer import check_start, open_run_dir
+
+    def job(*overrides):
+        return compose_job(f"run_root={tmp_path}", "model=debug_dense", *overrides)
+
+    check_start(job(), "fresh")  # no run yet
+    run = RunDir(tmp_path / "exp")
+    run.write_config(to_dict(job()))
+    check_start(job("model=debug_moe"), "exp")  # no checkpoints yet: nothing to resume, a fresh start is fine
+    (run.path / "checkpoints" / "step_000040").mkdir(parents=True)
+    before = sorted((p.relative_to(run.path), p.stat().st_mtime_ns) for p in run.path.rglob("*"))
+
+    check_start(job("train.steps=500", "train.lr=0.001", "cluster.max_workers=4", "cluster.min_workers=1"), "exp")
+    with pytest.raises(ConfigError, match=r"model.name \(saved 'debug_dense', now 'debug_moe'\).*new run_name"):
+        open_run_dir(job("model=debug_moe"), "exp")
+    with pytest.raises(ConfigError, match=r"precision.name \(saved 'fp8', now 'bf16'\); data.seed \(saved 1234"):
+        check_start(job("precision=bf16", "data.seed=5"), "exp")
+    with pytest.raises(ConfigError, match=r"model.overrides \(saved \{\}, now \{'n_layers': 3\}\)"):
+        check_start(job("+model.overrides.n_layers=3"), "exp")
+    with pytest.raises(ConfigError, match=r"checkpoint.resume=false but run 'exp' already has checkpoints"):
+        check_start(job("checkpoint.resume=false"), "exp")
+    assert sorted((p.relative_to(run.path), p.stat().st_mtime_ns) for p in run.path.rglob("*")) == before
+
+    a_file = tmp_path / "not_a_dir"
+    a_file.write_text("x")
+    with pytest.raises(ConfigError, match="is a file, not a directory"):
+        check_start(compose_job(f"run_root={a_file}"), "exp")

@@ -122,3 +122,20 @@ def test_same_worker_loop_under_torchrun_without_ray(tmp_path, isolated_env):
     assert summary["world_sizes_seen"] == [2]
     assert summary["consumed_ranges"] == [[0, 30 * 16]]
     assert summary["final_loss"] < summary["first_loss"] - 1.0
+
+
+def test_torchrun_without_a_run_id_or_name_is_refused(tmp_path, isolated_env):
+    """torchrun without --standalone/--rdzv-id sets TORCHELASTIC_RUN_ID=none: every such launch would share
+    runs/none (and resume one another). Refused before anything is written, naming run_name."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    proc = subprocess.run([sys.executable, "-m", "orchestration.torchrun", f"run_root={tmp_path}", "model=debug_dense",
+                           "logging.wandb=false"], check=False, cwd=REPO,
+                          env={**isolated_env, "TORCHELASTIC_RUN_ID": "none"}, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "pass run_name=NAME" in proc.stderr
+    assert not list(tmp_path.iterdir())

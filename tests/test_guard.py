@@ -89,6 +89,12 @@ def test_resuming_a_run_of_another_model_is_refused_and_loses_nothing(tmp_path):
     with pytest.raises(ValueError, match="choose a new run_name"):
         other.start()
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == checkpoints
+    # Another data seed maps every sample index to another window: refused by the worker too (torchrun and
+    # in-process starts do not always pass the driver's check).
+    reseeded = make_trainer(tmp_path, "train.steps=3", "data.seed=7")
+    with pytest.raises(ValueError, match=r"data settings \{'seed': 1234, 'seq_len': 32\}, now \{'seed': 7"):
+        reseeded.start()
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == checkpoints
 
 
 def _saturate_from_step_2(trainer, module_name):
