@@ -587,6 +587,13 @@ class CheckpointManager:
         self._emit("checkpoint_good", {"step": step, "path": str(path)})
         self._emit_deleted(self._apply_retention())
 
+    def unjudged_steps(self, up_to: int) -> list[int]:
+        """Finalized checkpoints at or before `up_to` newer than the newest good one and not good themselves: the
+        ones whose verdict a stopped run left pending (a resumed run goes on waiting for them)."""
+        entries = [(s, p) for s, p in self.finalized() if s <= up_to]
+        newest_good = max((s for s, p in entries if self._is_good(p)), default=-1)
+        return sorted(s for s, p in entries if s > newest_good)
+
     def _is_good(self, path: Path) -> bool:
         try:
             return read_manifest(path)["good"]

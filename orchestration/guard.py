@@ -206,9 +206,20 @@ class StepGuard:
                                   group=job.logging.group or job.model.name, tags=tags_from_config(config),
                                   mode=job.logging.wandb_mode)
 
+    def _wandb(self, method: str, *args: Any) -> None:
+        """One call into the W&B run; an error there disables W&B for the rest of the run with one message
+        instead of stopping training (observability never kills a run; metrics.jsonl and events.jsonl remain)."""
+        if self.wandb is None:
+            return
+        try:
+            getattr(self.wandb, method)(*args)
+        except Exception as exc:  # noqa: BLE001 - any W&B failure: disable it, keep training
+            print(f"[rank 0] W&B logging disabled after an error in {method}: {type(exc).__name__}: {exc}",
+                  flush=True)
+            self.wandb = None
+
     def log_event(self, record: dict[str, Any]) -> None:
-        if self.wandb is not None:
-            self.wandb.log_event(record)
+        self._wandb("log_event", record)
         if self.ray_metrics is not None:
             self.ray_metrics.record_event(record)
 
@@ -217,11 +228,9 @@ class StepGuard:
         return {f"policy_{k}": v for k, v in self.policy.counters().items() if k != "precision"}
 
     def on_metrics(self, record: dict[str, Any]) -> None:
-        if self.wandb is not None:
-            self.wandb.log_metrics(record["step"], record)
+        self._wandb("log_metrics", record["step"], record)
         if self.ray_metrics is not None:
             self.ray_metrics.update(record)
 
     def finish(self, status: str) -> None:
-        if self.wandb is not None:
-            self.wandb.finish({"status": status, **self.policy.counters()})
+        self._wandb("finish", {"status": status, **self.policy.counters()})

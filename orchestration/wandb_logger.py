@@ -477,12 +477,15 @@ def wait_until_flushed(path: Path, timeout_s: float = 15.0) -> bool:
 
     deadline = time.monotonic() + timeout_s
     while True:
-        if Path(path).exists():
-            for payload in iter_record_payloads(path):
-                record = wandb_internal_pb2.Record()
-                record.ParseFromString(payload)
-                if record.WhichOneof("record_type") == "exit":
-                    return True
+        try:
+            payloads = list(iter_record_payloads(path)) if Path(path).exists() else []
+        except (struct.error, ValueError, OSError):
+            payloads = []  # shorter than its header, or caught mid-write: not flushed yet
+        for payload in payloads:
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(payload)
+            if record.WhichOneof("record_type") == "exit":
+                return True
         if time.monotonic() > deadline:
             log.warning("W&B file %s not flushed after %.0f s", path, timeout_s)
             return False

@@ -31,7 +31,7 @@ from orchestration.distributed import (
 )
 from orchestration.elastic import BatchPlan, count_in_ranges, merge_ranges, plan_batch
 from orchestration.env_presets import check_preset_device
-from orchestration.events import EVENTS_FILE, FINAL_STATE_FILE, METRICS_FILE, RunDir, read_jsonl
+from orchestration.events import CONFIG_FILE, EVENTS_FILE, FINAL_STATE_FILE, METRICS_FILE, RunDir, read_jsonl
 from orchestration.gc_policy import ManagedGc
 from orchestration.guard import StepGuard
 
@@ -268,6 +268,13 @@ class Trainer:
 
     # -- start / resume -------------------------------------------------------------------------------------
     def start(self) -> None:
+        if self.under_ray and self.rank == 0 and not (self.run_dir.path / CONFIG_FILE).is_file():
+            # The driver wrote config.yaml there before starting the workers: rank 0 not seeing it means another
+            # filesystem, where its metrics, events and checkpoints would be invisible to the driver (a completed
+            # run reported as interrupted) and lost with the node.
+            raise RuntimeError(f"rank 0 does not see the driver's run directory {self.run_dir.path}: run_root must be "
+                               "on a filesystem shared by the driver and every worker node (set run_root, or "
+                               "cluster.storage_path to a shared path such as NFS)")
         previous = [e for e in read_jsonl(self.run_dir.path / EVENTS_FILE)]
         # Collective: every rank must resume from the same checkpoint even if one of them sees a corrupt file.
         # Always, whatever checkpoint.resume says: the driver refuses resume=false over a run that has checkpoints
@@ -279,6 +286,9 @@ class Trainer:
             self.check_resumable(info)
             extra = self.ckpt.load(info, self.model, self.optimizer, self.scheduler)
             self.restore_extra(extra)
+            # Verdicts still pending when the previous group stopped: keep waiting for them (a trouble step since
+            # then, in the restored guard's last_bad_step, still rules them out).
+            self.ckpt.awaiting_good.update(self.ckpt.unjudged_steps(info.step))
         load_s = time.time() - t_load
         self.event("worker_group_start", world_size=self.world_size, grad_accum=self.plan.grad_accum,
                    micro_batch_size=self.plan.micro_batch_size, backend=self.info.backend,

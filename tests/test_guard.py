@@ -191,3 +191,59 @@ def test_rollback_resaves_its_step_with_what_it_decided(tmp_path):
     assert extra["guard"]["policy"]["rollbacks"] == 1
     manifest = json.loads((tmp_path / "run" / "checkpoints" / "step_000020" / "manifest.json").read_text())
     assert manifest["good"] is True
+
+
+def test_a_wandb_failure_disables_wandb_and_training_goes_on(tmp_path, capsys):
+    """Observability never kills a run: an exception inside the W&B run (here log_metrics) turns W&B off with one
+    message; the run completes and metrics.jsonl keeps every step."""
+    trainer = make_trainer(tmp_path, "train.steps=3", "logging.wandb=true", "logging.wandb_mode=offline")
+    assert trainer.guard.wandb is not None
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("wandb-core went away")
+
+    trainer.guard.wandb.log_metrics = broken
+    trainer.start()
+    status = trainer.run()
+    trainer.finish(status)
+    assert status == "completed" and trainer.guard.wandb is None
+    assert "W&B logging disabled after an error in log_metrics: RuntimeError: wandb-core went away" in \
+        capsys.readouterr().out
+    assert [m["step"] for m in read_jsonl(tmp_path / "run" / "metrics.jsonl")] == [1, 2, 3]
+
+
+def test_rank0_under_ray_without_the_drivers_run_directory_is_refused(tmp_path):
+    """Under Ray the driver writes config.yaml into the run directory before the workers start; a rank 0 that does
+    not see it runs on another filesystem (run_root not shared), where its results would be lost to the driver."""
+    import pytest
+
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[
+            "model=debug_dense", "precision=bf16", "cluster.min_workers=1", "cluster.max_workers=1",
+            "logging.wandb=false", "logging.ray_metrics=false", "train.steps=2", "train.warmup_steps=1",
+            "checkpoint.report_to_ray=false", "data.seq_len=32"])
+    config = {"job": to_dict(load_job_config(cfg)), "run_dir": str(tmp_path / "run"), "launcher": "ray"}
+    with pytest.raises(RuntimeError, match="run_root must be on a filesystem shared by the driver"):
+        Trainer(config).start()
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert not checkpoints.exists() or not list(checkpoints.iterdir())  # refused before the step-0 save
+    # With the driver's config.yaml present (what open_run_dir writes) the same start proceeds.
+    (tmp_path / "run" / "config.yaml").write_text("{}\n")
+    trainer = Trainer(config)
+    trainer.start()
+    assert [p.name for p in checkpoints.iterdir()] == ["step_000000"]
+
+
+def test_the_checkpoint_a_run_resumes_from_still_becomes_good(tmp_path):
+    """A checkpoint whose verdict was pending when its run stopped is marked good after good_after_steps clean
+    steps of the resumed run (before, it never was, and a rollback went further back than needed)."""
+    common = ("checkpoint.every_steps=10", "monitor.good_after_steps=5")
+    first = make_trainer(tmp_path, "train.steps=12", *common)
+    first.start()
+    assert first.run() == "completed"  # saves 10 and the final 12, neither good yet (12 - 10 < 5 at the end)
+    resumed = make_trainer(tmp_path, "train.steps=20", *common)
+    resumed.start()
+    assert resumed.state.step == 12 and resumed.ckpt.awaiting_good == {10, 12}
+    assert resumed.run() == "completed"
+    good = [e["step"] for e in read_jsonl(tmp_path / "run" / "events.jsonl") if e["event"] == "checkpoint_good"]
+    assert 12 in good and 10 in good

@@ -292,3 +292,12 @@ def test_restart_after_kill_backfills_from_metrics_jsonl(wandb_env):
     assert [r["loss"] for r in rows] == [m["loss"] for m in metrics]
     assert [r["time"] for r in rows] == [m["time"] for m in metrics]
     assert [r["precision_fp8"] for r in rows] == [1.0] * 10 + [0.0] * 3
+
+
+def test_wait_until_flushed_treats_a_torn_file_as_not_flushed(tmp_path):
+    """A .wandb file shorter than its header (caught mid-write) is 'not flushed yet', not a crash at run end."""
+    from orchestration.wandb_logger import wait_until_flushed
+
+    torn = tmp_path / "run.wandb"
+    torn.write_bytes(b":W&")
+    assert wait_until_flushed(torn, timeout_s=0.2) is False
