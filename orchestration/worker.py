@@ -275,6 +275,7 @@ class Trainer:
             raise RuntimeError(f"rank 0 does not see the driver's run directory {self.run_dir.path}: run_root must be "
                                "on a filesystem shared by the driver and every worker node (set run_root, or "
                                "cluster.storage_path to a shared path such as NFS)")
+        self.check_same_corpus_on_every_rank()
         previous = [e for e in read_jsonl(self.run_dir.path / EVENTS_FILE)]
         # Collective: every rank must resume from the same checkpoint even if one of them sees a corrupt file.
         # Always, whatever checkpoint.resume says: the driver refuses resume=false over a run that has checkpoints
@@ -314,6 +315,18 @@ class Trainer:
         else:
             # A step-0 checkpoint, good by definition: a rollback always has somewhere to go.
             self.save_checkpoint(good=True)
+
+    def check_same_corpus_on_every_rank(self) -> None:
+        """Every rank reads its samples from its own copy of data.source; copies that differ (another Python's
+        standard library on one node, a stale file) would train ranks on different data without any error."""
+        if self.world_size <= 1:
+            return
+        fingerprints: list[Any] = [None] * self.world_size
+        torch.distributed.all_gather_object(fingerprints, self.dataset.fingerprint)
+        if len(set(fingerprints)) > 1:
+            by_rank = ", ".join(f"rank {r}: {f}" for r, f in enumerate(fingerprints))
+            raise ValueError(f"the ranks read different corpora from data.source={self.job.data.source!r} "
+                             f"({by_rank}): give every node the same files (e.g. a shared path for data.source)")
 
     def check_resumable(self, info: Any) -> None:
         """Refuse, with what to change, a checkpoint of another model or corpus (same run_name reused)."""

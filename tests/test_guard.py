@@ -1,6 +1,7 @@
 """The worker loop's guard in one process (world size 1, no Ray): layer-scoped BF16 fallback and the shadow check
 reach fp8.set_precision for exactly the blocks the evidence names."""
 
+import pytest
 from hydra import compose, initialize_config_dir
 
 from orchestration.config import load_job_config, to_dict
@@ -247,3 +248,41 @@ def test_the_checkpoint_a_run_resumes_from_still_becomes_good(tmp_path):
     assert resumed.run() == "completed"
     good = [e["step"] for e in read_jsonl(tmp_path / "run" / "events.jsonl") if e["event"] == "checkpoint_good"]
     assert 12 in good and 10 in good
+
+
+def _start_rank_with_own_corpus(rank: int, world: int, port: int, root: str) -> None:
+    import os
+    import sys
+
+    import torch.distributed as dist
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    from pathlib import Path
+
+    trainer = make_trainer(Path(root), f"data.source={root}/corpus{rank}.txt", "data.seq_len=16")
+    try:
+        trainer.start()
+        outcome = "started"
+    except ValueError as exc:
+        outcome = str(exc)
+    (Path(root) / f"outcome{rank}.txt").write_text(outcome)
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)  # skip interpreter teardown (see tests/spawned.py)
+
+
+@pytest.mark.slow
+def test_ranks_reading_different_corpora_are_refused(tmp_path):
+    """Two gloo ranks whose data.source files differ (another node's copy) stop at start, naming both."""
+    import torch.multiprocessing as mp
+
+    from tests.test_checkpoint import free_port
+
+    for rank in (0, 1):
+        (tmp_path / f"corpus{rank}.txt").write_text(f"rank {rank} text " * 200)
+    mp.spawn(_start_rank_with_own_corpus, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    for rank in (0, 1):
+        outcome = (tmp_path / f"outcome{rank}.txt").read_text()
+        assert "the ranks read different corpora" in outcome and "rank 0:" in outcome and "rank 1:" in outcome
