@@ -119,7 +119,9 @@ def summarize(run_dir: Path, status: str, wall_time_s: float | None = None) -> d
         "fallbacks": sum(1 for e in events if e["event"] == "precision_changed" and e.get("to") == "bf16"
                          and e.get("worker_rank", 0) == 0),
         "skipped_steps": count("step_skipped"),
-        "samples_consumed": final_state.get("samples_consumed"),
+        # An interrupted or failed run has no final state: its last metrics line says how far it got.
+        "samples_consumed": final_state.get("samples_consumed",
+                                            metrics[-1].get("samples_consumed") if metrics else None),
         "consumed_ranges": final_state.get("consumed_ranges"),
         "skipped_ranges": final_state.get("skipped_ranges"),
         "tokens_per_s": (sum(tput) / len(tput)) if tput else None,

@@ -153,3 +153,21 @@ def test_cli(sweep, capsys):
     assert (sweep / "report" / "report.md").exists()
     assert report.main([str(sweep / "nope")]) == 2
     assert "not a directory" in capsys.readouterr().err
+
+
+def test_summary_of_an_interrupted_run_counts_samples_from_its_last_metrics(tmp_path):
+    """No final_state.json (the workers never finished): samples_consumed comes from the last metrics line, the
+    ranges stay unknown; with a final state, the final state wins."""
+    import json
+
+    from orchestration.events import FINAL_STATE_FILE, RunDir, summarize
+
+    run = RunDir(tmp_path / "run")
+    run.event("worker_group_start", step=0, world_size=2)
+    for step, consumed in ((1, 16), (2, 32), (3, 48)):
+        run.metrics({"step": step, "loss": 3.0 - step / 10, "samples_consumed": consumed})
+    summary = summarize(run.path, "interrupted")
+    assert (summary["final_step"], summary["samples_consumed"], summary["consumed_ranges"]) == (3, 48, None)
+    (run.path / FINAL_STATE_FILE).write_text(json.dumps({"step": 3, "samples_consumed": 40,
+                                                         "consumed_ranges": [[0, 40]]}))
+    assert summarize(run.path, "completed")["samples_consumed"] == 40
