@@ -150,9 +150,14 @@ RESUME_KEYS = ("model.name", "model.overrides", "precision.name", "precision.rec
                "data.seq_len", "data.seed")
 
 
-def _lookup(tree: dict[str, Any], dotted: str) -> Any:
+_ABSENT = object()
+
+
+def _lookup(tree: Any, dotted: str) -> Any:
     for part in dotted.split("."):
-        tree = tree.get(part) if isinstance(tree, dict) else None
+        if not isinstance(tree, dict) or part not in tree:
+            return _ABSENT
+        tree = tree[part]
     return tree
 
 
@@ -186,8 +191,15 @@ def check_start(job: JobConfig, run_name: str) -> None:
         raise ConfigError(f"run '{run_name}': cannot read its saved {config_file}: {exc}; restore the file or "
                           "choose a new run_name (nothing was changed on disk)") from None
     new_config = to_dict(job)
-    changed = [f"{key} (saved {_lookup(saved_config, key)!r}, now {_lookup(new_config, key)!r})"
-               for key in RESUME_KEYS if _lookup(saved_config, key) != _lookup(new_config, key)]
+    # A key the saved config lacks (a run from before the setting existed) ran with the setting's default.
+    defaults = to_dict(JobConfig())
+    changed = []
+    for key in RESUME_KEYS:
+        saved_value = _lookup(saved_config, key)
+        if saved_value is _ABSENT:
+            saved_value = _lookup(defaults, key)
+        if saved_value != _lookup(new_config, key):
+            changed.append(f"{key} (saved {saved_value!r}, now {_lookup(new_config, key)!r})")
     if changed:
         raise ConfigError(f"run '{run_name}' has checkpoints ({saved[-1]} the newest) made with other settings: "
                           f"{'; '.join(changed)}. Resuming needs the saved ones: restore them, or choose a new "

@@ -278,6 +278,14 @@ def test_a_start_that_cannot_resume_is_refused_before_the_run_directory_changes(
         check_start(job("checkpoint.resume=false"), "exp")
     assert sorted((p.relative_to(run.path), p.stat().st_mtime_ns) for p in run.path.rglob("*")) == before
 
+    # A run saved before a setting existed (no such key in its config.yaml) ran with the default: resumable.
+    old_config = to_dict(job())
+    del old_config["precision"]["fp8_experts"], old_config["precision"]["fp8_output_head"]
+    run.write_config(old_config)
+    check_start(job(), "exp")
+    with pytest.raises(ConfigError, match=r"precision.fp8_experts \(saved True, now False\)"):
+        check_start(job("precision.fp8_experts=false"), "exp")
+
     a_file = tmp_path / "not_a_dir"
     a_file.write_text("x")
     with pytest.raises(ConfigError, match="is a file, not a directory"):

@@ -75,6 +75,16 @@ def test_resume_same_run_name_repeats_no_step(tmp_path, isolated_env, no_ray_lef
     for row in history:
         assert row["loss"] == pytest.approx(metrics[row["step"]]["loss"], rel=1e-6)
 
+    # A third start with another model under the same name: refused by the launcher before Ray starts and before
+    # anything in the run directory changes (config.yaml, summary, checkpoints all as they were).
+    before = sorted((p.relative_to(run_dir), p.stat().st_mtime_ns) for p in run_dir.rglob("*") if p.is_file())
+    third = launch(isolated_env, *[c for c in common if c != "model=debug_dense"], "model=debug_moe",
+                   "train.steps=40", timeout=120)
+    assert third.returncode == 2, third.stdout[-3000:] + third.stderr[-3000:]
+    assert "model.name (saved 'debug_dense', now 'debug_moe')" in third.stderr
+    assert "Ray dashboard" not in third.stdout
+    assert sorted((p.relative_to(run_dir), p.stat().st_mtime_ns) for p in run_dir.rglob("*") if p.is_file()) == before
+
 
 def test_ctrl_c_stops_workers_and_leaves_no_ray_processes(tmp_path, isolated_env, no_ray_leftovers):
     import signal
