@@ -11,14 +11,32 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import sys
 from collections.abc import Iterator
 from datetime import timedelta
+from typing import NoReturn
 
 import torch.distributed as dist
 
 # Far below gloo's 30-minute default: a rank waiting on a dead peer must fail the test, not stall CI.
 RANK_TIMEOUT = timedelta(seconds=120)
+
+
+def free_port() -> int:
+    """A TCP port free on loopback now (for a process group's or a Ray head's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def leave_rank() -> NoReturn:
+    """End a spawned rank whose work succeeded: barrier, destroy the group, exit without finalization (see above)."""
+    dist.barrier()  # no rank tears down while a peer still talks to it
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 @contextlib.contextmanager
@@ -30,8 +48,4 @@ def rank_process_group(backend: str, init_method: str, rank: int, world_size: in
     except BaseException:
         dist.destroy_process_group()
         raise
-    dist.barrier()  # no rank tears down while a peer still talks to it
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave_rank()

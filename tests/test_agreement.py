@@ -3,7 +3,6 @@ processes reach the same decision at the same step when only one rank sees the t
 
 import json
 import os
-import socket
 from datetime import timedelta
 
 import pytest
@@ -12,7 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from orchestration.agreement import RANK_MASK, AgreedVerdict, DivergenceGuard, agree, decode_keys, encode_keys
-from tests.spawned import rank_process_group
+from tests.spawned import free_port, rank_process_group
 
 SPECIAL = [0.0, -0.0, 1.0, -1.0, 1e-45, -1e-45, 1e-30, 3.4e38, -3.4e38, float("inf"), float("-inf"), 2.5, -2.5]
 
@@ -60,10 +59,6 @@ def test_identity_without_process_group():
         agree(torch.zeros(2, 2))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str, backend: str = "gloo") -> None:
@@ -105,7 +100,7 @@ def test_two_ranks_agree_when_only_rank1_sees_the_fault(tmp_path, backend):
     world = 2
     if backend == "nccl" and torch.cuda.device_count() < world:
         pytest.skip("NCCL agreement needs 2 CUDA GPUs")
-    mp.start_processes(_worker, args=(world, _free_port(), str(tmp_path), backend), nprocs=world, join=True,
+    mp.start_processes(_worker, args=(world, free_port(), str(tmp_path), backend), nprocs=world, join=True,
                        start_method="spawn")
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world))
     # Same decisions, same evidence, same agreed numbers, same state on both ranks: nobody branches alone.

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import random
-import socket
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +24,7 @@ from orchestration.checkpoint import (
     derive_rng_seed,
     ray_checkpoint_dir,
 )
-from tests.spawned import rank_process_group
+from tests.spawned import free_port, rank_process_group
 
 # ---------------------------------------------------------------------------------------------------------------
 # Tiny model and training helpers (shared by the spawned workers and the local tests)
@@ -100,10 +99,6 @@ def same_draws(a: tuple, b: tuple) -> bool:
     return torch.equal(a[0], b[0]) and a[1] == b[1] and a[2] == b[2]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ import pytest
 
 from orchestration.events import read_jsonl
 from tests.conftest import REPO, launch, which_ray
+from tests.spawned import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -36,10 +37,6 @@ COMMON = ["model=debug_dense", "precision=bf16", "precision.compute_dtype=float3
 LOSS_TOL = 1e-3
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,21 @@ def make_trainer(tmp_path, *overrides):
     return Trainer({"job": to_dict(job), "run_dir": str(tmp_path / "run")})
 
 
+def record_shadow_checks(trainer) -> dict[int, tuple[float, float]]:
+    """{step: (fp8 loss, bf16 loss)} of every shadow check the trainer's guard runs from now on."""
+    shadows = {}
+    shadow_losses = trainer.guard.shadow_losses
+
+    def recorded():
+        losses = shadow_losses()
+        if losses is not None:
+            shadows[trainer.state.step] = tuple(v.item() for v in losses)
+        return losses
+
+    trainer.guard.shadow_losses = recorded
+    return shadows
+
+
 def test_saturation_in_one_block_falls_back_only_that_block(tmp_path):
     trainer = make_trainer(tmp_path, "train.steps=4", "monitor.fallback_scope=layers")
     import fp8
@@ -55,16 +70,7 @@ def test_saturation_in_one_block_falls_back_only_that_block(tmp_path):
 
 def test_shadow_check_compares_fp8_and_bf16_losses_without_false_alarm(tmp_path):
     trainer = make_trainer(tmp_path, "train.steps=4", "monitor.shadow_every=2")
-    shadows = {}
-    shadow_losses = trainer.guard.shadow_losses
-
-    def recorded():
-        losses = shadow_losses()
-        if losses is not None:
-            shadows[trainer.state.step] = tuple(v.item() for v in losses)
-        return losses
-
-    trainer.guard.shadow_losses = recorded
+    shadows = record_shadow_checks(trainer)
     trainer.start()
     assert trainer.run() == "completed"
     events = read_jsonl(tmp_path / "run" / "events.jsonl")
@@ -139,19 +145,10 @@ def test_layer_fallback_survives_the_shadow_check_and_a_resume(tmp_path):
 
     first = make_trainer(tmp_path, "train.steps=4", "monitor.fallback_scope=layers", "monitor.shadow_every=1")
     _saturate_from_step_2(first, "layers.1.feed_forward.w1")
-    shadow_steps = []
-    shadow_losses = first.guard.shadow_losses
-
-    def recorded():
-        losses = shadow_losses()
-        if losses is not None:
-            shadow_steps.append(first.state.step)
-        return losses
-
-    first.guard.shadow_losses = recorded
+    shadows = record_shadow_checks(first)
     first.start()
     assert first.run() == "completed"
-    assert 3 in shadow_steps  # a shadow check ran after the fallback (step 2)
+    assert 3 in shadows  # a shadow check ran after the fallback (step 2)
     events = read_jsonl(tmp_path / "run" / "events.jsonl")
     assert [e["scope"] for e in events if e["event"] == "precision_changed"] == [["layers.1"]]
     held = bf16_modules(first)
@@ -252,9 +249,8 @@ def test_the_checkpoint_a_run_resumes_from_still_becomes_good(tmp_path):
 
 def _start_rank_with_own_corpus(rank: int, world: int, port: int, root: str) -> None:
     import os
-    import sys
 
-    import torch.distributed as dist
+    from tests.spawned import leave_rank
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
@@ -267,10 +263,7 @@ def _start_rank_with_own_corpus(rank: int, world: int, port: int, root: str) -> 
     except ValueError as exc:
         outcome = str(exc)
     (Path(root) / f"outcome{rank}.txt").write_text(outcome)
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)  # skip interpreter teardown (see tests/spawned.py)
+    leave_rank()  # the Trainer joined the group itself; leave it as every spawned test rank does
 
 
 @pytest.mark.slow
@@ -278,7 +271,7 @@ def test_ranks_reading_different_corpora_are_refused(tmp_path):
     """Two gloo ranks whose data.source files differ (another node's copy) stop at start, naming both."""
     import torch.multiprocessing as mp
 
-    from tests.test_checkpoint import free_port
+    from tests.spawned import free_port
 
     for rank in (0, 1):
         (tmp_path / f"corpus{rank}.txt").write_text(f"rank {rank} text " * 200)
