@@ -139,7 +139,7 @@ def convert_to_fp8(
     """
     rec = get_recipe(recipe)
     keep = module_filter or default_module_filter
-    if any(isinstance(m, Float8Linear) or hasattr(m, _FP8_OP) for m in model.modules()):
+    if any(isinstance(m, Float8Linear) or is_fp8_grouped(m) for m in model.modules()):
         raise ValueError("model is already converted to fp8; build a fresh model to change the recipe")
     swaps: list[tuple[nn.Module, str, nn.Module]] = []
     for name, module in model.named_modules():
@@ -163,7 +163,7 @@ def convert_to_fp8(
 def _fp8_modules(model: nn.Module):
     """(name, module) of every converted module (Float8Linear or grouped)."""
     for name, module in model.named_modules():
-        if isinstance(module, Float8Linear) or hasattr(module, _FP8_OP):
+        if isinstance(module, Float8Linear) or is_fp8_grouped(module):
             yield name, module
 
 

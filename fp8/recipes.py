@@ -61,7 +61,8 @@ def amax_to_scale(amax: torch.Tensor, fp8_max: float, pow2: bool) -> torch.Tenso
     if pow2:
         # Round down to a power of two by clearing the fp32 mantissa bits (exact; amax * scale stays
         # <= fp8_max), so multiplying by the scale is exact and only the fp8 cast rounds. A NaN scale (NaN in x)
-        # stays NaN, as in the Triton kernels: clearing its mantissa would make it inf and hide the NaN.
+        # stays NaN, as in the Triton kernels. (fp8.kernels.reference.pow2_floor computes the same, but this path
+        # must work when the kernels package cannot import: tests/test_fp8_dispatch.py.)
         bits = (scale.contiguous().view(torch.int32) & 0x7F800000).view(torch.float32).view(scale.shape)
         scale = torch.where(scale.isnan(), scale, bits)
     return scale

@@ -175,7 +175,12 @@ def check_start(job: JobConfig, run_name: str) -> None:
         raise ConfigError(f"run_root: {root} is a file, not a directory; point run_root at a directory")
     run_path = root / run_name
     checkpoints = run_path / "checkpoints"
-    saved = sorted(p.name for p in checkpoints.glob("step_*") if p.is_dir()) if checkpoints.is_dir() else []
+    saved = []
+    if checkpoints.is_dir():  # the manager's own listing (newest first), without creating anything
+        from orchestration.checkpoint import CheckpointManager
+
+        saved = [p.name for _, p in CheckpointManager(checkpoints, rank=0, world_size=1, create=False,
+                                                             clean_tmp=False).finalized()]
     if not saved:
         return  # nothing to resume: a fresh start (an empty or aborted run directory is reused)
     if not job.checkpoint.resume:
@@ -201,7 +206,7 @@ def check_start(job: JobConfig, run_name: str) -> None:
         if saved_value != _lookup(new_config, key):
             changed.append(f"{key} (saved {saved_value!r}, now {_lookup(new_config, key)!r})")
     if changed:
-        raise ConfigError(f"run '{run_name}' has checkpoints ({saved[-1]} the newest) made with other settings: "
+        raise ConfigError(f"run '{run_name}' has checkpoints ({saved[0]} the newest) made with other settings: "
                           f"{'; '.join(changed)}. Resuming needs the saved ones: restore them, or choose a new "
                           "run_name (nothing was changed on disk)")
 
@@ -257,9 +262,9 @@ def run_job(job: JobConfig) -> dict[str, Any]:
         try:
             started = start_ray(job, plan)
         except ConnectionError as exc:
-            hint = ("start it (ray start --head) or set cluster.address=null for an embedded local cluster")
-            raise RuntimeError(f"cannot reach the Ray cluster at cluster.address={plan.address!r} ({exc}); "
-                               f"{hint}") from None
+            raise RuntimeError(f"cannot reach the Ray cluster at cluster.address={plan.address!r} ({exc}); start "
+                               "it (ray start --head) or set cluster.address=null for an embedded local cluster") \
+                from None
         trainer = TorchTrainer(
             train_loop,
             train_loop_config={"job": to_dict(job), "run_dir": str(run_dir.path), "run_name": run_name,
