@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.init import ROOT_UNIT, layer_unit, unit_seed
 from models.llama3 import (
     Attention,
     FeedForward,
@@ -247,8 +248,18 @@ def _grouped_mm_outside_compile(x_MK: torch.Tensor, w_EKN: torch.Tensor, offs_E:
 
 
 def grouped_mm_hp(x_MK: torch.Tensor, w_EKN: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
-    """High-precision grouped GEMM: rows offs[e-1]:offs[e] of x times w[e]."""
-    w_EKN = w_EKN.to(x_MK.dtype)
+    """High-precision grouped GEMM: rows offs[e-1]:offs[e] of x times w[e].
+
+    Under autocast both operands take autocast's dtype, as autocast does for matmuls: it has no rule for
+    torch._grouped_mm, so fp32 master weights (one worker: no FSDP mixed precision) or fp32 activations made the
+    bf16 experts run in fp32 - the product's bf16 MoE step ran 3.3x slower than its fp8 one on the H200 (session 12).
+    """
+    device_type = x_MK.device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        x_MK, w_EKN = x_MK.to(dtype), w_EKN.to(dtype)
+    else:
+        w_EKN = w_EKN.to(x_MK.dtype)
     if x_MK.dtype != torch.bfloat16 and torch.compiler.is_compiling():
         # torch._grouped_mm's fake-tensor rule admits bf16 only (torch 2.13), though fp32 runs eagerly on CPU:
         # leave the fp32 call out of the compiled graph.
@@ -564,8 +575,20 @@ class DeepSeekMoE(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed: int | None = None) -> None:
+        """Deterministic init (same seed, same weights) after to_empty(); also recomputes the RoPE tables. Each unit
+        (the root's own weights, each block) draws from its own seed (models.init), so the unit-by-unit sharded
+        initialisation of large models gives these same weights."""
         if seed is not None:
-            torch.manual_seed(seed)
+            torch.manual_seed(unit_seed(seed, ROOT_UNIT))
+        self.init_root_weights()
+        for name, layer in self.layers.items():
+            if seed is not None:
+                torch.manual_seed(unit_seed(seed, layer_unit(name)))
+            layer.init_weights()
+
+    @torch.no_grad()
+    def init_root_weights(self) -> None:
+        """The weights outside the blocks (embedding, output head, final norm) and the RoPE tables."""
         device = self.rope_cos.device
         if device.type != "meta":
             freqs_P = rope_frequencies(self.args.rope_head_dim, self.args.rope_theta, device=device)
@@ -578,6 +601,4 @@ class DeepSeekMoE(nn.Module):
         else:
             nn.init.normal_(self.tok_embeddings.weight)
             nn.init.trunc_normal_(self.output.weight, std=out_std, a=-3 * out_std, b=3 * out_std)
-        for layer in self.layers.values():
-            layer.init_weights()
         self.norm.reset_parameters()

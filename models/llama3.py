@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.init import ROOT_UNIT, layer_unit, unit_seed
+
 
 @dataclass
 class Llama3Args:
@@ -269,9 +271,20 @@ class Llama3(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed: int | None = None) -> None:
-        """Deterministic init (same seed, same weights) after to_empty(); also recomputes the RoPE tables."""
+        """Deterministic init (same seed, same weights) after to_empty(); also recomputes the RoPE tables. Each unit
+        (the root's own weights, each block) draws from its own seed (models.init), so the unit-by-unit sharded
+        initialisation of large models gives these same weights."""
         if seed is not None:
-            torch.manual_seed(seed)
+            torch.manual_seed(unit_seed(seed, ROOT_UNIT))
+        self.init_root_weights()
+        for name, layer in self.layers.items():
+            if seed is not None:
+                torch.manual_seed(unit_seed(seed, layer_unit(name)))
+            layer.init_weights()
+
+    @torch.no_grad()
+    def init_root_weights(self) -> None:
+        """The weights outside the blocks (embedding, output head, final norm) and the RoPE tables."""
         device = self.rope_cos.device
         if device.type != "meta":
             cos_TP, sin_TP = self._rope_tables(device=device)
@@ -284,6 +297,4 @@ class Llama3(nn.Module):
         else:
             nn.init.normal_(self.tok_embeddings.weight)
             nn.init.trunc_normal_(self.output.weight, std=out_std, a=-3 * out_std, b=3 * out_std)
-        for layer in self.layers.values():
-            layer.init_weights()
         self.norm.reset_parameters()

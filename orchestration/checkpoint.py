@@ -9,7 +9,8 @@ One checkpoint is a directory `root/step_000123/`:
     extra_state.json                  the caller's JSON state: data position, policy, precision, elastic plan, ...
     rng/rank_00000.pt                 RNG states of each rank (torch CPU, CUDA, python, numpy)
     manifest.json                     written last: step, world_size, time, good, checksum algorithm,
-                                      files {relative path: {size, digest}}
+                                      chunk_bytes, files {relative path: {size, digest}} (digest: the algorithm
+                                      over the file's chunk digests, chunks hashed in parallel)
 
 Life of a checkpoint:
 1. `save` (collective): every rank writes into `root/.tmp-step_000123/`; the ranks hash the files (each rank a
@@ -200,9 +201,63 @@ def merge_trees(base: dict, overlay: dict) -> dict:
     return out
 
 
-def file_digest(path: Path, algorithm: str) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, algorithm).hexdigest()
+# Digests of checkpoint files are computed over 64 MiB chunks in parallel threads (hashlib releases the GIL on large
+# buffers): one thread hashed a 23 GB checkpoint in tens of seconds on the H200 host (BENCHMARKS.md, session 12).
+DIGEST_CHUNK_BYTES = 64 << 20
+_READ_BYTES = 8 << 20
+
+
+def io_threads() -> int:
+    """Threads for one rank's checkpoint writes and hashing (several ranks may share a host's cores)."""
+    return max(1, min(8, os.cpu_count() or 1))
+
+
+def _chunk_digest(path: Path, offset: int, length: int, algorithm: str) -> bytes:
+    h = hashlib.new(algorithm)
+    buf = bytearray(min(_READ_BYTES, max(length, 1)))
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        f.seek(offset)
+        remaining = length
+        while remaining > 0:
+            n = f.readinto(view[:min(remaining, len(buf))])
+            if not n:
+                raise OSError(f"{path} ended {remaining} bytes before its recorded size")
+            h.update(view[:n])
+            remaining -= n
+    return h.digest()
+
+
+def file_digests(paths: list[Path], algorithm: str, chunk_bytes: int | None, threads: int = 1) -> list[str]:
+    """The digest of each file. chunk_bytes=None: `algorithm` over the whole file (manifests written before
+    session 12). Otherwise: `algorithm` over the concatenated digests of the file's chunk_bytes-long chunks (one
+    chunk for an empty file), the chunks of all files hashed by `threads` threads."""
+    if chunk_bytes is None:
+        out = []
+        for path in paths:
+            with open(path, "rb") as f:
+                out.append(hashlib.file_digest(f, algorithm).hexdigest())
+        return out
+    jobs: list[tuple[int, Path, int, int]] = []
+    for index, path in enumerate(paths):
+        size = path.stat().st_size
+        jobs += [(index, path, offset, min(chunk_bytes, size - offset))
+                 for offset in range(0, max(size, 1), chunk_bytes)]
+    if threads > 1 and len(jobs) > 1:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max_workers=threads) as pool:
+            chunk_digests = list(pool.map(lambda job: _chunk_digest(job[1], job[2], job[3], algorithm), jobs))
+    else:
+        chunk_digests = [_chunk_digest(path, offset, length, algorithm) for _, path, offset, length in jobs]
+    combined = [hashlib.new(algorithm) for _ in paths]
+    for (index, *_), digest in zip(jobs, chunk_digests, strict=True):
+        combined[index].update(digest)
+    return [h.hexdigest() for h in combined]
+
+
+def file_digest(path: Path, algorithm: str, chunk_bytes: int | None = None, threads: int = 1) -> str:
+    return file_digests([path], algorithm, chunk_bytes, threads)[0]
 
 
 def _fsync_dir(path: Path) -> None:
@@ -293,7 +348,12 @@ def verify_checkpoint(path: str | Path, *, checksums: bool = True, share: tuple[
     unlisted = sorted(required - files.keys())
     if unlisted:
         raise CheckpointError(f"{MANIFEST} does not list required files {unlisted}")
+    chunk_bytes = manifest.get("chunk_bytes")  # absent: whole-file digests (manifests before session 12)
+    if chunk_bytes is not None and (not isinstance(chunk_bytes, int) or isinstance(chunk_bytes, bool)
+                                    or chunk_bytes < 1):
+        raise CheckpointError(f"{MANIFEST} field 'chunk_bytes' is {chunk_bytes!r}, not a positive int")
     share_rank, share_size = share
+    to_hash: list[tuple[str, Path]] = []
     for index, rel in enumerate(sorted(files)):
         meta = files[rel]
         if Path(rel).is_absolute() or ".." in Path(rel).parts:
@@ -310,13 +370,16 @@ def verify_checkpoint(path: str | Path, *, checksums: bool = True, share: tuple[
         if size != meta.get("size"):
             raise CheckpointError(f"size mismatch in {rel}: manifest {meta.get('size')}, on disk {size}")
         if checksums and index % share_size == share_rank:
-            try:
-                digest = file_digest(file_path, algorithm)
-            except OSError as e:
-                raise CheckpointError(f"cannot read {rel}: {e}") from e
-            if digest != meta.get("digest"):
-                raise CheckpointError(f"{algorithm} mismatch in {rel}: manifest {meta.get('digest')}, "
-                                      f"on disk {digest}")
+            to_hash.append((rel, file_path))
+    # Sizes and presence of every file first (cheap), then the digests of this caller's share, in parallel.
+    try:
+        digests = file_digests([p for _, p in to_hash], algorithm, chunk_bytes, io_threads())
+    except OSError as e:
+        raise CheckpointError(f"cannot read a file of the checkpoint: {e}") from e
+    for (rel, _), digest in zip(to_hash, digests, strict=True):
+        if digest != files[rel].get("digest"):
+            raise CheckpointError(f"{algorithm} mismatch in {rel}: manifest {files[rel].get('digest')}, "
+                                  f"on disk {digest}")
     return CheckpointInfo(step=manifest["step"], path=path, world_size=manifest["world_size"],
                           good=manifest["good"], time=float(manifest.get("time", 0.0)), manifest=manifest)
 
@@ -502,7 +565,9 @@ class CheckpointManager:
 
         with warnings.catch_warnings():  # DCP warns that it runs single-process when no group exists: intended
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-            dcp.save(tensors, checkpoint_id=tmp / DCP_DIR)
+            # Several writer threads (each rank then writes that many files): one thread wrote ~0.5 GB/s from the
+            # H200 to tmpfs (session 12).
+            dcp.save(tensors, storage_writer=dcp.FileSystemWriter(tmp / DCP_DIR, thread_count=io_threads()))
         error = None
         try:
             (tmp / rng_file_name(self.rank)).write_bytes(rng_bytes)
@@ -519,10 +584,10 @@ class CheckpointManager:
         files = _broadcast_from_rank0(_list_files(tmp) if self.rank == 0 else None)
         error, digests = None, {}
         try:
-            for index, rel in enumerate(files):
-                if index % self.world_size == self.rank:
-                    digests[rel] = {"size": (tmp / rel).stat().st_size, "digest": file_digest(tmp / rel,
-                                                                                              self.checksum)}
+            mine = [rel for index, rel in enumerate(files) if index % self.world_size == self.rank]
+            hashed = file_digests([tmp / rel for rel in mine], self.checksum, DIGEST_CHUNK_BYTES, io_threads())
+            for rel, digest in zip(mine, hashed, strict=True):
+                digests[rel] = {"size": (tmp / rel).stat().st_size, "digest": digest}
         except OSError as e:
             error = _err(e)
         gathered = _gather_to_all((error, digests))
@@ -537,7 +602,8 @@ class CheckpointManager:
                 assert sorted(all_digests) == files, "every listed file is hashed exactly once"
                 manifest = {"format": FORMAT, "version": FORMAT_VERSION, "step": step,
                             "world_size": self.world_size, "time": time.time(), "good": False,
-                            "checksum": self.checksum, "files": all_digests, "torch_version": torch.__version__,
+                            "checksum": self.checksum, "chunk_bytes": DIGEST_CHUNK_BYTES, "files": all_digests,
+                            "torch_version": torch.__version__,
                             "has_scheduler": scheduler is not None}
                 write_json_atomic(tmp / MANIFEST, manifest)
                 _fsync_dir(tmp)

@@ -85,6 +85,69 @@ def parallelize(model: nn.Module, world_size: int, sharding: str, param_dtype: s
     return model
 
 
+_WRAPPER_PREFIX = "_checkpoint_wrapped_module."
+
+
+def _copy_full_into(dst: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy a full tensor into `dst`: a plain tensor whole, an FSDP2 DTensor parameter its own shard of it."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(dst, DTensor):
+        # Every rank holds the same full tensor (same seed, same device type): each keeps its own chunk, no
+        # communication (src_data_rank=None).
+        shard = distribute_tensor(full, dst.device_mesh, dst.placements, src_data_rank=None).to_local()
+        dst.to_local().copy_(shard)
+    else:
+        dst.copy_(full)
+
+
+def _copy_unit(dst: nn.Module, src: nn.Module, skip_prefix: str | None = None) -> None:
+    """Copy parameters and buffers of an initialised full-size `src` into the matching (maybe sharded, maybe
+    checkpoint-wrapped) `dst`, except names under skip_prefix."""
+    src_tensors = {**dict(src.named_parameters()), **dict(src.named_buffers())}
+    for name, tensor in [*dst.named_parameters(), *dst.named_buffers()]:
+        clean = name.replace(_WRAPPER_PREFIX, "")
+        if skip_prefix is not None and clean.startswith(skip_prefix):
+            continue
+        _copy_full_into(tensor.data if isinstance(tensor, nn.Parameter) else tensor, src_tensors[clean].detach())
+
+
+@torch.no_grad()
+def init_weights_by_unit(model: nn.Module, template: nn.Module, seed: int, device: torch.device) -> None:
+    """Materialize `model` (built on meta, maybe sharded by `parallelize`) on `device` and initialise it with the
+    weights `template.init_weights(seed)` gives, one unit at a time.
+
+    `template` is an unsharded copy of the model on meta (taken before `parallelize`). Each unit (the root's own
+    weights, then each block) is allocated full-size on the device, initialised from its own seed (models.init)
+    and copied in, each rank keeping its shard, then freed: device memory holds the model's shards plus one unit,
+    and the host none of it (a Llama3-70B block is 3.4 GB in fp32, the model 280 GB). The weights are the same at
+    every world size on a given device type (CPU and CUDA random streams differ).
+    """
+    from models.init import ROOT_UNIT, layer_unit, unit_seed
+
+    model.to_empty(device=device)
+    outside = [child for name, child in template.named_children() if name != "layers"]
+    template.to_empty(device=device, recurse=False)  # the root's own buffers (RoPE tables)
+    for child in outside:
+        child.to_empty(device=device)
+    if hasattr(template, "tie_weights"):
+        template.tie_weights()  # to_empty per child gives tied weights separate storage
+    torch.manual_seed(unit_seed(seed, ROOT_UNIT))
+    template.init_root_weights()
+    _copy_unit(model, template, skip_prefix="layers.")
+    template.to("meta")  # the blocks are still there; the root's weights are freed
+    for name, block in template.layers.items():
+        block.to_empty(device=device)
+        torch.manual_seed(unit_seed(seed, layer_unit(name)))
+        block.init_weights()
+        _copy_unit(model.layers[name], block)
+        block.to("meta")
+    # FP8 health statistics are written by the first FP8 forward (fp8_health_valid says so); zero, not garbage.
+    for module in model.modules():
+        if hasattr(module, "fp8_health_stats"):
+            module.fp8_health_stats.zero_()
+
+
 def all_reduce_grads_if_unsharded(model: nn.Module, world_size: int, sharding: str) -> None:
     """With sharding=none, average gradients by hand (one flat all-reduce) so ranks stay identical."""
     if world_size <= 1 or sharding != "none":

@@ -6,7 +6,7 @@ and Prometheus appends "_total" to counters, so `TrainingMetrics(...).update({"l
 They reach the endpoint about one export interval (`metrics_report_interval_ms`, 10 s by default) after being set.
 
 Gauges (last value): step, loss, lr, grad_norm, tokens_per_s (global), tokens_per_s_per_device, mfu (0..1),
-world_size, grad_accum, precision_fp8 (1 fp8, 0 bf16, 0.5 partly fallen back), samples_consumed, and timings
+gpu_mem_peak_gib (rank 0, GPUs only), world_size, grad_accum, precision_fp8 (1 fp8, 0 bf16, 0.5 partly fallen back), samples_consumed, and timings
 checkpoint_save_s, checkpoint_load_s, restart_downtime_s, restart_setup_s.
 Counters: divergences, fallbacks, rollbacks, restarts, workers_lost, checkpoints_saved, steps_skipped (or any
 name given to `count`).
@@ -36,6 +36,7 @@ GAUGES: dict[str, str] = {
     "tokens_per_s": "Training throughput, tokens per second over all workers",
     "tokens_per_s_per_device": "Training throughput per worker",
     "mfu": "Model FLOPs utilization (0..1) against the device's dense peak in the running precision",
+    "gpu_mem_peak_gib": "Peak GPU memory allocated by rank 0 so far, GiB (torch.cuda.max_memory_allocated)",
     "world_size": "Number of training workers",
     "grad_accum": "Gradient accumulation steps (recomputed at each (re)start)",
     "precision_fp8": "Precision state: 1 all FP8, 0 BF16, 0.5 partly fallen back",

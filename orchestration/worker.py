@@ -8,6 +8,7 @@ periodic checkpoints that are marked good once the monitors passed the steps aft
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 import time
@@ -26,6 +27,7 @@ from orchestration.distributed import (
     all_reduce_grads_if_unsharded,
     global_grad_norm,
     init_distributed,
+    init_weights_by_unit,
     local_grad_norm,
     parallelize,
 )
@@ -78,10 +80,10 @@ def build_training_model(job: JobConfig, world_size: int, device: torch.device):
     """Model -> FP8 conversion -> FSDP2 -> materialize. Returns (model, fp8_recipe or None)."""
     from models.registry import build_model
 
-    # Small models are built and initialised in full on CPU, then sharded: every world size then starts from the
-    # same weights. Large ones are built on meta and initialised shard by shard on the device.
-    model = build_model(job.model.name, device="cpu", overrides=dict(job.model.overrides))
-    model.init_weights(seed=job.train.seed)
+    # Built on meta, converted and sharded there, then materialized and initialised on the device one unit at a
+    # time (init_weights_by_unit): no full copy on the host (a 70B model is 280 GB in fp32; even 4 layers of the
+    # 8B model took ~35 s to initialise on one CPU thread), the same weights at every world size.
+    model = build_model(job.model.name, device="meta", overrides=dict(job.model.overrides))
     recipe = None
     if job.precision.name == "fp8":
         import fp8
@@ -103,9 +105,10 @@ def build_training_model(job: JobConfig, world_size: int, device: torch.device):
         if job.precision.fp8_output_head:
             require_fp8_output_head(model, job.model.name)
         require_fp8_grouped_gemm(model, fp8.get_backend(device))
+    template = copy.deepcopy(model)  # on meta: no memory
     model = parallelize(model, world_size, job.train.sharding, job.precision.fsdp_param_dtype,
                         job.precision.fsdp_reduce_dtype, job.model.activation_checkpointing)
-    model.to(device)
+    init_weights_by_unit(model, template, job.train.seed, device)
     if compile_enabled(job, device):
         compile_blocks(model, job.model.compile_mode)
     return model, recipe
@@ -533,10 +536,16 @@ class Trainer:
                   "lr": self.optimizer.param_groups[0]["lr"], "grad_norm": gn_v, "tokens_per_s": tokens_per_s,
                   "step_time_s": step_time_s, "world_size": self.world_size, "precision": self.state.precision,
                   "samples_consumed": count_in_ranges(self.state.consumed_ranges), "mfu": self.mfu(tokens_per_s),
-                  "time": time.time(), **self.guard.policy_metrics()}
+                  "gpu_mem_peak_gib": self.peak_memory_gib(), "time": time.time(), **self.guard.policy_metrics()}
         if self.rank == 0:
             self.run_dir.metrics(record)
             self.guard.on_metrics(record)
+
+    def peak_memory_gib(self) -> float | None:
+        """Peak GPU memory this worker allocated so far (None on CPU): what decides whether a larger micro-batch fits."""
+        if self.device.type != "cuda":
+            return None
+        return torch.cuda.max_memory_allocated(self.device) / 2**30
 
     def mfu(self, tokens_per_s: float) -> float | None:
         if self.device.type != "cuda":

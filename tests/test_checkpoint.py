@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from pathlib import Path
 
 import numpy as np
@@ -219,7 +220,9 @@ def test_fsdp2_two_rank_checkpoint_loads_into_one_plain_rank(fsdp_run):
     manifest = json.loads((root_b / "step_000003" / MANIFEST).read_text())
     assert manifest["world_size"] == 2 and manifest["good"] is False
     assert {"rng/rank_00000.pt", "rng/rank_00001.pt"} <= manifest["files"].keys()
-    assert sum(f.endswith(".distcp") for f in manifest["files"]) == 2  # both ranks wrote a shard
+    # both ranks wrote shards (DCP names them __<rank>_<file>.distcp; each rank writes one file per writer thread)
+    writers = {int(m.group(1)) for f in manifest["files"] if (m := re.search(r"__(\d+)_\d+\.distcp$", f))}
+    assert writers == {0, 1}
 
     model, opt, sched = build(seed=7)
     mgr = CheckpointManager(root_b, rank=0, world_size=1, seed=11)
@@ -517,14 +520,63 @@ def test_an_unreadable_checkpoint_file_is_a_bad_checkpoint_not_a_crash(tmp_path,
     import orchestration.checkpoint as ckpt_module
 
     mgr, events, _ = _saved(tmp_path, [1, 2])
-    real_digest = ckpt_module.file_digest
+    real_digests = ckpt_module.file_digests
 
-    def failing_digest(path, algorithm):
-        if "step_000002" in str(path):
+    def failing_digests(paths, algorithm, chunk_bytes, threads=1):
+        if any("step_000002" in str(path) for path in paths):
             raise OSError(5, "Input/output error")
-        return real_digest(path, algorithm)
+        return real_digests(paths, algorithm, chunk_bytes, threads)
 
-    monkeypatch.setattr(ckpt_module, "file_digest", failing_digest)
+    monkeypatch.setattr(ckpt_module, "file_digests", failing_digests)
     assert mgr.latest().step == 1
     corrupt = [p for n, p in events if n == "checkpoint_corrupt"]
     assert [p["step"] for p in corrupt] == [2] and "Input/output error" in corrupt[0]["reason"]
+
+
+def test_chunked_digest_is_the_hash_of_the_chunk_hashes_in_any_thread_count(tmp_path):
+    import hashlib
+
+    import orchestration.checkpoint as ckpt_module
+
+    data = bytes(range(256)) * 1000 + b"tail"  # 256004 bytes: 3 full chunks of 100000 and a partial one
+    (tmp_path / "a").write_bytes(data)
+    (tmp_path / "empty").write_bytes(b"")
+    chunks = [data[i:i + 100000] for i in range(0, len(data), 100000)]
+    expected = hashlib.sha256(b"".join(hashlib.sha256(c).digest() for c in chunks)).hexdigest()
+    empty = hashlib.sha256(hashlib.sha256(b"").digest()).hexdigest()
+    paths = [tmp_path / "a", tmp_path / "empty"]
+    for threads in (1, 4):
+        assert ckpt_module.file_digests(paths, "sha256", 100000, threads) == [expected, empty]
+    # chunk_bytes=None: the whole-file digest older manifests recorded
+    assert ckpt_module.file_digests(paths, "sha256", None) == [hashlib.sha256(data).hexdigest(),
+                                                               hashlib.sha256(b"").hexdigest()]
+    # a file shorter than asked for is an I/O error, not a digest of fewer bytes
+    with pytest.raises(OSError, match="ended"):
+        ckpt_module._chunk_digest(tmp_path / "a", len(data) - 10, 20, "sha256")
+
+
+def test_saves_record_chunked_digests_and_older_whole_file_manifests_still_verify(tmp_path):
+    import hashlib
+
+    import orchestration.checkpoint as ckpt_module
+
+    mgr, events, _ = _saved(tmp_path, [1, 2])
+    path = tmp_path / "step_000002"
+    manifest = json.loads((path / MANIFEST).read_text())
+    assert manifest["chunk_bytes"] == ckpt_module.DIGEST_CHUNK_BYTES
+    assert mgr.latest().step == 2
+    # A manifest as session 11 wrote it: no chunk_bytes, digests over whole files.
+    del manifest["chunk_bytes"]
+    for rel, meta in manifest["files"].items():
+        meta["digest"] = hashlib.sha256((path / rel).read_bytes()).hexdigest()
+    (path / MANIFEST).write_text(json.dumps(manifest))
+    assert mgr.latest().step == 2
+    # ... and a flipped byte is still found under either scheme.
+    _flip_byte(next((path / "dcp").glob("*.distcp")))
+    events.clear()
+    assert mgr.latest().step == 1
+    assert [n for n, _ in events] == ["checkpoint_corrupt"] and "sha256 mismatch" in events[0][1]["reason"]
+    first = tmp_path / "step_000001" / MANIFEST
+    first.write_text(json.dumps({**json.loads(first.read_text()), "chunk_bytes": "64MiB"}))
+    with pytest.raises(CheckpointError, match="chunk_bytes"):
+        mgr.verify(tmp_path / "step_000001")

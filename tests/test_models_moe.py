@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from models.deepseek_moe import (
     DeepSeekMoEArgs,
+    GroupedExperts,
     MoE,
     apply_capacity,
     expert_capacity,
@@ -349,3 +350,27 @@ def test_fp8_moe_block_compiles_to_one_graph_and_matches_eager_grads():
     for name, g in grads[False].items():
         assert (g != 0).any(), name
         torch.testing.assert_close(grads[True][name], g, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_experts_of_fp32_weights_run_in_the_autocast_dtype(compiled):
+    """One worker keeps fp32 master weights and trains under bf16 autocast, which has no rule for
+    torch._grouped_mm: the experts must still compute in bf16 (they ran in fp32, 3.3x slower on the H200), with
+    fp32 gradients for the fp32 weights."""
+    torch.manual_seed(0)
+    experts = GroupedExperts(4, 32, 48)
+    experts.init_weights(0.2, 0.2)
+    x_RD = torch.randn(64, 32, requires_grad=True)
+    offs_E = torch.tensor([16, 24, 48, 64], dtype=torch.int32)
+    fn = torch.compile(experts, dynamic=False) if compiled else experts
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = fn(x_RD, offs_E)
+    assert y.dtype == torch.bfloat16
+    y.float().square().sum().backward()
+    assert experts.w13.grad.dtype == torch.float32 and x_RD.grad.dtype == torch.float32
+    # The same numbers as the module run on bf16 copies of the input and weights.
+    ref = GroupedExperts(4, 32, 48)
+    ref.load_state_dict(experts.state_dict())
+    ref.to(torch.bfloat16)
+    ref_fn = torch.compile(ref, dynamic=False) if compiled else ref  # Inductor rounds fused SwiGLUs once, eager twice
+    torch.testing.assert_close(y, ref_fn(x_RD.detach().to(torch.bfloat16), offs_E), rtol=0, atol=0)

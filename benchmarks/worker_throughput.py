@@ -1,0 +1,155 @@
+"""The product's own training loop on one GPU: tokens/s, MFU and peak memory from the worker's metrics.
+
+benchmarks/train_step.py times the training step's work in isolation (bf16 parameters, no data loader, no
+checkpoints, no FSDP). This script runs what a user runs - `orchestration.torchrun`, i.e. the worker loop of a
+Ray run without Ray (FSDP2 mixed precision with fp32 master weights, the real byte-level data, monitors, guard,
+checkpoints, the run directory) - once per variant, in one process tree after another on the same GPU, and reads
+each run's metrics.jsonl and events.jsonl:
+
+    python3 benchmarks/worker_throughput.py --out OUT --run-root /tmp/wt \\
+        --common model=llama3_8b +model.overrides.n_layers=4 data.seq_len=8192 train.micro_batch_size=1 \\
+                 train.global_batch_size=1 train.steps=30 \\
+        --variant bf16 precision=bf16 --variant fp8 precision=fp8
+
+Throughput per variant is the median of the metrics lines' tokens_per_s after --skip-steps (compilation happens
+in the first steps); ratios are against the first variant. A variant's run directory is copied to OUT/<name>/
+without its checkpoints, which are deleted after the run (an 8B-width checkpoint is tens of GB).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from benchmarks.common import env_info
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def summarize_run(run_dir: Path, skip_steps: int) -> dict:
+    """What one finished run measured (pure over the run directory's files)."""
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    events = read_jsonl(run_dir / "events.jsonl")
+    steady = [m for m in metrics if m["step"] > skip_steps and m.get("tokens_per_s")]
+
+    def median_of(key: str) -> float | None:
+        values = [m[key] for m in steady if isinstance(m.get(key), (int, float))]
+        return statistics.median(values) if values else None
+
+    peaks = [m["gpu_mem_peak_gib"] for m in metrics if isinstance(m.get("gpu_mem_peak_gib"), (int, float))]
+    interesting = ("precision_changed", "rollback", "divergence_detected", "step_skipped", "checkpoint_good")
+    summary_path = run_dir / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    def first_time(name: str) -> float | None:
+        return next((e["time"] for e in events if e["event"] == name), None)
+
+    t_start, t_group = first_time("run_start"), first_time("worker_group_start")
+    return {
+        "status": summary.get("status"),
+        # run start -> the worker ready to train (process group, data, model built and initialised, resume check)
+        "setup_s": round(t_group - t_start, 1) if t_start and t_group else None,
+        # run start -> the first metrics line (adds the step-0 checkpoint and compiling)
+        "first_metrics_s": round(metrics[0]["time"] - t_start, 1) if metrics and t_start else None,
+        "final_step": summary.get("final_step"),
+        "tokens_per_s_median": median_of("tokens_per_s"),
+        "step_time_s_median": median_of("step_time_s"),
+        "mfu_median": median_of("mfu"),
+        "steady_log_lines": len(steady),
+        "tokens_per_s_lines": [round(m["tokens_per_s"], 1) for m in metrics],
+        "gpu_mem_peak_gib": max(peaks) if peaks else None,
+        "losses": [(m["step"], m["loss"]) for m in metrics],
+        "checkpoint_seconds": [(e["step"], e["seconds"]) for e in events if e["event"] == "checkpoint_timing"],
+        "events": [{k: v for k, v in e.items() if k != "time"} for e in events if e["event"] in interesting],
+        "recipe": next((e.get("recipe") for e in events if e["event"] == "worker_group_start"), None),
+    }
+
+
+def run_variant(name: str, overrides: list[str], args) -> dict:
+    run_name = f"{name}-{int(time.time())}"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
+           "-m", "orchestration.torchrun", *args.common, *overrides,
+           f"run_name={run_name}", f"run_root={args.run_root}"]
+    log_path = Path(args.out) / f"{name}.log"
+    t0 = time.time()
+    with open(log_path, "w") as log:
+        # Own process group: on a timeout the torchrun agent *and* its workers go (a leftover worker would hold the
+        # GPU and slow the next variant).
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=args.timeout_s)
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    wall = time.time() - t0
+    run_dir = Path(args.run_root) / run_name
+    result = {"name": name, "command": " ".join(cmd), "returncode": rc, "wall_s": round(wall, 1)}
+    if run_dir.exists():
+        result.update(summarize_run(run_dir, args.skip_steps))
+        run_end = [e["time"] for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "run_end"]
+        # run_end written -> the launcher's process exited (worker teardown, torchrun's agent)
+        result["exit_s"] = round(t0 + wall - run_end[-1], 1) if run_end else None
+        shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+        shutil.copytree(run_dir, Path(args.out) / name, dirs_exist_ok=True,
+                        ignore=shutil.ignore_patterns("wandb", "*.tmp"))
+        shutil.rmtree(run_dir, ignore_errors=True)
+    return result
+
+
+def parse_variants(pairs: list[list[str]]) -> list[tuple[str, list[str]]]:
+    out = []
+    for name, *overrides in pairs:
+        out.append((name, overrides))
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True)
+    p.add_argument("--run-root", default="/tmp/worker_throughput")
+    p.add_argument("--common", nargs="*", default=[], help="Hydra overrides for every variant")
+    p.add_argument("--variant", nargs="+", action="append", required=True, metavar=("NAME", "OVERRIDE"),
+                   help="a name, then that variant's own Hydra overrides; repeat per variant; the first is the "
+                        "baseline of the ratios")
+    p.add_argument("--skip-steps", type=int, default=10, help="metrics lines up to this step are warm-up")
+    p.add_argument("--timeout-s", type=float, default=300.0, help="per variant")
+    p.add_argument("--json-name", default="worker_throughput.json")
+    args = p.parse_args()
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    results = []
+    for name, overrides in parse_variants(args.variant):
+        r = run_variant(name, overrides, args)
+        results.append(r)
+        print(f"{name:>14}: rc={r['returncode']} status={r.get('status')} recipe={r.get('recipe')} "
+              f"tok/s={r.get('tokens_per_s_median')} mfu={r.get('mfu_median')} "
+              f"peak={r.get('gpu_mem_peak_gib')} GiB ckpt={r.get('checkpoint_seconds')} setup={r.get('setup_s')} s "
+              f"first metrics={r.get('first_metrics_s')} s exit={r.get('exit_s')} s wall={r['wall_s']} s",
+              flush=True)
+        for e in r.get("events", []):
+            print(f"{'':>16}{json.dumps(e)[:200]}", flush=True)
+    base = results[0].get("tokens_per_s_median")
+    for r in results:
+        tps = r.get("tokens_per_s_median")
+        r["x_baseline"] = tps / base if tps and base else None
+        print(f"{r['name']:>14}: {r['x_baseline'] and round(r['x_baseline'], 3)}x {results[0]['name']} tokens/s")
+    out = {"env": env_info(), "argv": sys.argv, "skip_steps": args.skip_steps, "results": results}
+    (Path(args.out) / args.json_name).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()

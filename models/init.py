@@ -1,0 +1,23 @@
+"""Seeds for weight initialisation, one per initialisation unit (the root's own weights, each transformer block).
+
+A unit's weights depend only on (seed, unit name), not on what was initialised before it, so a model can be
+initialised whole (`init_weights(seed)`) or one unit at a time on the device, shard by shard
+(orchestration.distributed.init_weights_by_unit), with the same result - which is what lets a model too large for
+one device's memory (or a host's) start from the same weights at every world size.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+ROOT_UNIT = "root"
+
+
+def unit_seed(seed: int, unit: str) -> int:
+    """The RNG seed of initialisation unit `unit` ("root" or "layers.<i>") for run seed `seed`."""
+    digest = hashlib.sha256(f"elastic-fp8-init:{seed}:{unit}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def layer_unit(name: str) -> str:
+    return f"layers.{name}"
