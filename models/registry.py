@@ -30,6 +30,10 @@ class ModelFlavor:
     planning_only: bool = False  # too large to ever materialise here; build on meta for planning
     published_total_params: float | None = None  # as published (model card / paper), for the tests
     published_active_params: float | None = None
+    # Peak learning rate that train.lr=null resolves to: the published one where there is one. Far too high a rate
+    # is a divergence the monitors then (rightly) act on: 3e-3, right for the debug flavors, made an 8B-width run
+    # jump from loss 8.5 to 31.6 in bf16 and trip FP8's amax-growth detector (BENCHMARKS.md, session 12).
+    peak_lr: float = 3e-3
 
     @property
     def is_moe(self) -> bool:
@@ -59,16 +63,19 @@ MODEL_FLAVORS: dict[str, ModelFlavor] = {
             _llama(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, multiple_of=256, ffn_dim_multiplier=1.5,
                    rope_scaling_factor=32.0, max_seq_len=8192, tie_embeddings=True),
             published_total_params=1_235_814_400, published_active_params=1_235_814_400,
+            peak_lr=3e-4,  # not published for Llama 3.2 1B; the 8B's
         ),
         ModelFlavor(
             "llama3_8b", "llama3",
             _llama(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, multiple_of=1024, ffn_dim_multiplier=1.3),
             published_total_params=8_030_261_248, published_active_params=8_030_261_248,
+            peak_lr=3e-4,  # Llama 3 paper (arXiv 2407.21783)
         ),
         ModelFlavor(
             "llama3_70b", "llama3",
             _llama(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, multiple_of=4096, ffn_dim_multiplier=1.3),
             published_total_params=70_553_706_496, published_active_params=70_553_706_496,
+            peak_lr=1.5e-4,  # Llama 3 paper
         ),
         ModelFlavor(
             "debug_moe", "deepseek_moe",
@@ -83,6 +90,7 @@ MODEL_FLAVORS: dict[str, ModelFlavor] = {
                    n_routed_experts=64, n_shared_experts=2, n_activated_experts=6, moe_inter_dim=1408,
                    aux_loss_alpha=0.001, aux_loss_scope="seq"),
             published_total_params=16.4e9, published_active_params=2.8e9,
+            peak_lr=4.2e-4,  # DeepSeekMoE paper
         ),
         # DeepSeek-V3 shape (arXiv 2412.19437): MLA, 256 routed + 1 shared, top-8 in 4 of 8 groups, sigmoid
         # scores, aux-loss-free bias plus a tiny sequence loss. 671B total, 37B active (MTP module not included;
@@ -96,6 +104,7 @@ MODEL_FLAVORS: dict[str, ModelFlavor] = {
                    aux_free_bias=True, attention="mla", q_lora_rank=1536, kv_lora_rank=512,
                    qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128),
             planning_only=True, published_total_params=671e9, published_active_params=37e9,
+            peak_lr=2.2e-4,  # DeepSeek-V3 report
         ),
     )
 }

@@ -477,6 +477,7 @@ class CheckpointManager:
         self.checksum = checksum
         self.event_sink = event_sink
         self.last_load_rng: str | None = None  # "restored" or "derived" after load()
+        self.last_save_timing: dict[str, float] = {}  # this rank's share of the last save (see save)
         self.root = Path(root).expanduser().absolute()
         if self.root.exists() and not self.root.is_dir():
             raise ValueError(f"checkpoint root {self.root} exists but is not a directory")
@@ -542,6 +543,7 @@ class CheckpointManager:
         self._require_root()
 
         # Everything that can fail on bad input runs before the first collective, identically on every rank.
+        t_start = time.perf_counter()
         state = self._get_state(model, optimizer)
         tensors, rest = split_tensors(state)
         rest_bytes = _check_weights_only_roundtrip(rest, "the non-tensor part of the model/optimizer state")
@@ -563,6 +565,7 @@ class CheckpointManager:
                 error = _err(e)
         _sync_errors(error, f"creating {tmp}")
 
+        t_write = time.perf_counter()
         with warnings.catch_warnings():  # DCP warns that it runs single-process when no group exists: intended
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
             # Several writer threads (each rank then writes that many files): one thread wrote ~0.5 GB/s from the
@@ -581,6 +584,7 @@ class CheckpointManager:
         _sync_errors(error, f"writing {tmp}")
 
         # Hash in parallel: rank 0's listing is the truth (directory caches may lag on network filesystems).
+        t_hash = time.perf_counter()
         files = _broadcast_from_rank0(_list_files(tmp) if self.rank == 0 else None)
         error, digests = None, {}
         try:
@@ -594,6 +598,7 @@ class CheckpointManager:
         _sync_errors(error, f"hashing {tmp}")
 
         error, deleted = None, []
+        t_finalize = time.perf_counter()
         if self.rank == 0:
             try:
                 all_digests: dict = {}
@@ -621,6 +626,12 @@ class CheckpointManager:
             except OSError as e:
                 error = _err(e)
         _sync_errors(error, f"finalizing {final}")
+        t_end = time.perf_counter()
+        # Where this rank's save time went (the worker puts it in its checkpoint_timing event): state dicts, the DCP
+        # write (device-to-host copies and files), hashing, and the manifest, renames and retention.
+        self.last_save_timing = {"state_s": round(t_write - t_start, 3), "write_s": round(t_hash - t_write, 3),
+                                 "hash_s": round(t_finalize - t_hash, 3), "finalize_s": round(t_end - t_finalize, 3),
+                                 "hashed_bytes": sum(meta["size"] for meta in digests.values())}
         if self.rank == 0:
             self._emit("checkpoint_saved", {"step": step, "path": str(final), "good": False})
             self._emit_deleted(deleted)

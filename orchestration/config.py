@@ -117,7 +117,7 @@ class TrainConfig:
     steps: int = 120
     global_batch_size: int = 16  # sequences per optimizer step, constant across world sizes
     micro_batch_size: int = 4  # sequences per worker per forward; grad accumulation fills the rest
-    lr: float = 3e-3
+    lr: float | None = None  # None (null): the model flavor's peak_lr (published where known; models/registry.py)
     min_lr_ratio: float = 0.1
     warmup_steps: int = 10
     weight_decay: float = 0.1
@@ -183,8 +183,18 @@ def load_job_config(cfg: DictConfig | dict) -> JobConfig:
         raise ConfigError(f"invalid config at '{key}': {exc.msg if hasattr(exc, 'msg') else exc}. "
                           f"See `python launch.py --help` for the groups and their options.") from None
     assert isinstance(job, JobConfig)
+    resolve_defaults(job)
     validate(job)
     return job
+
+
+def resolve_defaults(job: JobConfig) -> None:
+    """Settings whose default depends on others: train.lr=null takes the model flavor's peak_lr. Resolved once, at
+    load, so config.yaml, W&B and the workers all see the number."""
+    from models.registry import MODEL_FLAVORS
+
+    if job.train.lr is None and job.model.name in MODEL_FLAVORS:  # an unknown model fails in validate
+        job.train.lr = MODEL_FLAVORS[job.model.name].peak_lr
 
 
 def _require(ok: bool, key: str, message: str) -> None:

@@ -388,7 +388,7 @@ class Trainer:
             self.ckpt.mark_good(self.state.step)
         else:
             self.ckpt.awaiting_good.add(self.state.step)  # waits for good_after_steps clean steps; retention keeps it
-        self.event("checkpoint_timing", seconds=round(time.time() - t0, 3))
+        self.event("checkpoint_timing", seconds=round(time.time() - t0, 3), **self.ckpt.last_save_timing)
         self.report_to_ray(path)
         return path
 

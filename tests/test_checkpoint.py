@@ -580,3 +580,13 @@ def test_saves_record_chunked_digests_and_older_whole_file_manifests_still_verif
     first.write_text(json.dumps({**json.loads(first.read_text()), "chunk_bytes": "64MiB"}))
     with pytest.raises(CheckpointError, match="chunk_bytes"):
         mgr.verify(tmp_path / "step_000001")
+
+
+def test_save_reports_where_its_time_went(tmp_path):
+    mgr, _, _ = _saved(tmp_path, [1])
+    timing = mgr.last_save_timing
+    assert set(timing) == {"state_s", "write_s", "hash_s", "finalize_s", "hashed_bytes"}
+    assert all(timing[k] >= 0 for k in timing)
+    # one rank hashes every file of the checkpoint (the manifest's own listing)
+    manifest = json.loads((tmp_path / "step_000001" / MANIFEST).read_text())
+    assert timing["hashed_bytes"] == sum(meta["size"] for meta in manifest["files"].values()) > 0

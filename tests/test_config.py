@@ -290,3 +290,14 @@ def test_a_start_that_cannot_resume_is_refused_before_the_run_directory_changes(
     a_file.write_text("x")
     with pytest.raises(ConfigError, match="is a file, not a directory"):
         check_start(compose_job(f"run_root={a_file}"), "exp")
+
+
+def test_train_lr_null_takes_the_models_peak_lr_and_an_explicit_one_wins():
+    from models.registry import MODEL_FLAVORS
+
+    assert compose_job().train.lr == 3e-3  # the default job: debug_moe
+    assert compose_job("model=llama3_8b").train.lr == 3e-4
+    assert compose_job("model=llama3_70b").train.lr == 1.5e-4
+    assert compose_job("model=deepseek_moe16b").train.lr == 4.2e-4
+    assert compose_job("model=deepseek_moe16b", "train.lr=1e-4").train.lr == 1e-4
+    assert all(0 < f.peak_lr <= 3e-3 for f in MODEL_FLAVORS.values())
