@@ -208,8 +208,17 @@ _READ_BYTES = 8 << 20
 
 
 def io_threads() -> int:
-    """Threads for one rank's checkpoint writes and hashing (several ranks may share a host's cores)."""
-    return max(1, min(8, os.cpu_count() or 1))
+    """Threads for one rank's checkpoint writes and hashing: at most 8, within the CPUs this process may use
+    (affinity: Ray's cpus_per_worker, taskset) shared by the ranks of its node (LOCAL_WORLD_SIZE)."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not on Linux
+        cpus = os.cpu_count() or 1
+    try:
+        local_ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        local_ranks = 1
+    return max(1, min(8, cpus // local_ranks))
 
 
 def _chunk_digest(path: Path, offset: int, length: int, algorithm: str) -> bytes:

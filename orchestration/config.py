@@ -118,6 +118,9 @@ class TrainConfig:
     global_batch_size: int = 16  # sequences per optimizer step, constant across world sizes
     micro_batch_size: int = 4  # sequences per worker per forward; grad accumulation fills the rest
     lr: float | None = None  # None (null): the model flavor's peak_lr (published where known; models/registry.py)
+    # Set when the config is loaded, not by users: "model" when lr was null and took the flavor's peak_lr (a resume
+    # then keeps the saved run's lr, orchestration.trainer.check_start), "config" when lr was given.
+    lr_source: str = "config"
     min_lr_ratio: float = 0.1
     warmup_steps: int = 10
     weight_decay: float = 0.1
@@ -183,18 +186,19 @@ def load_job_config(cfg: DictConfig | dict) -> JobConfig:
         raise ConfigError(f"invalid config at '{key}': {exc.msg if hasattr(exc, 'msg') else exc}. "
                           f"See `python launch.py --help` for the groups and their options.") from None
     assert isinstance(job, JobConfig)
-    resolve_defaults(job)
     validate(job)
     return job
 
 
 def resolve_defaults(job: JobConfig) -> None:
-    """Settings whose default depends on others: train.lr=null takes the model flavor's peak_lr. Resolved once, at
-    load, so config.yaml, W&B and the workers all see the number."""
+    """Settings whose default depends on others: train.lr=null takes the model flavor's peak_lr (by flavor name;
+    model.overrides do not change it). Resolved when the config is loaded (validate calls this), so config.yaml,
+    W&B and the workers all see the number. Idempotent."""
     from models.registry import MODEL_FLAVORS
 
     if job.train.lr is None and job.model.name in MODEL_FLAVORS:  # an unknown model fails in validate
         job.train.lr = MODEL_FLAVORS[job.model.name].peak_lr
+        job.train.lr_source = "model"
 
 
 def _require(ok: bool, key: str, message: str) -> None:
@@ -203,8 +207,11 @@ def _require(ok: bool, key: str, message: str) -> None:
 
 
 def validate(job: JobConfig) -> None:
-    """Value checks that types cannot express. Raises ConfigError naming the key and what is allowed."""
+    """Value checks that types cannot express (after resolving train.lr=null, see resolve_defaults). Raises
+    ConfigError naming the key and what is allowed."""
     from models.registry import MODEL_FLAVORS
+
+    resolve_defaults(job)
 
     _require(job.model.name in MODEL_FLAVORS, "model.name",
              f"unknown model '{job.model.name}'; known: {', '.join(sorted(MODEL_FLAVORS))}")
@@ -265,7 +272,9 @@ def validate(job: JobConfig) -> None:
 
     t = job.train
     _require(t.steps >= 1, "train.steps", f"must be >= 1, got {t.steps}")
-    _require(t.lr > 0, "train.lr", f"must be > 0, got {t.lr}")
+    _require(t.lr is not None and t.lr > 0, "train.lr", f"must be > 0 (or null: the model's peak lr), got {t.lr}")
+    _require(t.lr_source in ("config", "model"), "train.lr_source",
+             f"'{t.lr_source}' is set when the config loads; leave it out")
     _require(0 <= t.min_lr_ratio <= 1, "train.min_lr_ratio", "must be in [0, 1]")
     _require(0 <= t.warmup_steps <= t.steps, "train.warmup_steps", f"must be in [0, train.steps={t.steps}]")
     _require(t.weight_decay >= 0, "train.weight_decay", "must be >= 0")
@@ -320,6 +329,7 @@ def from_dict(data: dict[str, Any]) -> JobConfig:
     """Rebuild a JobConfig inside a worker from the plain dict the driver sent (already validated there)."""
     job = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(JobConfig), data))
     assert isinstance(job, JobConfig)
+    resolve_defaults(job)  # a hand-built dict may leave train.lr null
     return job
 
 

@@ -121,7 +121,9 @@ def init_weights_by_unit(model: nn.Module, template: nn.Module, seed: int, devic
     weights, then each block) is allocated full-size on the device, initialised from its own seed (models.init)
     and copied in, each rank keeping its shard, then freed: device memory holds the model's shards plus one unit,
     and the host none of it (a Llama3-70B block is 3.4 GB in fp32, the model 280 GB). The weights are the same at
-    every world size on a given device type (CPU and CUDA random streams differ).
+    every world size on a given device type and model (CPU and CUDA random streams differ, and GPU kernels may size
+    their random streams by the GPU's SM count; unsharded replicas are then made rank 0's by
+    broadcast_from_rank0_if_unsharded).
     """
     from models.init import ROOT_UNIT, layer_unit, unit_seed
 
@@ -146,6 +148,17 @@ def init_weights_by_unit(model: nn.Module, template: nn.Module, seed: int, devic
     for module in model.modules():
         if hasattr(module, "fp8_health_stats"):
             module.fp8_health_stats.zero_()
+
+
+def broadcast_from_rank0_if_unsharded(model: nn.Module, world_size: int, sharding: str) -> None:
+    """With sharding=none every rank holds a full replica that it initialised itself; GPU random streams need not
+    be bit-identical across GPU models, and gradients are only averaged, so replicas that started apart would stay
+    apart. Make rank 0's the replica of every rank (FSDP2 shards are each rank's own: nothing to agree on)."""
+    if world_size <= 1 or sharding != "none":
+        return
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            dist.broadcast(tensor.data, src=0)
 
 
 def all_reduce_grads_if_unsharded(model: nn.Module, world_size: int, sharding: str) -> None:

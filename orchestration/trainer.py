@@ -195,6 +195,7 @@ def check_start(job: JobConfig, run_name: str) -> None:
     except (OSError, yaml.YAMLError) as exc:
         raise ConfigError(f"run '{run_name}': cannot read its saved {config_file}: {exc}; restore the file or "
                           "choose a new run_name (nothing was changed on disk)") from None
+    keep_saved_lr(job, saved_config)
     new_config = to_dict(job)
     # A key the saved config lacks (a run from before the setting existed) ran with the setting's default.
     defaults = to_dict(JobConfig())
@@ -209,6 +210,19 @@ def check_start(job: JobConfig, run_name: str) -> None:
         raise ConfigError(f"run '{run_name}' has checkpoints ({saved[0]} the newest) made with other settings: "
                           f"{'; '.join(changed)}. Resuming needs the saved ones: restore them, or choose a new "
                           "run_name (nothing was changed on disk)")
+
+
+def keep_saved_lr(job: JobConfig, saved_config: dict) -> None:
+    """A resume that sets no train.lr continues with the saved run's, not with today's model default: the run may
+    have started with another lr (given then, or before train.lr=null existed), and the worker re-applies
+    job.train.lr to every param group, so a changed default would cut the lr in the middle of the schedule. An lr
+    given now wins (lowering the lr of a struggling run is a legitimate resume)."""
+    saved_lr = _lookup(saved_config, "train.lr")
+    if job.train.lr_source == "model" and isinstance(saved_lr, (int, float)) and saved_lr != job.train.lr:
+        print(f"Resuming with the run's saved train.lr={saved_lr!r} (the model's default is {job.train.lr!r}; pass "
+              "train.lr=... to change it)")
+        job.train.lr = float(saved_lr)
+        job.train.lr_source = "config"
 
 
 def open_run_dir(job: JobConfig, run_name: str, **start_fields: Any) -> RunDir:

@@ -25,6 +25,7 @@ from orchestration.config import JobConfig, from_dict
 from orchestration.data import ByteTextDataset, collect_text_files, python_stdlib_dir
 from orchestration.distributed import (
     all_reduce_grads_if_unsharded,
+    broadcast_from_rank0_if_unsharded,
     global_grad_norm,
     init_distributed,
     init_weights_by_unit,
@@ -109,6 +110,10 @@ def build_training_model(job: JobConfig, world_size: int, device: torch.device):
     model = parallelize(model, world_size, job.train.sharding, job.precision.fsdp_param_dtype,
                         job.precision.fsdp_reduce_dtype, job.model.activation_checkpointing)
     init_weights_by_unit(model, template, job.train.seed, device)
+    broadcast_from_rank0_if_unsharded(model, world_size, job.train.sharding)
+    if device.type == "cuda":
+        # gpu_mem_peak_gib reports the training's peak, not the transient full-size unit of the initialisation
+        torch.cuda.reset_peak_memory_stats(device)
     if compile_enabled(job, device):
         compile_blocks(model, job.model.compile_mode)
     return model, recipe

@@ -590,3 +590,17 @@ def test_save_reports_where_its_time_went(tmp_path):
     # one rank hashes every file of the checkpoint (the manifest's own listing)
     manifest = json.loads((tmp_path / "step_000001" / MANIFEST).read_text())
     assert timing["hashed_bytes"] == sum(meta["size"] for meta in manifest["files"].values()) > 0
+
+
+def test_io_threads_share_the_allowed_cpus_among_the_nodes_ranks(monkeypatch):
+    import orchestration.checkpoint as ckpt_module
+
+    monkeypatch.setattr(ckpt_module.os, "sched_getaffinity", lambda pid: set(range(32)), raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert ckpt_module.io_threads() == 8  # capped
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert ckpt_module.io_threads() == 4  # 32 CPUs over 8 ranks
+    monkeypatch.setattr(ckpt_module.os, "sched_getaffinity", lambda pid: {0, 1, 2}, raising=False)
+    assert ckpt_module.io_threads() == 1  # never 0
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert ckpt_module.io_threads() == 3  # Ray's cpus_per_worker=3 through affinity, not the host's cores

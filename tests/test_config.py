@@ -301,3 +301,45 @@ def test_train_lr_null_takes_the_models_peak_lr_and_an_explicit_one_wins():
     assert compose_job("model=deepseek_moe16b").train.lr == 4.2e-4
     assert compose_job("model=deepseek_moe16b", "train.lr=1e-4").train.lr == 1e-4
     assert all(0 < f.peak_lr <= 3e-3 for f in MODEL_FLAVORS.values())
+    assert compose_job("model=llama3_8b").train.lr_source == "model"
+    assert compose_job("model=llama3_8b", "train.lr=1e-4").train.lr_source == "config"
+    # validate() resolves too: a JobConfig built in code (lr left null) validates and gets the default
+    from orchestration.config import JobConfig, from_dict, to_dict, validate
+
+    job = JobConfig()
+    validate(job)
+    assert job.train.lr == MODEL_FLAVORS[job.model.name].peak_lr
+    hand_built = to_dict(JobConfig())
+    assert from_dict(hand_built).train.lr == MODEL_FLAVORS[hand_built["model"]["name"]].peak_lr
+    with pytest.raises(ConfigError, match="train.lr_source"):
+        compose_job("train.lr=1e-4", "+train.lr_source=mine")
+
+
+def test_a_resume_without_train_lr_keeps_the_saved_runs_lr(tmp_path):
+    """The worker re-applies train.lr to every param group on resume: a default that changed since the run started
+    (3e-3 for every model before train.lr=null) must not cut the lr mid-schedule; an lr given now wins."""
+    from orchestration.config import to_dict
+    from orchestration.events import RunDir
+    from orchestration.trainer import open_run_dir
+
+    def job(*overrides):
+        return compose_job(f"run_root={tmp_path}", "model=llama3_1b", *overrides)
+
+    run = RunDir(tmp_path / "exp")
+    saved = to_dict(job())
+    saved["train"]["lr"] = 0.003  # as every run saved before session 12 recorded it
+    del saved["train"]["lr_source"]
+    run.write_config(saved)
+    (run.path / "checkpoints" / "step_000040").mkdir(parents=True)
+    resumed = job()
+    assert resumed.train.lr == 3e-4
+    open_run_dir(resumed, "exp")
+    assert resumed.train.lr == 0.003 and resumed.train.lr_source == "config"
+    assert (run.path / "config.yaml").read_text().count("lr: 0.003") == 1
+    lowered = job("train.lr=0.0005")
+    open_run_dir(lowered, "exp")
+    assert lowered.train.lr == 0.0005
+    # a fresh run (no checkpoints) takes the model's default whatever an earlier config.yaml said
+    fresh = job()
+    open_run_dir(fresh, "another")
+    assert fresh.train.lr == 3e-4

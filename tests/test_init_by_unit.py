@@ -90,3 +90,29 @@ def test_fsdp2_two_ranks_give_the_same_weights(tmp_path, name):
     assert out["local_rows"] * 2 == expected["layers.0.attention.wq.weight"].shape[0]  # really sharded
     assert out["state"].keys() == expected.keys()
     assert [k for k in expected if not torch.equal(out["state"][k], expected[k])] == []
+
+
+def _run_unsharded_rank(rank: int, world: int, init_file: str, result_file: str) -> None:
+    from orchestration.distributed import broadcast_from_rank0_if_unsharded
+
+    with rank_process_group("gloo", f"file://{init_file}", rank, world):
+        model, template = _meta_model("debug_moe")
+        init_weights_by_unit(model, template, SEED + rank, torch.device("cpu"))  # replicas that start apart
+        model.layers["1"].moe.expert_bias.fill_(float(rank))  # a persistent buffer apart too
+        before = _full_state(model)
+        broadcast_from_rank0_if_unsharded(model, world, "fsdp")  # sharded: each rank's shard is its own business
+        untouched = all(torch.equal(before[k], v) for k, v in _full_state(model).items())
+        broadcast_from_rank0_if_unsharded(model, world, "none")
+        torch.save({"state": _full_state(model), "untouched": untouched}, f"{result_file}.{rank}")
+
+
+@pytest.mark.slow
+def test_unsharded_replicas_all_become_rank_0s(tmp_path):
+    mp.spawn(_run_unsharded_rank, args=(2, str(tmp_path / "init"), str(tmp_path / "out")), nprocs=2, join=True)
+    r0, r1 = (torch.load(tmp_path / f"out.{r}") for r in (0, 1))
+    assert r0["untouched"] and r1["untouched"]
+    assert [k for k in r0["state"] if not torch.equal(r0["state"][k], r1["state"][k])] == []
+    # rank 1 now holds rank 0's initialisation (seed SEED), not its own (SEED + 1)
+    expected = _reference("debug_moe")
+    # (the expert_bias rank 1 had filled with 1.0 is rank 0's 0.0 again)
+    assert [k for k in expected if not torch.equal(r1["state"][k], expected[k])] == []
