@@ -23,7 +23,8 @@ def test_summary_of_a_run_directory(tmp_path):
               {"time": 1030.0, "event": "checkpoint_good", "step": 0},
               {"time": 1030.0, "event": "checkpoint_timing", "step": 0, "seconds": 25.5},
               {"time": 1056.0, "event": "precision_changed", "step": 6, "from": "fp8", "to": "bf16"},
-              {"time": 1070.0, "event": "checkpoint_timing", "step": 10, "seconds": 21.0}]
+              {"time": 1070.0, "event": "checkpoint_timing", "step": 10, "seconds": 21.0, "write_s": 15.0,
+               "hash_s": 4.0}]
     _write(tmp_path / "r", metrics, events, {"status": "completed", "final_step": 10})
     out = summarize_run(tmp_path / "r", skip_steps=4)
     # steps 6, 8, 10 are past the warm-up: median of 62000, 64000, 61000
@@ -32,6 +33,7 @@ def test_summary_of_a_run_directory(tmp_path):
     assert out["gpu_mem_peak_gib"] == 31.0
     assert out["setup_s"] == 4.5 and out["first_metrics_s"] == 52.0
     assert out["checkpoint_seconds"] == [(0, 25.5), (10, 21.0)]
+    assert out["checkpoint_timing"][1] == {"step": 10, "seconds": 21.0, "write_s": 15.0, "hash_s": 4.0}
     assert [e["event"] for e in out["events"]] == ["checkpoint_good", "precision_changed"]
     assert out["recipe"] == "tensorwise" and out["status"] == "completed" and out["final_step"] == 10
     assert out["losses"][0] == (2, 5.0)
