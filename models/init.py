@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import hashlib
 
+import torch
+from torch import nn
+
 ROOT_UNIT = "root"
 
 
@@ -21,3 +24,15 @@ def unit_seed(seed: int, unit: str) -> int:
 
 def layer_unit(name: str) -> str:
     return f"layers.{name}"
+
+
+def init_model_by_units(model: nn.Module, seed: int | None) -> None:
+    """The models' init_weights: the root's own weights (`init_root_weights`), then each block (`init_weights`),
+    each unit from its own seed; seed=None continues the global random stream."""
+    if seed is not None:
+        torch.manual_seed(unit_seed(seed, ROOT_UNIT))
+    model.init_root_weights()
+    for name, layer in model.layers.items():
+        if seed is not None:
+            torch.manual_seed(unit_seed(seed, layer_unit(name)))
+        layer.init_weights()

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.init import ROOT_UNIT, layer_unit, unit_seed
+from models.init import init_model_by_units
 
 
 @dataclass
@@ -274,13 +274,7 @@ class Llama3(nn.Module):
         """Deterministic init (same seed, same weights) after to_empty(); also recomputes the RoPE tables. Each unit
         (the root's own weights, each block) draws from its own seed (models.init), so the unit-by-unit sharded
         initialisation of large models gives these same weights."""
-        if seed is not None:
-            torch.manual_seed(unit_seed(seed, ROOT_UNIT))
-        self.init_root_weights()
-        for name, layer in self.layers.items():
-            if seed is not None:
-                torch.manual_seed(unit_seed(seed, layer_unit(name)))
-            layer.init_weights()
+        init_model_by_units(self, seed)
 
     @torch.no_grad()
     def init_root_weights(self) -> None:
