@@ -38,7 +38,7 @@ def no_ray_leftovers():
     yield
     leftovers = ray_processes_left()
     if leftovers:
-        subprocess.run(["ray", "stop", "--force"], check=False, capture_output=True)
+        subprocess.run([which_ray(), "stop", "--force"], check=False, capture_output=True)
     assert not leftovers, f"Ray processes left behind: {leftovers}"
 
 
