@@ -26,13 +26,19 @@ def layer_unit(name: str) -> str:
     return f"layers.{name}"
 
 
-def init_model_by_units(model: nn.Module, seed: int | None) -> None:
-    """The models' init_weights: the root's own weights (`init_root_weights`), then each block (`init_weights`),
-    each unit from its own seed; seed=None continues the global random stream."""
+def init_unit(model: nn.Module, unit: str, seed: int | None) -> None:
+    """Initialise one unit of `model` from its own seed: ROOT_UNIT is the root's own weights (`init_root_weights`),
+    "layers.<i>" that block (`init_weights`). seed=None continues the global random stream."""
     if seed is not None:
-        torch.manual_seed(unit_seed(seed, ROOT_UNIT))
-    model.init_root_weights()
-    for name, layer in model.layers.items():
-        if seed is not None:
-            torch.manual_seed(unit_seed(seed, layer_unit(name)))
-        layer.init_weights()
+        torch.manual_seed(unit_seed(seed, unit))
+    if unit == ROOT_UNIT:
+        model.init_root_weights()
+    else:
+        model.layers[unit.removeprefix("layers.")].init_weights()
+
+
+def init_model_by_units(model: nn.Module, seed: int | None) -> None:
+    """The models' init_weights: the root's own weights, then each block, each unit from its own seed."""
+    init_unit(model, ROOT_UNIT, seed)
+    for name in model.layers:
+        init_unit(model, layer_unit(name), seed)

@@ -265,10 +265,6 @@ def file_digests(paths: list[Path], algorithm: str, chunk_bytes: int | None, thr
     return [h.hexdigest() for h in combined]
 
 
-def file_digest(path: Path, algorithm: str, chunk_bytes: int | None = None, threads: int = 1) -> str:
-    return file_digests([path], algorithm, chunk_bytes, threads)[0]
-
-
 def _fsync_dir(path: Path) -> None:
     try:
         fd = os.open(path, os.O_RDONLY)

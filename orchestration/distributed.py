@@ -125,7 +125,7 @@ def init_weights_by_unit(model: nn.Module, template: nn.Module, seed: int, devic
     their random streams by the GPU's SM count; unsharded replicas are then made rank 0's by
     broadcast_from_rank0_if_unsharded).
     """
-    from models.init import ROOT_UNIT, layer_unit, unit_seed
+    from models.init import ROOT_UNIT, init_unit, layer_unit
 
     model.to_empty(device=device)
     outside = [child for name, child in template.named_children() if name != "layers"]
@@ -134,14 +134,12 @@ def init_weights_by_unit(model: nn.Module, template: nn.Module, seed: int, devic
         child.to_empty(device=device)
     if hasattr(template, "tie_weights"):
         template.tie_weights()  # to_empty per child gives tied weights separate storage
-    torch.manual_seed(unit_seed(seed, ROOT_UNIT))
-    template.init_root_weights()
+    init_unit(template, ROOT_UNIT, seed)
     _copy_unit(model, template, skip_prefix="layers.")
     template.to("meta")  # the blocks are still there; the root's weights are freed
     for name, block in template.layers.items():
         block.to_empty(device=device)
-        torch.manual_seed(unit_seed(seed, layer_unit(name)))
-        block.init_weights()
+        init_unit(template, layer_unit(name), seed)
         _copy_unit(model.layers[name], block)
         block.to("meta")
     # FP8 health statistics are written by the first FP8 forward (fp8_health_valid says so); zero, not garbage.
