@@ -164,7 +164,8 @@ def _lookup(tree: Any, dotted: str) -> Any:
 def check_start(job: JobConfig, run_name: str) -> None:
     """Refuse, before anything in the run directory changes, a start that cannot work: a run_root that is a file,
     checkpoint.resume=false over a run that has checkpoints, or a resume whose settings differ in RESUME_KEYS from
-    the saved run's (the workers would fail on every Ray retry, after this driver had rewritten config.yaml)."""
+    the saved run's (the workers would fail on every Ray retry, after this driver had rewritten config.yaml). A
+    resume that gives no train.lr takes the saved run's lr here (keep_saved_lr), before config.yaml is rewritten."""
     import yaml
 
     from orchestration.config import ConfigError
