@@ -42,9 +42,10 @@ torch._dynamo.config.accumulated_recompile_limit = 4096
 
 from benchmarks.common import Budget, bench_ms, env_info, kernel_times, run_workers, sqnr_db, write_json
 
-CASES = ("bf16_compiled", "ours_eager", "ours_compiled", "ours_pe_compiled", "ours_hp_compiled", "torchao_compiled",
-         "torchao_eager", "bf16_eager")
-COMPILED = ("bf16_compiled", "ours_compiled", "ours_pe_compiled", "ours_hp_compiled", "torchao_compiled")
+CASES = ("bf16_compiled", "ours_eager", "ours_compiled", "ours_pe_compiled", "ours_hp_compiled", "ours_hp_fa_compiled",
+         "torchao_compiled", "torchao_eager", "bf16_eager")
+COMPILED = ("bf16_compiled", "ours_compiled", "ours_pe_compiled", "ours_hp_compiled", "ours_hp_fa_compiled",
+            "torchao_compiled")
 
 
 def group_offsets(m: int, e: int, align: int, device: str, seed: int = 0) -> torch.Tensor:
@@ -67,8 +68,10 @@ def grouped_fn(impl: str):
     if impl.startswith("ours"):
         from fp8 import Fp8GroupedMM
 
-        scaling = {"ours_pe": "per_expert", "ours_hp": "hp"}.get(impl.rsplit("_", 1)[0], "global")
-        return Fp8GroupedMM(wgrad_scaling=scaling)
+        base = impl.rsplit("_", 1)[0]
+        scaling = {"ours_pe": "per_expert", "ours_hp": "hp", "ours_hp_fa": "hp"}.get(base, "global")
+        # ours_hp_fa: every grad-input GEMM in fp8 with fast accumulation (dgrad="fp8_fast"); the others "auto".
+        return Fp8GroupedMM(wgrad_scaling=scaling, dgrad="fp8_fast" if base == "ours_hp_fa" else "auto")
     from torchao.prototype.moe_training.fp8_grouped_mm import _to_fp8_rowwise_then_scaled_grouped_mm
 
     return lambda x, w, offs: _to_fp8_rowwise_then_scaled_grouped_mm(
@@ -108,7 +111,7 @@ def numerics(device: str) -> dict:
     m, e, d, i = (8192, 8, 1024, 512) if device == "cuda" else (256, 4, 64, 32)
     res = {}
     ref = None
-    for impl in ("bf16_eager", "ours_eager", "ours_pe_eager", "ours_hp_eager", "torchao_eager"):
+    for impl in ("bf16_eager", "ours_eager", "ours_pe_eager", "ours_hp_eager", "ours_hp_fa_eager", "torchao_eager"):
         try:
             _, (x, experts, offs, gy) = build_step(impl, m, e, d, i, device)
             with torch.no_grad():
@@ -144,6 +147,10 @@ def _breakdown_cases(name, a_MK, w_ENK, g_MN, offs, one_m, q, quant, f8) -> dict
     a8_t, g8_t = q(a_MK.t().contiguous()), q(g_MN.t().contiguous())
     ones_en, ones_ek = torch.ones(e, n, device=device), torch.ones(e, k, device=device)
     ones_e_n, ones_e_k = torch.ones(e * n, device=device), torch.ones(e * k, device=device)
+    kp = -(-k // 256) * 256
+    w8_EKN_pad = torch.nn.functional.pad(w8_EKN.view(torch.uint8), (0, 0, 0, kp - k)).view(w8_EKN.dtype)
+    a8_t_pad = torch.nn.functional.pad(a8_t.view(torch.uint8), (0, 0, 0, kp - k)).view(a8_t.dtype)
+    ones_ekp, ones_e_kp = torch.ones(e, kp, device=device), torch.ones(e * kp, device=device)
     bf16 = torch.bfloat16
     return {
         f"fwd{name}_bf16": lambda: torch._grouped_mm(a_MK, w_ENK.transpose(-2, -1), offs),
@@ -154,6 +161,17 @@ def _breakdown_cases(name, a_MK, w_ENK, g_MN, offs, one_m, q, quant, f8) -> dict
                                                                out_dtype=bf16),
         f"wgrad{name}_bf16": lambda: torch._grouped_mm(g_MN.t(), a_MK, offs),
         f"wgrad{name}_fp8": lambda: torch._scaled_grouped_mm(g8_t, a8_t.t(), ones_e_n, ones_e_k, offs, out_dtype=bf16),
+        # Probes (session 13): the fp8 dgrad / wgrad GEMMs with fast accumulation, and with their output dim k
+        # padded to a multiple of 256 (zero rows in the fp8 weight / activation copy): w2's k = 1408 is where the
+        # fp8 dgrad ran at 0.59x of bf16 in session 2.
+        f"dgrad{name}_fp8_fa": lambda: torch._scaled_grouped_mm(g8, w8_EKN.transpose(-2, -1), one_m, ones_ek, offs,
+                                                                  out_dtype=bf16, use_fast_accum=True),
+        f"dgrad{name}_fp8_pad": lambda: torch._scaled_grouped_mm(g8, w8_EKN_pad.transpose(-2, -1), one_m, ones_ekp,
+                                                                   offs, out_dtype=bf16),
+        f"wgrad{name}_fp8_fa": lambda: torch._scaled_grouped_mm(g8_t, a8_t.t(), ones_e_n, ones_e_k, offs,
+                                                                  out_dtype=bf16, use_fast_accum=True),
+        f"wgrad{name}_fp8_pad": lambda: torch._scaled_grouped_mm(g8_t, a8_t_pad.t(), ones_e_n, ones_e_kp, offs,
+                                                                   out_dtype=bf16),
         f"cast_rowcol_act{name}": lambda: quant.quantize_rowwise_and_colwise(a_MK, f8, True),
         f"cast_rowcol_grad{name}": lambda: quant.quantize_rowwise_and_colwise(g_MN, f8, True),
         f"cast_rowwise_act{name}": lambda: quant.quantize_rowwise(a_MK, f8, -1, True),

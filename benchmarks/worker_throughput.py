@@ -73,7 +73,8 @@ def summarize_run(run_dir: Path, skip_steps: int) -> dict:
         "tokens_per_s_lines": [round(m["tokens_per_s"], 1) for m in metrics],
         "gpu_mem_peak_gib": max(peaks) if peaks else None,
         "losses": [(m["step"], m["loss"]) for m in metrics],
-        "checkpoint_seconds": [(e["step"], e["seconds"]) for e in events if e["event"] == "checkpoint_timing"],
+        "checkpoint_seconds": [(e.get("checkpoint_step", e["step"]), e["seconds"]) for e in events
+                               if e["event"] == "checkpoint_timing"],
         # where each save's time went (state dicts, DCP write, hashing, finalize; since session 12's review)
         "checkpoint_timing": [{k: v for k, v in e.items() if k not in ("time", "event")}
                               for e in events if e["event"] == "checkpoint_timing"],

@@ -142,9 +142,11 @@ def _grouped_forward(x_MK, w_EKN, offs_E, e4m3: torch.dtype, use_scaled: bool, p
 
 
 def _grouped_backward(gy_MN, w_EKN, offs_E, saved_x, e4m3: torch.dtype, use_scaled: bool, pow2: bool, wgrad: str,
-                      hp_dgrad: bool = False):
+                      dgrad: str = "fp8"):
     """-> (gx_MK, gw_EKN) for the saved_x of _grouped_forward. Both always: expert weights always train.
-    hp_dgrad: the grad-input GEMM in the activations' precision (see Fp8GroupedMM's dgrad)."""
+    dgrad: how the grad-input GEMM runs, "fp8" | "fp8_fast" (fast accumulation) | "hp" (the activations' precision);
+    see Fp8GroupedMM.dgrad_for."""
+    hp_dgrad = dgrad == "hp"
     gy_MN = gy_MN.contiguous()
     if wgrad == "global":
         gy_fp8, sg_M1, gy_fp8_t_NM, sg_1N = quant.quantize_rowwise_and_colwise(gy_MN, e4m3, pow2)
@@ -157,7 +159,8 @@ def _grouped_backward(gy_MN, w_EKN, offs_E, saved_x, e4m3: torch.dtype, use_scal
         # [E, N, K] right operand of gx = gy @ w^T.
         w_fp8_r, sw_EK1 = quant.quantize_rowwise_of_column_major_3d(w_EKN, e4m3, pow2)
         gx_MK = _scaled_or_emulated_2d3d(
-            gy_fp8, sg_M1, w_fp8_r.transpose(-2, -1), sw_EK1.transpose(-2, -1), offs_E, use_scaled, False
+            gy_fp8, sg_M1, w_fp8_r.transpose(-2, -1), sw_EK1.transpose(-2, -1), offs_E, use_scaled,
+            fast_accum=dgrad == "fp8_fast",
         ).to(gy_MN.dtype)
     out_ENK = _is_column_major(w_EKN)
     if wgrad == "hp":
@@ -178,11 +181,11 @@ def _grouped_backward(gy_MN, w_EKN, offs_E, saved_x, e4m3: torch.dtype, use_scal
 class _Fp8GroupedMMFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_MK, w_EKN, offs_E, backend: Fp8Backend, use_scaled: bool, pow2: bool, wgrad_scaling: str,
-                hp_dgrad: bool):
+                dgrad: str):
         out_MN, stats, saved_x = _grouped_forward(x_MK, w_EKN, offs_E, backend.e4m3, use_scaled, pow2, wgrad_scaling)
         ctx.save_for_backward(w_EKN, offs_E, *saved_x)
         ctx.e4m3, ctx.use_scaled, ctx.pow2, ctx.wgrad = backend.e4m3, use_scaled, pow2, wgrad_scaling
-        ctx.hp_dgrad = hp_dgrad
+        ctx.dgrad = dgrad
         ctx.mark_non_differentiable(stats)
         return out_MN, stats
 
@@ -190,7 +193,7 @@ class _Fp8GroupedMMFn(torch.autograd.Function):
     def backward(ctx, gy_MN, _grad_stats):
         w_EKN, offs_E, *saved_x = ctx.saved_tensors
         gx_MK, gw_EKN = _grouped_backward(
-            gy_MN, w_EKN, offs_E, tuple(saved_x), ctx.e4m3, ctx.use_scaled, ctx.pow2, ctx.wgrad, ctx.hp_dgrad
+            gy_MN, w_EKN, offs_E, tuple(saved_x), ctx.e4m3, ctx.use_scaled, ctx.pow2, ctx.wgrad, ctx.dgrad
         )
         return gx_MK, gw_EKN, None, None, None, None, None, None
 
@@ -266,7 +269,7 @@ def _run_body(fn, on_cuda: bool, *args):
 @torch.library.custom_op("elastic_fp8::grouped_mm_fwd", mutates_args=())
 def _grouped_fwd_op(
     x_MK: torch.Tensor, w_EKN: torch.Tensor, offs_E: torch.Tensor, e4m3: torch.dtype, use_scaled: bool, pow2: bool,
-    wgrad: str, hp_dgrad: bool,
+    wgrad: str, dgrad: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> (out_MN, stats, x_fp8_t_KM, sx_1K); the last two are empty unless wgrad == "global" (else backward
     re-reads x itself, which an op output may not alias)."""
@@ -279,7 +282,7 @@ def _grouped_fwd_op(
 
 
 @_grouped_fwd_op.register_fake
-def _(x_MK, w_EKN, offs_E, e4m3, use_scaled, pow2, wgrad, hp_dgrad):
+def _(x_MK, w_EKN, offs_E, e4m3, use_scaled, pow2, wgrad, dgrad):
     M, K = x_MK.shape
     N = w_EKN.shape[-1]
     out = x_MK.new_empty(M, N)
@@ -297,28 +300,28 @@ def _gw_storage_shape(w_EKN: torch.Tensor) -> tuple[int, int, int]:
 @torch.library.custom_op("elastic_fp8::grouped_mm_bwd", mutates_args=())
 def _grouped_bwd_op(
     gy_MN: torch.Tensor, w_EKN: torch.Tensor, offs_E: torch.Tensor, x_MK: torch.Tensor, x_fp8_t_KM: torch.Tensor,
-    sx_1K: torch.Tensor, e4m3: torch.dtype, use_scaled: bool, pow2: bool, wgrad: str, hp_dgrad: bool,
+    sx_1K: torch.Tensor, e4m3: torch.dtype, use_scaled: bool, pow2: bool, wgrad: str, dgrad: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (gx_MK, gw) with gw contiguous in the weight's storage layout ([E, N, K] for column-major w)."""
     saved_x = (x_fp8_t_KM, sx_1K) if wgrad == "global" else (x_MK,)
     gx_MK, gw_EKN = _run_body(_grouped_backward, gy_MN.is_cuda, gy_MN, w_EKN, offs_E, saved_x, e4m3, use_scaled,
-                              pow2, wgrad, hp_dgrad)
+                              pow2, wgrad, dgrad)
     gw = gw_EKN.transpose(-2, -1) if _is_column_major(w_EKN) else gw_EKN
     return gx_MK.contiguous(), gw.contiguous()
 
 
 @_grouped_bwd_op.register_fake
-def _(gy_MN, w_EKN, offs_E, x_MK, x_fp8_t_KM, sx_1K, e4m3, use_scaled, pow2, wgrad, hp_dgrad):
+def _(gy_MN, w_EKN, offs_E, x_MK, x_fp8_t_KM, sx_1K, e4m3, use_scaled, pow2, wgrad, dgrad):
     return gy_MN.new_empty(gy_MN.shape[0], w_EKN.shape[1]), gy_MN.new_empty(_gw_storage_shape(w_EKN), dtype=w_EKN.dtype)
 
 
 def _grouped_op_setup(ctx, inputs, output):
-    x_MK, w_EKN, offs_E, e4m3, use_scaled, pow2, wgrad, hp_dgrad = inputs
+    x_MK, w_EKN, offs_E, e4m3, use_scaled, pow2, wgrad, dgrad = inputs
     _, _, x_fp8_t_KM, sx_1K = output
     # "hp" and "per_expert" re-read x in backward; "global" keeps only the fp8 transposed copy and its scales.
     x_keep = x_MK if wgrad != "global" else x_MK.new_empty(0)
     ctx.save_for_backward(w_EKN, offs_E, x_keep, x_fp8_t_KM, sx_1K)
-    ctx.args = (e4m3, use_scaled, pow2, wgrad, hp_dgrad)
+    ctx.args = (e4m3, use_scaled, pow2, wgrad, dgrad)
     ctx.w_column_major = _is_column_major(w_EKN)
 
 
@@ -344,13 +347,17 @@ GROUPED_MODES = ("opaque", "eager", "traced")
 _GROUPED_MODE_ENV = "FP8_GROUPED_MODE"
 
 # The grad-input GEMM gx = gy @ w^T (FP8_GROUPED_DGRAD overrides the constructor's choice, for A/B runs):
-#   "fp8"   always fp8.
-#   "hp"    always in the activations' precision (bf16 grouped GEMM): no backward weight cast and no row cast of gy.
-#   "auto"  bf16 when gx's width K is not a multiple of 256. Why: torch's CUTLASS fp8 grouped kernel ran DeepSeek-
-#           MoE's w2 grad-input (K = 1408) at 0.59x of bf16 alone (1.792 vs 1.056 ms) but w13's (K = 2048) at
-#           1.51x on the H200 (BENCHMARKS.md, MoE grouped breakdown). The default: the MoE training step ran
-#           125.98 ms with it vs 127.51 ms all-fp8 (same run, session4/train_step_moe.json).
-DGRAD_CHOICES = ("fp8", "hp", "auto")
+#   "fp8"       always fp8, accumulated with periodic promotion to fp32 (use_fast_accum=False, as the forward of
+#               torchao's and our dense recipes keep for gradients).
+#   "fp8_fast"  always fp8 with the tensor cores' fast accumulation. Why offered: alone on the H200 (session 13,
+#               BENCHMARKS.md) the promoted kernel ran DeepSeek-MoE's w2 grad-input (K = 1408) at 1.794 ms against
+#               0.616 ms fast and 1.007 ms bf16 (w13: 1.281 vs 1.215 vs 1.849).
+#   "hp"        always in the activations' precision (bf16 grouped GEMM): no backward weight cast and no row cast of gy.
+#   "auto"      bf16 when gx's width K is not a multiple of 256, else "fp8". Why: torch's CUTLASS fp8 grouped kernel
+#               ran DeepSeek-MoE's w2 grad-input (K = 1408) at 0.59x of bf16 alone (1.792 vs 1.056 ms) but w13's
+#               (K = 2048) at 1.51x on the H200 (BENCHMARKS.md, MoE grouped breakdown). The default: the MoE
+#               training step ran 125.98 ms with it vs 127.51 ms all-fp8 (same run, session4/train_step_moe.json).
+DGRAD_CHOICES = ("fp8", "fp8_fast", "hp", "auto")
 _DGRAD_ENV = "FP8_GROUPED_DGRAD"
 
 
@@ -385,12 +392,18 @@ class Fp8GroupedMM:
             raise ValueError(f"{_GROUPED_MODE_ENV} must be one of {GROUPED_MODES}, got {mode!r}")
         return mode
 
-    def hp_dgrad(self, w_EKN: torch.Tensor) -> bool:
-        """Whether the grad-input GEMM of this weight runs in high precision (see DGRAD_CHOICES)."""
+    def dgrad_for(self, w_EKN: torch.Tensor) -> str:
+        """How the grad-input GEMM of this weight runs: "fp8" | "fp8_fast" | "hp" (see DGRAD_CHOICES)."""
         dgrad = os.environ.get(_DGRAD_ENV, self.dgrad)
         if dgrad not in DGRAD_CHOICES:
             raise ValueError(f"{_DGRAD_ENV} must be one of {DGRAD_CHOICES}, got {dgrad!r}")
-        return dgrad == "hp" or (dgrad == "auto" and w_EKN.shape[-2] % 256 != 0)
+        if dgrad == "auto":
+            return "hp" if w_EKN.shape[-2] % 256 != 0 else "fp8"
+        return dgrad
+
+    def hp_dgrad(self, w_EKN: torch.Tensor) -> bool:
+        """Whether the grad-input GEMM of this weight runs in high precision (see DGRAD_CHOICES)."""
+        return self.dgrad_for(w_EKN) == "hp"
 
     def _prepare(self, x_MK: torch.Tensor, w_EKN: torch.Tensor, offs_E: torch.Tensor):
         if offs_E.dtype != torch.int32:
@@ -398,22 +411,22 @@ class Fp8GroupedMM:
         x_MK, w_EKN = to_compute_dtype(x_MK, w_EKN)
         backend = get_backend(x_MK.device)
         use_scaled = backend.has_scaled_grouped_mm if self.emulate is None else not self.emulate
-        return x_MK, w_EKN, backend, use_scaled, self.hp_dgrad(w_EKN)
+        return x_MK, w_EKN, backend, use_scaled, self.dgrad_for(w_EKN)
 
     def call_traceable(self, x_MK: torch.Tensor, w_EKN: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
         """The autograd.Function form (eager, or traced into a compiled graph: the "traced" mode)."""
-        x_MK, w_EKN, backend, use_scaled, hp_dgrad = self._prepare(x_MK, w_EKN, offs_E)
+        x_MK, w_EKN, backend, use_scaled, dgrad = self._prepare(x_MK, w_EKN, offs_E)
         out_MN, stats = _Fp8GroupedMMFn.apply(
-            x_MK, w_EKN, offs_E, backend, use_scaled, self.pow2, self.wgrad_scaling, hp_dgrad
+            x_MK, w_EKN, offs_E, backend, use_scaled, self.pow2, self.wgrad_scaling, dgrad
         )
         self.last_stats = stats
         return out_MN
 
     def call_opaque(self, x_MK: torch.Tensor, w_EKN: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
         """The custom-op form: the same numbers, one graph node per direction under torch.compile."""
-        x_MK, w_EKN, backend, use_scaled, hp_dgrad = self._prepare(x_MK, w_EKN, offs_E)
+        x_MK, w_EKN, backend, use_scaled, dgrad = self._prepare(x_MK, w_EKN, offs_E)
         out_MN, stats, _, _ = _grouped_fwd_op(
-            x_MK, w_EKN, offs_E, backend.e4m3, use_scaled, self.pow2, self.wgrad_scaling, hp_dgrad
+            x_MK, w_EKN, offs_E, backend.e4m3, use_scaled, self.pow2, self.wgrad_scaling, dgrad
         )
         self.last_stats = stats
         return out_MN

@@ -145,6 +145,11 @@ class CheckpointConfig:
     # false: refuse to start over a run that has checkpoints. Restarts within one start always resume.
     resume: bool = True
     report_to_ray: bool = True
+    # Periodic saves in the background: copy the state to pinned host memory (~1 s for 27 GB on the H200 host), then
+    # write, hash and finalize in a thread while training goes on (a synchronous save of that state took 25 s,
+    # BENCHMARKS.md session 13). Costs host RAM equal to the rank's checkpoint shard, kept between saves.
+    # auto = always with cluster.device=cuda, else never; always; never. The step-0, post-rollback and final saves are always synchronous.
+    async_save: str = "auto"
 
 
 @dataclass
@@ -294,6 +299,8 @@ def validate(job: JobConfig) -> None:
     k = job.checkpoint
     _require(k.every_steps >= 1, "checkpoint.every_steps", "must be >= 1")
     _require(k.keep_last >= 1, "checkpoint.keep_last", "must be >= 1")
+    _require(k.async_save in ("auto", "always", "never"), "checkpoint.async_save",
+             f"'{k.async_save}' is not one of ('auto', 'always', 'never')")
     _require(k.keep_good >= 1, "checkpoint.keep_good", "must be >= 1")
 
     lg = job.logging

@@ -23,6 +23,7 @@ import signal
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -185,9 +186,12 @@ class FaultPlan:
         return module.register_forward_pre_hook(pre_hook)
 
     # --------------------------------------------------------------------------------------- process faults
-    def maybe_crash(self, step: int, rank: int) -> None:
-        """kill_worker: SIGKILL this process; crash: raise InjectedCrash. Once per (rank, step), across restarts."""
+    def maybe_crash(self, step: int, rank: int, before: Callable[[], Any] | None = None) -> None:
+        """kill_worker: SIGKILL this process; crash: raise InjectedCrash. Once per (rank, step), across restarts.
+        `before` runs just before either (the worker finishes a background checkpoint write there)."""
         if self._hits(PROCESS_FAULTS, step, rank) and self._fire(self.config.kind, step, rank):
+            if before is not None:
+                before()
             if self.config.kind == "kill_worker":
                 os.kill(os.getpid(), signal.SIGKILL)
             raise InjectedCrash(f"injected crash at step {step} on rank {rank} (faults.kind=crash)")
@@ -217,8 +221,8 @@ class FaultInjector(FaultPlan):
     def maybe_corrupt_activation(self, x: torch.Tensor, step: int, rank: int | None = None) -> torch.Tensor:
         return self.maybe_inject_activation(x, step, self._r(rank))
 
-    def maybe_crash(self, step: int, rank: int | None = None) -> None:
-        super().maybe_crash(step, self._r(rank))
+    def maybe_crash(self, step: int, rank: int | None = None, before: Callable[[], Any] | None = None) -> None:
+        super().maybe_crash(step, self._r(rank), before)
 
     def maybe_corrupt_fp8_health(self, health: Mapping[str, torch.Tensor] | None, step: int,
                                  rank: int | None = None) -> dict[str, torch.Tensor] | None:

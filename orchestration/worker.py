@@ -386,18 +386,46 @@ class Trainer:
             extra["precision_state"] = fp8.precision_state(self.model)
         return extra
 
-    def save_checkpoint(self, good: bool = False) -> Path:
+    @property
+    def async_saves(self) -> bool:
+        """Whether periodic saves are written in the background (checkpoint.async_save)."""
+        mode = self.job.checkpoint.async_save
+        return mode == "always" or (mode == "auto" and self.device.type == "cuda")
+
+    def save_checkpoint(self, good: bool = False, background: bool = False) -> Path:
+        """Save the current step. background: copy to host memory and write in a thread (periodic saves with
+        checkpoint.async_save); its checkpoint_timing event and Ray report follow when it finishes (collect_checkpoint,
+        at the next save or at the end). good=True saves (start, after a rollback) are marked good at once, so they
+        are always synchronous."""
+        background = background and not good
+        self.collect_checkpoint()
         t0 = time.time()
-        path = self.ckpt.save(self.state.step, self.model, self.optimizer, self.scheduler, self.extra_state())
+        path = self.ckpt.save(self.state.step, self.model, self.optimizer, self.scheduler, self.extra_state(),
+                              background=background)
         if good:
             self.ckpt.mark_good(self.state.step)
         else:
             self.ckpt.awaiting_good.add(self.state.step)  # waits for good_after_steps clean steps; retention keeps it
+        if background:
+            self._save_blocking_s = round(time.time() - t0, 3)
+            return path
         self.event("checkpoint_timing", seconds=round(time.time() - t0, 3), **self.ckpt.last_save_timing)
         self.report_to_ray(path)
         return path
 
-    def report_to_ray(self, path: Path | None) -> None:
+    def collect_checkpoint(self) -> None:
+        """Wait for the background save in flight, if any (its error is raised here), then log its timing - seconds
+        is how long training stood still for it, background_s how long the thread took - and report it to Ray."""
+        done = self.ckpt.wait()
+        if done is None:
+            return
+        step, path, timing = done
+        self.event("checkpoint_timing", checkpoint_step=step, background=True,
+                   seconds=getattr(self, "_save_blocking_s", None), **timing)
+        self.report_to_ray(path, step)
+
+    def report_to_ray(self, path: Path | None, step: int | None = None) -> None:
+        """ray.train.report of a finished checkpoint (every rank calls it at the same point: the same save)."""
         if not (self.under_ray and self.job.checkpoint.report_to_ray):
             return
         import ray.train
@@ -405,7 +433,8 @@ class Trainer:
         from orchestration.checkpoint import ray_checkpoint_dir
 
         checkpoint = ray.train.Checkpoint.from_directory(ray_checkpoint_dir(path)) if (path and self.rank == 0) else None
-        ray.train.report({"step": self.state.step, "precision": self.state.precision}, checkpoint=checkpoint)
+        ray.train.report({"step": self.state.step if step is None else step, "precision": self.state.precision},
+                         checkpoint=checkpoint)
 
     # -- one step -------------------------------------------------------------------------------------------
     def compute_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -461,7 +490,9 @@ class Trainer:
         t_last_log, tokens_since_log = time.time(), 0
         while self.state.step < job.train.steps:
             t0 = time.time()
-            self.guard.faults.maybe_crash(self.state.step, self.rank)
+            # An injected crash waits for a background save in flight, so that tests know where a restart resumes
+            # (tests/test_checkpoint_async.py covers a save cut short: the .tmp- directory is ignored and removed).
+            self.guard.faults.maybe_crash(self.state.step, self.rank, before=self.ckpt.wait)
             loss, weighted_loss, aux = self.forward_backward()
             self.guard.faults.maybe_corrupt_grads(self.model, self.state.step, self.rank)
             local_norm = local_grad_norm(self.model, self.device)
@@ -502,7 +533,7 @@ class Trainer:
                 t_last_log, tokens_since_log = now, 0
             self.maybe_mark_good()
             if self.state.step % job.checkpoint.every_steps == 0 and self.state.step < job.train.steps:
-                self.save_checkpoint()
+                self.save_checkpoint(background=self.async_saves)
             managed_gc.step(self.state.step)
         return status
 
@@ -526,6 +557,8 @@ class Trainer:
         for step in sorted(self.ckpt.awaiting_good):
             if last_bad is not None and last_bad >= step:
                 self.ckpt.awaiting_good.discard(step)  # trouble after it: never mark it good (retention may drop it)
+            elif self.ckpt.save_in_flight(step):
+                continue  # still being written in the background: judged once it is finalized, without waiting
             elif self.state.step - step >= self.job.monitor.good_after_steps:
                 self.ckpt.mark_good(step)  # emits checkpoint_good, ends the wait
                 self.ckpt.awaiting_good.discard(step)
@@ -572,6 +605,7 @@ class Trainer:
         return self._flops_per_token
 
     def finish(self, status: str) -> None:
+        self.collect_checkpoint()  # a stopped run's last periodic save still finishes and is reported
         if self.rank == 0:
             final = self.state.to_dict()
             final["samples_consumed"] = count_in_ranges(self.state.consumed_ranges)

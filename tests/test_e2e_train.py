@@ -52,7 +52,9 @@ def test_default_job_end_to_end(tmp_path, isolated_env, no_ray_leftovers):
 def test_resume_same_run_name_repeats_no_step(tmp_path, isolated_env, no_ray_leftovers):
     common = [f"run_root={tmp_path / 'runs'}", "run_name=resumed", "model=debug_dense", "checkpoint.every_steps=10",
               "train.log_every=1", "train.warmup_steps=2"]
-    first = launch(isolated_env, *common, "train.steps=20")
+    # The first start saves step 10 in the background (checkpoint.async_save=always; default auto is on for cuda
+    # only): reported to Ray when it finishes, then resumed from step 20 like the synchronous saves.
+    first = launch(isolated_env, *common, "train.steps=20", "checkpoint.async_save=always")
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     second = launch(isolated_env, *common, "train.steps=30")
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
@@ -60,6 +62,9 @@ def test_resume_same_run_name_repeats_no_step(tmp_path, isolated_env, no_ray_lef
     events = read_jsonl(run_dir / "events.jsonl")
     resumes = [e for e in events if e["event"] == "resume"]
     assert resumes and resumes[-1]["from_step"] == 20 and resumes[-1]["world_size"] == 2
+    background = [e for e in events if e["event"] == "checkpoint_timing" and e.get("background")]
+    assert [e["checkpoint_step"] for e in background] == [10]
+    assert background[0]["seconds"] < background[0]["background_s"] and background[0]["write_s"] > 0
     steps = [m["step"] for m in read_jsonl(run_dir / "metrics.jsonl")]
     assert steps == list(range(1, 31)), steps  # every step once, none repeated
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -124,7 +129,8 @@ def test_same_worker_loop_under_torchrun_without_ray(tmp_path, isolated_env):
 
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                            "-m", "orchestration.torchrun", f"run_root={tmp_path}", "run_name=tr", "model=debug_moe",
-                           "train.steps=30", "logging.wandb=false", "logging.ray_metrics=false"], check=False,
+                           "train.steps=30", "logging.wandb=false", "logging.ray_metrics=false",
+                           "checkpoint.every_steps=10", "checkpoint.async_save=always"], check=False,
                           cwd=REPO, env=isolated_env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((tmp_path / "tr" / "summary.json").read_text())
@@ -132,6 +138,15 @@ def test_same_worker_loop_under_torchrun_without_ray(tmp_path, isolated_env):
     assert summary["world_sizes_seen"] == [2]
     assert summary["consumed_ranges"] == [[0, 30 * 16]]
     assert summary["final_loss"] < summary["first_loss"] - 1.0
+    # Steps 10 and 20 saved in the background by both ranks (a gloo group of their own), step 30 synchronously.
+    from orchestration.checkpoint import verify_checkpoint
+
+    events = read_jsonl(tmp_path / "tr" / "events.jsonl")
+    timing = [e for e in events if e["event"] == "checkpoint_timing"]
+    assert [(e.get("checkpoint_step", e["step"]), bool(e.get("background"))) for e in timing] == [
+        (0, False), (10, True), (20, True), (30, False)]
+    checkpoints = sorted((tmp_path / "tr").rglob("step_0000[123]0"))
+    assert [verify_checkpoint(p).step for p in checkpoints] == [10, 20, 30]
 
 
 def test_torchrun_without_a_run_id_or_name_is_refused(tmp_path, isolated_env):

@@ -257,6 +257,36 @@ def test_grouped_op_compiled_body_matches_eager_body(monkeypatch, dims):
         assert torch.equal(a, b), f"{name}: compiled body differs from eager by up to {diff}"
 
 
+@pytest.mark.parametrize("dims", [(2048, 2816), (1408, 2048)])  # DeepSeek-MoE's w13 and w2: gx contracts over N
+def test_grouped_fast_accum_grad_input_keeps_fp8_accuracy(dims):
+    """dgrad="fp8_fast" (the grad-input GEMM with the tensor cores' fast accumulation): its grad_x stays within 0.5 dB
+    of the promoted-accumulation fp8 GEMM's SQNR against float64, and the output and weight gradient are unchanged
+    (only the grad-input GEMM differs). Inputs with outlier channels and all-zero rows."""
+    from fp8.grouped import Fp8GroupedMM
+
+    K, N = dims
+    E, M = 8, 8192
+    g = torch.Generator(device="cuda").manual_seed(N)
+    x = torch.randn(M, K, device="cuda", generator=g, dtype=torch.bfloat16)
+    x[:, :4] *= 30.0
+    x[:16] = 0.0
+    w_ENK = (torch.randn(E, N, K, device="cuda", generator=g) * K**-0.5).to(torch.bfloat16)
+    gy = torch.randn(M, N, device="cuda", generator=g, dtype=torch.bfloat16)
+    gy[:, :4] *= 30.0
+    offs = torch.tensor([1024 * (e + 1) for e in range(E)], dtype=torch.int32, device="cuda")
+    gx_ref = torch.cat([gy[1024 * e:1024 * (e + 1)].double() @ w_ENK[e].double() for e in range(E)])
+    results = {}
+    for dgrad in ("fp8", "fp8_fast"):
+        xr, wr = x.clone().requires_grad_(), w_ENK.clone().requires_grad_()
+        out = Fp8GroupedMM(mode="opaque", dgrad=dgrad)(xr, wr.transpose(-2, -1), offs)
+        out.backward(gy)
+        results[dgrad] = (out.detach(), xr.grad, wr.grad)
+    promoted, fast = (sqnr(results[d][1], gx_ref) for d in ("fp8", "fp8_fast"))
+    assert 23 < promoted < 40 and fast > promoted - 0.5, (dims, promoted, fast)
+    assert torch.equal(results["fp8"][0], results["fp8_fast"][0]) and torch.equal(results["fp8"][2],
+                                                                                    results["fp8_fast"][2])
+
+
 @pytest.mark.parametrize("mark_steps", [True, False], ids=["marked", "unmarked"])
 def test_fp8_moe_model_under_cuda_graphs_matches_default_compile(mark_steps):
     """model.compile_mode=reduce-overhead (CUDA-graph trees) as the worker's compile_blocks sets it up (eager grouped-op

@@ -220,6 +220,9 @@ def test_hp_dgrad_gives_the_high_precision_grad_input(stored_enk):
     op = Fp8GroupedMM(emulate=True)
     assert op.dgrad == "auto"
     assert not op.hp_dgrad(torch.empty(4, 2048, 8)) and op.hp_dgrad(torch.empty(4, 1408, 8))
+    assert [op.dgrad_for(torch.empty(4, k, 8)) for k in (2048, 1408)] == ["fp8", "hp"]
+    fast = Fp8GroupedMM(emulate=True, dgrad="fp8_fast")
+    assert [fast.dgrad_for(torch.empty(4, k, 8)) for k in (2048, 1408)] == ["fp8_fast", "fp8_fast"]
     with pytest.raises(ValueError, match="dgrad"):
         Fp8GroupedMM(dgrad="fp16")
 
@@ -246,10 +249,10 @@ def test_op_bodies_trace_without_graph_breaks(monkeypatch, wgrad):
     out_ref, stats_ref, _ = g._grouped_forward(x, w, offs, e4m3, False, True, wgrad)
     assert torch.equal(out, out_ref) and torch.equal(stats, stats_ref)
     bwd = torch.compile(g._grouped_backward, backend="eager", fullgraph=True, dynamic=False)
-    for hp_dgrad in (False, True):
-        gx, gw = bwd(gy, w, offs, saved, e4m3, False, True, wgrad, hp_dgrad)
-        gx_ref, gw_ref = g._grouped_backward(gy, w, offs, saved, e4m3, False, True, wgrad, hp_dgrad)
-        assert torch.equal(gx, gx_ref) and torch.equal(gw, gw_ref), (wgrad, hp_dgrad)
+    for dgrad in ("fp8", "fp8_fast", "hp"):
+        gx, gw = bwd(gy, w, offs, saved, e4m3, False, True, wgrad, dgrad)
+        gx_ref, gw_ref = g._grouped_backward(gy, w, offs, saved, e4m3, False, True, wgrad, dgrad)
+        assert torch.equal(gx, gx_ref) and torch.equal(gw, gw_ref), (wgrad, dgrad)
 
 
 def test_body_mode_switch_overrides_env_and_compile_blocks_sets_it(monkeypatch):
