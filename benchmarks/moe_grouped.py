@@ -42,9 +42,9 @@ torch._dynamo.config.accumulated_recompile_limit = 4096
 
 from benchmarks.common import Budget, bench_ms, env_info, kernel_times, run_workers, sqnr_db, write_json
 
-CASES = ("bf16_compiled", "ours_eager", "ours_compiled", "ours_pe_compiled", "ours_hp_compiled", "ours_hp_fa_compiled",
+CASES = ("bf16_compiled", "ours_eager", "ours_compiled", "ours_pe_compiled", "ours_hp_compiled", "ours_hp_w_compiled",
          "torchao_compiled", "torchao_eager", "bf16_eager")
-COMPILED = ("bf16_compiled", "ours_compiled", "ours_pe_compiled", "ours_hp_compiled", "ours_hp_fa_compiled",
+COMPILED = ("bf16_compiled", "ours_compiled", "ours_pe_compiled", "ours_hp_compiled", "ours_hp_w_compiled",
             "torchao_compiled")
 
 
@@ -69,9 +69,9 @@ def grouped_fn(impl: str):
         from fp8 import Fp8GroupedMM
 
         base = impl.rsplit("_", 1)[0]
-        scaling = {"ours_pe": "per_expert", "ours_hp": "hp", "ours_hp_fa": "hp"}.get(base, "global")
-        # ours_hp_fa: every grad-input GEMM in fp8 with fast accumulation (dgrad="fp8_fast"); the others "auto".
-        return Fp8GroupedMM(wgrad_scaling=scaling, dgrad="fp8_fast" if base == "ours_hp_fa" else "auto")
+        scaling = {"ours_pe": "per_expert", "ours_hp": "hp", "ours_hp_w": "hp"}.get(base, "global")
+        # ours_hp_w: the grad-input GEMMs as sessions 4-12 ran them (dgrad="width"); the others the default "auto".
+        return Fp8GroupedMM(wgrad_scaling=scaling, dgrad="width" if base == "ours_hp_w" else "auto")
     from torchao.prototype.moe_training.fp8_grouped_mm import _to_fp8_rowwise_then_scaled_grouped_mm
 
     return lambda x, w, offs: _to_fp8_rowwise_then_scaled_grouped_mm(
@@ -111,7 +111,7 @@ def numerics(device: str) -> dict:
     m, e, d, i = (8192, 8, 1024, 512) if device == "cuda" else (256, 4, 64, 32)
     res = {}
     ref = None
-    for impl in ("bf16_eager", "ours_eager", "ours_pe_eager", "ours_hp_eager", "ours_hp_fa_eager", "torchao_eager"):
+    for impl in ("bf16_eager", "ours_eager", "ours_pe_eager", "ours_hp_eager", "ours_hp_w_eager", "torchao_eager"):
         try:
             _, (x, experts, offs, gy) = build_step(impl, m, e, d, i, device)
             with torch.no_grad():

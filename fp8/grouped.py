@@ -347,17 +347,16 @@ GROUPED_MODES = ("opaque", "eager", "traced")
 _GROUPED_MODE_ENV = "FP8_GROUPED_MODE"
 
 # The grad-input GEMM gx = gy @ w^T (FP8_GROUPED_DGRAD overrides the constructor's choice, for A/B runs):
-#   "fp8"       always fp8, accumulated with periodic promotion to fp32 (use_fast_accum=False, as the forward of
-#               torchao's and our dense recipes keep for gradients).
-#   "fp8_fast"  always fp8 with the tensor cores' fast accumulation. Why offered: alone on the H200 (session 13,
-#               BENCHMARKS.md) the promoted kernel ran DeepSeek-MoE's w2 grad-input (K = 1408) at 1.794 ms against
-#               0.616 ms fast and 1.007 ms bf16 (w13: 1.281 vs 1.215 vs 1.849).
-#   "hp"        always in the activations' precision (bf16 grouped GEMM): no backward weight cast and no row cast of gy.
-#   "auto"      bf16 when gx's width K is not a multiple of 256, else "fp8". Why: torch's CUTLASS fp8 grouped kernel
-#               ran DeepSeek-MoE's w2 grad-input (K = 1408) at 0.59x of bf16 alone (1.792 vs 1.056 ms) but w13's
-#               (K = 2048) at 1.51x on the H200 (BENCHMARKS.md, MoE grouped breakdown). The default: the MoE
-#               training step ran 125.98 ms with it vs 127.51 ms all-fp8 (same run, session4/train_step_moe.json).
-DGRAD_CHOICES = ("fp8", "fp8_fast", "hp", "auto")
+#   "fp8"       fp8, accumulated with periodic promotion to fp32 (use_fast_accum=False).
+#   "fp8_fast"  fp8 with the tensor cores' fast accumulation (as the forward GEMM).
+#   "hp"        in the activations' precision (bf16 grouped GEMM): no backward weight cast and no row cast of gy.
+#   "width"     "hp" where gx's width K is not a multiple of 256, else "fp8": the default of sessions 4-12, when the
+#               promoted fp8 kernel ran DeepSeek-MoE's w2 grad-input (K = 1408) at 0.59x of bf16.
+#   "auto"      "fp8_fast" (the default). Why: alone on the H200 (session 13, BENCHMARKS.md) the promoted kernel ran
+#               w2's grad-input at 1.794 ms against 0.616 ms fast and 1.007 ms bf16 (w13: 1.281 / 1.215 / 1.849),
+#               and fast accumulation kept gx's SQNR against float64 within 0.5 dB of the promoted kernel's at both
+#               widths (tests/test_fp8_gpu.py, passed on the H200 in session 13).
+DGRAD_CHOICES = ("fp8", "fp8_fast", "hp", "width", "auto")
 _DGRAD_ENV = "FP8_GROUPED_DGRAD"
 
 
@@ -397,9 +396,9 @@ class Fp8GroupedMM:
         dgrad = os.environ.get(_DGRAD_ENV, self.dgrad)
         if dgrad not in DGRAD_CHOICES:
             raise ValueError(f"{_DGRAD_ENV} must be one of {DGRAD_CHOICES}, got {dgrad!r}")
-        if dgrad == "auto":
+        if dgrad == "width":
             return "hp" if w_EKN.shape[-2] % 256 != 0 else "fp8"
-        return dgrad
+        return "fp8_fast" if dgrad == "auto" else dgrad
 
     def hp_dgrad(self, w_EKN: torch.Tensor) -> bool:
         """Whether the grad-input GEMM of this weight runs in high precision (see DGRAD_CHOICES)."""

@@ -597,7 +597,8 @@ class CheckpointManager:
     # -- save -------------------------------------------------------------------------------------------------------
 
     def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
-             scheduler: Any | None = None, extra_state: dict | None = None, *, background: bool = False) -> Path:
+             scheduler: Any | None = None, extra_state: dict | None = None, *, background: bool = False,
+             stage: bool | None = None) -> Path:
         """Collective: write checkpoint `step` atomically and return its final directory (on every rank).
 
         background=True: copy the tensors to host memory (pinned buffers kept between saves), then write, hash and
@@ -605,6 +606,10 @@ class CheckpointManager:
         collectives run on a separate gloo group (the training thread owns the default one). Any later call on
         this manager (a save, latest, load, mark_good of that step, ...) first waits for it; `wait()` does so
         explicitly and raises its error, if any. Until then a crash loses only this save (its .tmp- directory).
+
+        stage (default: background): copy GPU tensors into the pinned host buffers before writing, also for a
+        synchronous save. Why: DCP's own device-to-host copies go to pageable memory and made up most of a save on
+        the H200 (13 GB: write 9.3-9.9 s through DCP from the GPU, 1.2-1.7 s from the pinned copy, session 13).
         """
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"step must be an int >= 0, got {step!r}")
@@ -645,18 +650,22 @@ class CheckpointManager:
         _sync_errors(error, f"creating {tmp}")
         job = _SaveJob(step=step, tmp=tmp, final=self.root / name, tensors=tensors, rng_bytes=rng_bytes,
                        rest_bytes=rest_bytes, sched_bytes=sched_bytes, extra_json=extra_json, group=None)
+        t_stage = time.perf_counter()
+        job.timing["state_s"] = round(t_stage - t_start, 3)
+        if background if stage is None else stage:
+            job.tensors = stage_to_host(tensors, self._staging_buffers)
+            if any(t.is_cuda for t in _leaves(tensors)):
+                job.ready = torch.cuda.Event()
+                job.ready.record()
+            job.timing["stage_s"] = round(time.perf_counter() - t_stage, 3)
         if not background:
-            job.timing["state_s"] = round(time.perf_counter() - t_start, 3)
+            if job.ready is not None:
+                job.ready.synchronize()
             self._write_and_finalize(job)
+            job.tensors = {}
             self._finish(job)
             return job.final
-        t_stage = time.perf_counter()
-        job.tensors = stage_to_host(tensors, self._staging_buffers)
-        if any(t.is_cuda for t in _leaves(tensors)):
-            job.ready = torch.cuda.Event()
-            job.ready.record()
         job.group = self._io_group()
-        job.timing.update(state_s=round(t_stage - t_start, 3), stage_s=round(time.perf_counter() - t_stage, 3))
         job.thread = threading.Thread(target=self._background_save, args=(job,), name=f"checkpoint-{step}", daemon=True)
         self._pending = job
         job.thread.start()
