@@ -353,6 +353,11 @@ class Trainer:
                              f"{saved_data}, now {self.dataset.fingerprint}): resuming would not replay the same "
                              "samples; restore data.* or choose a new run_name (nothing was changed on disk)")
         saved_sampling = extra.get("data_sampling")  # absent in checkpoints older than this check
+        if saved_sampling is not None and "window_rule" not in saved_sampling:
+            # Saved before the window rule was recorded (session 13): that run drew its windows by rule 1 and goes
+            # on doing so, so a resume replays exactly the samples it would have read.
+            self.dataset.window_rule = 1
+            saved_sampling = {**saved_sampling, "window_rule": 1}
         sampling = self.data_sampling()
         if saved_sampling is not None and saved_sampling != sampling:
             raise ValueError(f"run directory {self.run_dir.path} maps sample indices with data settings "
@@ -361,7 +366,7 @@ class Trainer:
 
     def data_sampling(self) -> dict[str, int]:
         """The data settings that decide which window a sample index reads (beside the corpus fingerprint)."""
-        return {"seed": self.job.data.seed, "seq_len": self.job.data.seq_len}
+        return {"seed": self.job.data.seed, "seq_len": self.job.data.seq_len, "window_rule": self.dataset.window_rule}
 
     def restore_extra(self, extra: dict[str, Any]) -> None:
         self.state = TrainState.from_dict(extra["train_state"])

@@ -279,3 +279,28 @@ def test_ranks_reading_different_corpora_are_refused(tmp_path):
     for rank in (0, 1):
         outcome = (tmp_path / f"outcome{rank}.txt").read_text()
         assert "the ranks read different corpora" in outcome and "rank 0:" in outcome and "rank 1:" in outcome
+
+
+def test_a_run_checkpointed_before_the_window_rule_resumes_with_its_own_windows(tmp_path):
+    """A checkpoint whose data_sampling has no window_rule (saved before session 13) resumes with rule 1, the windows
+    it trained on, instead of being refused or silently reading other samples; a new run uses rule 2."""
+    import json
+
+    from orchestration.checkpoint import EXTRA_STATE, file_digests
+
+    first = make_trainer(tmp_path, "precision=bf16", "train.steps=2")
+    first.start()
+    assert first.dataset.window_rule == 2 and first.data_sampling()["window_rule"] == 2
+    first.finish(first.run())
+    for step_dir in (tmp_path / "run" / "checkpoints").glob("step_*"):  # as an older version wrote them
+        extra = json.loads((step_dir / EXTRA_STATE).read_text())
+        assert extra["data_sampling"].pop("window_rule") == 2
+        (step_dir / EXTRA_STATE).write_text(json.dumps(extra))
+        manifest = json.loads((step_dir / "manifest.json").read_text())  # its checksum follows the edited file
+        digest = file_digests([step_dir / EXTRA_STATE], manifest["checksum"], manifest["chunk_bytes"])[0]
+        manifest["files"][EXTRA_STATE] = {"size": (step_dir / EXTRA_STATE).stat().st_size, "digest": digest}
+        (step_dir / "manifest.json").write_text(json.dumps(manifest))
+    resumed = make_trainer(tmp_path, "precision=bf16", "train.steps=3")
+    resumed.start()
+    assert resumed.state.step == 2 and resumed.dataset.window_rule == 1
+    assert resumed.data_sampling()["window_rule"] == 1
