@@ -438,7 +438,10 @@ class Trainer:
 
         from orchestration.checkpoint import ray_checkpoint_dir
 
-        checkpoint = ray.train.Checkpoint.from_directory(ray_checkpoint_dir(path)) if (path and self.rank == 0) else None
+        # A background save can finish after a rollback discarded its step: every rank still reports (Ray expects the
+        # same number of reports from each), without the directory that is gone.
+        exists = path is not None and Path(path).is_dir()
+        checkpoint = ray.train.Checkpoint.from_directory(ray_checkpoint_dir(path)) if (exists and self.rank == 0) else None
         ray.train.report({"step": self.state.step if step is None else step, "precision": self.state.precision},
                          checkpoint=checkpoint)
 

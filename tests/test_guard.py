@@ -163,20 +163,28 @@ def test_layer_fallback_survives_the_shadow_check_and_a_resume(tmp_path):
     assert bf16_modules(resumed) == held  # step 4's shadow check ran in the resumed run
 
 
-def test_rollback_resaves_its_step_with_what_it_decided(tmp_path):
+@pytest.mark.parametrize("async_save", ["never", "always"])
+def test_rollback_resaves_its_step_with_what_it_decided(tmp_path, async_save):
     """A rollback re-saves the step it went back to with the new data cursor, skipped window, precision and
     rollback count: a restart before the next periodic save resumes past the bad samples with the rollback
-    counted (max_rollbacks stays a bound), instead of the checkpoint's state as it was before the rollback."""
+    counted (max_rollbacks stays a bound), instead of the checkpoint's state as it was before the rollback.
+    With background saves the same: the rollback first finishes the step-30 save in flight, then discards it."""
     import json
 
     batch = 8
     trainer = make_trainer(tmp_path, "train.steps=34", f"train.global_batch_size={batch}",
                            f"train.micro_batch_size={batch}", "checkpoint.every_steps=10",
                            "monitor.good_after_steps=5", "faults=loss_spike", "faults.rank=0", "faults.step=30",
-                           "faults.num_steps=3")
+                           "faults.num_steps=3", f"checkpoint.async_save={async_save}")
     trainer.start()
-    assert trainer.run() == "completed"
+    status = trainer.run()
+    trainer.finish(status)
+    assert status == "completed"
     events = read_jsonl(tmp_path / "run" / "events.jsonl")
+    background = [e["checkpoint_step"] for e in events if e["event"] == "checkpoint_timing" and e.get("background")]
+    assert background == ([10, 20, 30, 30] if async_save == "always" else [])  # 30 before and after the rollback
+    discarded = [e["step"] for e in events if e["event"] == "checkpoint_deleted" and "rollback" in e["reason"]]
+    assert discarded == [30]  # the diverged trajectory's save, finished first when it was in flight
     rollback = next(e for e in events if e["event"] == "rollback")
     assert (rollback["to_step"], rollback["from_step"]) == (20, 32)
     resaved = [e for e in events if e["event"] == "checkpoint_saved" and e["step"] == 20]
