@@ -86,6 +86,9 @@ _STEP_RE = re.compile(r"^step_(\d+)$")
 
 EventSink = Callable[[str, dict], None]
 
+# DCP warns on every call that it runs single-process when no process group exists: intended here (world size 1).
+warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+
 
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, partial, corrupt or unreadable (not a user error in the arguments)."""
@@ -494,6 +497,7 @@ class _SaveJob:
     extra_json: str
     group: Any  # process group of this save's collectives (None: the default group)
     ready: Any = None  # CUDA event after the host copies (background saves), None when nothing to wait for
+    device: Any = None  # the CUDA device of the copies: a new thread starts on device 0
     timing: dict = field(default_factory=dict)
     events: list = field(default_factory=list)  # (name, payload), emitted on the caller's thread
     error: BaseException | None = None
@@ -653,10 +657,18 @@ class CheckpointManager:
         t_stage = time.perf_counter()
         job.timing["state_s"] = round(t_stage - t_start, 3)
         if background if stage is None else stage:
-            job.tensors = stage_to_host(tensors, self._staging_buffers)
-            if any(t.is_cuda for t in _leaves(tensors)):
-                job.ready = torch.cuda.Event()
-                job.ready.record()
+            error = None
+            try:  # pinning tens of GB of host memory can fail on one rank: all ranks must learn it before writing
+                job.tensors = stage_to_host(tensors, self._staging_buffers)
+                cuda = [t.device for t in _leaves(tensors) if t.is_cuda]
+                if cuda:
+                    job.device = cuda[0]
+                    job.ready = torch.cuda.Event()
+                    job.ready.record()
+            except (RuntimeError, OSError) as e:
+                error = _err(e)
+                self._staging_buffers.clear()
+            _sync_errors(error, f"copying the state of step {step} to host memory")
             job.timing["stage_s"] = round(time.perf_counter() - t_stage, 3)
         if not background:
             if job.ready is not None:
@@ -685,6 +697,8 @@ class CheckpointManager:
     def _background_save(self, job: _SaveJob) -> None:
         t0 = time.perf_counter()
         try:
+            if job.device is not None:
+                torch.cuda.set_device(job.device)  # the event's and DCP's stream calls act on the current device
             if job.ready is not None:
                 job.ready.synchronize()  # the host copies have landed
             job.timing["copy_wait_s"] = round(time.perf_counter() - t0, 3)
@@ -698,12 +712,11 @@ class CheckpointManager:
         job.group. Events go to job.events (emitted by _finish on the caller's thread)."""
         tmp, final, step, group = job.tmp, job.final, job.step, job.group
         t_write = time.perf_counter()
-        with warnings.catch_warnings():  # DCP warns that it runs single-process when no group exists: intended
-            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-            # Several writer threads (each rank then writes that many files): one thread wrote ~0.5 GB/s from the
-            # H200 to tmpfs (session 12).
-            dcp.save(job.tensors, storage_writer=dcp.FileSystemWriter(tmp / DCP_DIR, thread_count=io_threads()),
-                     process_group=group)
+        # Several writer threads (each rank then writes that many files): one thread wrote ~0.5 GB/s from the H200 to
+        # tmpfs (session 12). DCP's single-process warning is filtered at import (warnings.catch_warnings is not
+        # thread-safe, and this runs in the save thread).
+        dcp.save(job.tensors, storage_writer=dcp.FileSystemWriter(tmp / DCP_DIR, thread_count=io_threads()),
+                 process_group=group)
         error = None
         try:
             (tmp / rng_file_name(self.rank)).write_bytes(job.rng_bytes)
@@ -798,6 +811,18 @@ class CheckpointManager:
         job, self._unreported = self._unreported, None
         return None if job is None else (job.step, job.final, dict(job.timing))
 
+    def abandon(self, timeout_s: float) -> tuple[int, bool] | None:
+        """After the training thread failed: wait up to timeout_s for the save in flight, without raising its error.
+        Returns (step, finalized) for a save that was in flight or unjoined, else None."""
+        job = self._pending
+        if job is None:
+            return None
+        job.thread.join(timeout_s)
+        if job.thread.is_alive():
+            return job.step, False
+        self._pending = None
+        return job.step, job.error is None
+
     def save_in_flight(self, step: int | None = None) -> bool:
         """Whether a background save (of `step`, if given) is still writing. Local, non-blocking."""
         job = self._pending
@@ -815,7 +840,9 @@ class CheckpointManager:
         """Mark checkpoint `step` good (rank 0 writes; other ranks return) and apply retention."""
         if self.rank != 0:
             return
-        self._join()
+        # No wait for a save in flight (only rank 0 gets here: waiting would stall it alone, and raising that save's
+        # error on rank 0 alone would leave the other ranks in their next collective). The worker does not mark a
+        # step whose own save is in flight; retention waits for the save thread, which runs it again at its end.
         path = self.path_for(step)
         if not path.is_dir():
             raise CheckpointError(f"cannot mark step {step} good: {path} does not exist")
@@ -829,7 +856,8 @@ class CheckpointManager:
             manifest["good_time"] = time.time()
             write_json_atomic(path / MANIFEST, manifest)
         self._emit("checkpoint_good", {"step": step, "path": str(path)})
-        self._emit_deleted(self._apply_retention())
+        if not self.save_in_flight():
+            self._emit_deleted(self._apply_retention())
 
     def unjudged_steps(self, up_to: int) -> list[int]:
         """Finalized checkpoints at or before `up_to` newer than the newest good one and not good themselves: the

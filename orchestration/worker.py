@@ -353,13 +353,17 @@ class Trainer:
                              f"{saved_data}, now {self.dataset.fingerprint}): resuming would not replay the same "
                              "samples; restore data.* or choose a new run_name (nothing was changed on disk)")
         saved_sampling = extra.get("data_sampling")  # absent in checkpoints older than this check
-        if saved_sampling is not None and "window_rule" not in saved_sampling:
-            # Saved before the window rule was recorded (session 13): that run drew its windows by rule 1 and goes
-            # on doing so, so a resume replays exactly the samples it would have read.
-            self.dataset.window_rule = 1
-            saved_sampling = {**saved_sampling, "window_rule": 1}
+        # A run keeps the window rule it started with, on every resume: rule 1 where the checkpoint predates the
+        # rule's record (session 13), so a resume replays exactly the samples the run would have read.
+        from orchestration.data import WINDOW_RULES
+
+        rule = (saved_sampling or {}).get("window_rule", 1)
+        if rule not in WINDOW_RULES:
+            raise ValueError(f"checkpoint {info.path} maps samples with window rule {rule!r}, which this version "
+                             f"does not know ({WINDOW_RULES}): resume it with the version that wrote it")
+        self.dataset.window_rule = rule
         sampling = self.data_sampling()
-        if saved_sampling is not None and saved_sampling != sampling:
+        if saved_sampling is not None and {**saved_sampling, "window_rule": rule} != sampling:
             raise ValueError(f"run directory {self.run_dir.path} maps sample indices with data settings "
                              f"{saved_sampling}, now {sampling}: resuming would not replay the same samples; "
                              "restore them or choose a new run_name (nothing was changed on disk)")
@@ -418,6 +422,19 @@ class Trainer:
         self.event("checkpoint_timing", seconds=round(time.time() - t0, 3), **self.ckpt.last_save_timing)
         self.report_to_ray(path)
         return path
+
+    def abandon_checkpoint(self, timeout_s: float = 60.0) -> None:
+        """The loop raised: give a background save in flight `timeout_s` to finish (the peers it writes with may be
+        gone), then leave it; an event says whether it was finalized. Never raises: the loop's error is the news."""
+        try:
+            finished = self.ckpt.abandon(timeout_s)
+        except Exception as exc:  # noqa: BLE001
+            self.event("checkpoint_abandoned", all_ranks=True, error=f"{type(exc).__name__}: {exc}"[:500])
+            return
+        if finished is not None:
+            step, finalized = finished
+            self.event("checkpoint_abandoned" if not finalized else "checkpoint_finished_after_error",
+                       all_ranks=True, checkpoint_step=step)
 
     def collect_checkpoint(self) -> None:
         """Wait for the background save in flight, if any (its error is raised here), then log its timing - seconds
@@ -500,7 +517,8 @@ class Trainer:
         while self.state.step < job.train.steps:
             t0 = time.time()
             # An injected crash waits for a background save in flight, so that tests know where a restart resumes
-            # (tests/test_checkpoint_async.py covers a save cut short: the .tmp- directory is ignored and removed).
+            # (tests/test_checkpoint_async.py covers a save cut short: the .tmp- directory is ignored and removed);
+            # that save's timing event is not written, and its error, if it failed, replaces the injected crash.
             self.guard.faults.maybe_crash(self.state.step, self.rank, before=self.ckpt.wait)
             loss, weighted_loss, aux = self.forward_backward()
             self.guard.faults.maybe_corrupt_grads(self.model, self.state.step, self.rank)
@@ -634,7 +652,11 @@ def train_loop(config: dict[str, Any]) -> None:
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     trainer = Trainer(config)
     trainer.start()
-    status = trainer.run()
+    try:
+        status = trainer.run()
+    except BaseException:
+        trainer.abandon_checkpoint()
+        raise
     trainer.finish(status)
 
 

@@ -199,3 +199,46 @@ def test_config_rejects_unknown_async_mode():
     with pytest.raises(ConfigError, match="checkpoint.async_save.*'auto', 'always', 'never'"):
         validate(job)
 
+
+
+def test_mark_good_does_not_wait_for_a_save_in_flight_and_abandon_reports_it(tmp_path, monkeypatch):
+    """Only rank 0 marks checkpoints good: waiting there (or raising the save's error there alone) would stall or
+    desynchronize the ranks; the error comes at wait() instead. abandon() (the loop raised) waits a bounded time."""
+    import threading
+
+    import orchestration.checkpoint as ck
+
+    mgr = CheckpointManager(tmp_path / "ck")
+    model, opt, sched = build(seed=0)
+    mgr.save(0, model, opt, sched)
+    release = threading.Event()
+
+    def blocked_then_failing(*args, **kwargs):
+        release.wait(30)
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(ck, "file_digests", blocked_then_failing)
+    mgr.save(1, model, opt, sched, background=True)
+    assert mgr.save_in_flight(1) and mgr.save_in_flight() and not mgr.save_in_flight(0)
+    mgr.mark_good(0)  # returns while step 1 is still being written
+    assert mgr.save_in_flight(1) and ck.read_manifest(tmp_path / "ck" / "step_000000")["good"]
+    assert mgr.abandon(0.05) == (1, False)  # still writing after the bounded wait
+    release.set()
+    assert mgr.abandon(30) == (1, False)  # finished, with its error: not finalized, and abandon does not raise
+    monkeypatch.undo()
+    assert mgr.wait() is None and mgr.latest().step == 0
+
+
+def test_a_staging_failure_is_an_error_of_the_save(tmp_path, monkeypatch):
+    import orchestration.checkpoint as ck
+
+    def no_pinned_memory(*args, **kwargs):
+        raise RuntimeError("CUDA error: out of memory (pinned host allocation)")
+
+    monkeypatch.setattr(ck, "stage_to_host", no_pinned_memory)
+    mgr = CheckpointManager(tmp_path / "ck")
+    model, opt, sched = build(seed=0)
+    with pytest.raises(CheckpointError, match="copying the state of step 3 to host memory failed: rank 0: "
+                                              "RuntimeError: CUDA error: out of memory"):
+        mgr.save(3, model, opt, sched, background=True)
+    assert not mgr.save_in_flight() and mgr.latest() is None

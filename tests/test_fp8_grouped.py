@@ -39,7 +39,8 @@ def run_grouped(x, w, gy, offs, emulate=True, wgrad_scaling="global", stored_enk
         wi = param.transpose(-2, -1)
     else:
         param = wi = w.clone().requires_grad_()
-    # dgrad="fp8": these tests check the fp8 grad-input GEMM (the default "auto" may pick bf16 for it).
+    # dgrad="fp8": these tests check the fp8 grad-input GEMM with promoted accumulation (the emulated path computes
+    # the same function for "fp8_fast"; only the GPU kernel's accumulation differs, tests/test_fp8_gpu.py).
     op = Fp8GroupedMM(emulate=emulate, wgrad_scaling=wgrad_scaling, dgrad="fp8")
     out = op(xi, wi, offs)
     out.backward(gy)

@@ -99,7 +99,7 @@ def test_resuming_a_run_of_another_model_is_refused_and_loses_nothing(tmp_path):
     # Another data seed maps every sample index to another window: refused by the worker too (torchrun and
     # in-process starts do not always pass the driver's check).
     reseeded = make_trainer(tmp_path, "train.steps=3", "data.seed=7")
-    with pytest.raises(ValueError, match=r"data settings \{'seed': 1234, 'seq_len': 32\}, now \{'seed': 7"):
+    with pytest.raises(ValueError, match=r"data settings \{'seed': 1234, 'seq_len': 32, 'window_rule': 2\}, now \{'seed': 7"):
         reseeded.start()
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == checkpoints
 
@@ -312,3 +312,7 @@ def test_a_run_checkpointed_before_the_window_rule_resumes_with_its_own_windows(
     resumed.start()
     assert resumed.state.step == 2 and resumed.dataset.window_rule == 1
     assert resumed.data_sampling()["window_rule"] == 1
+    resumed.finish(resumed.run())  # its checkpoints now record rule 1
+    again = make_trainer(tmp_path, "precision=bf16", "train.steps=4")
+    again.start()  # a second resume keeps rule 1 too (a fresh dataset starts at rule 2)
+    assert again.state.step == 3 and again.dataset.window_rule == 1
