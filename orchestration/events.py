@@ -108,6 +108,9 @@ def summarize(run_dir: Path, status: str, wall_time_s: float | None = None) -> d
         {k: e.get(k) for k in ("from_step", "world_size", "downtime_s", "setup_s", "checkpoint_load_s")}
         for e in events if e["event"] == "resume"
     ]
+    # What checkpointing cost the run: the seconds training stood still for saves (rank 0's view; a background
+    # save counts only its host copy), and how many were written in the background.
+    saves = [e for e in events if e["event"] == "checkpoint_timing" and e.get("seconds") is not None]
     return {
         "status": status,
         "final_step": final_state.get("step", metrics[-1]["step"] if metrics else 0),
@@ -126,5 +129,8 @@ def summarize(run_dir: Path, status: str, wall_time_s: float | None = None) -> d
         "skipped_ranges": final_state.get("skipped_ranges"),
         "tokens_per_s": (sum(tput) / len(tput)) if tput else None,
         "restart_timings": restart_timings,
+        "checkpoint_saves": len(saves),
+        "checkpoint_background_saves": sum(1 for e in saves if e.get("background")),
+        "checkpoint_stall_s": round(sum(e["seconds"] for e in saves), 3),
         "wall_time_s": wall_time_s,
     }

@@ -321,12 +321,16 @@ def _last_step(path: Path) -> int:
 
 
 def print_summary(summary: dict[str, Any]) -> None:
+    stall = (f"{_fmt(summary.get('checkpoint_stall_s'), '.1f')} over {summary.get('checkpoint_saves')} saves "
+             f"({summary.get('checkpoint_background_saves')} in the background)")
     rows = [("status", summary["status"]), ("final step", summary["final_step"]),
             ("first loss", _fmt(summary["first_loss"])), ("final loss", _fmt(summary["final_loss"])),
             ("tokens/s (mean)", _fmt(summary["tokens_per_s"], ",.0f")),
             ("world sizes seen", summary["world_sizes_seen"]), ("restarts", summary["restarts"]),
             ("rollbacks", summary["rollbacks"]), ("fallbacks to bf16", summary["fallbacks"]),
-            ("samples consumed", summary["samples_consumed"]), ("wall time (s)", summary["wall_time_s"])]
+            ("samples consumed", summary["samples_consumed"]),
+            ("checkpoint stall (s)", stall),
+            ("wall time (s)", summary["wall_time_s"])]
     width = max(len(k) for k, _ in rows)
     print("=" * (width + 24))
     for key, value in rows:

@@ -171,3 +171,16 @@ def test_summary_of_an_interrupted_run_counts_samples_from_its_last_metrics(tmp_
     (run.path / FINAL_STATE_FILE).write_text(json.dumps({"step": 3, "samples_consumed": 40,
                                                          "consumed_ranges": [[0, 40]]}))
     assert summarize(run.path, "completed")["samples_consumed"] == 40
+
+
+def test_summary_counts_what_checkpoints_stalled(tmp_path):
+    """summary.json: saves, background saves and the seconds training stood still for them (checkpoint_timing)."""
+    from orchestration.events import RunDir, summarize
+
+    run = RunDir(tmp_path / "run")
+    run.event("checkpoint_timing", step=0, seconds=12.25, write_s=10.5)
+    run.event("checkpoint_timing", step=16, checkpoint_step=8, background=True, seconds=0.5, background_s=3.0)
+    run.event("checkpoint_timing", step=24, checkpoint_step=16, background=True, seconds=0.25, background_s=3.5)
+    summary = summarize(run.path, "completed")
+    assert (summary["checkpoint_saves"], summary["checkpoint_background_saves"]) == (3, 2)
+    assert summary["checkpoint_stall_s"] == 13.0
