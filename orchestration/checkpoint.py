@@ -690,7 +690,12 @@ class CheckpointManager:
             return None
         default = dist.group.WORLD
         if self._io_group_for is not default:
-            self._io_group_handle = dist.new_group(backend="gloo")
+            try:
+                self._io_group_handle = dist.new_group(backend="gloo")
+            except (RuntimeError, ValueError) as e:
+                raise CheckpointError(f"background saves need a gloo group beside the training one and creating it "
+                                      f"failed ({_err(e)}): set GLOO_SOCKET_IFNAME to the nodes' network interface, "
+                                      "or checkpoint.async_save=never") from e
             self._io_group_for = default
         return self._io_group_handle
 
