@@ -194,6 +194,10 @@ def split_tensors(tree: dict) -> tuple[dict, dict]:
     return tensors, rest
 
 
+def _deleted_events(deleted: list[tuple[int, Path]], reason: str = "retention") -> list[tuple[str, dict]]:
+    return [("checkpoint_deleted", {"step": step, "path": str(path), "reason": reason}) for step, path in deleted]
+
+
 def _leaves(tree: dict) -> list:
     """The non-dict leaves of a nested dict."""
     out = []
@@ -786,8 +790,7 @@ class CheckpointManager:
                           hashed_bytes=sum(meta["size"] for meta in digests.values()))
         if self.rank == 0:
             job.events.append(("checkpoint_saved", {"step": step, "path": str(final), "good": False}))
-            job.events.extend(("checkpoint_deleted", {"step": s, "path": str(p), "reason": "retention"})
-                              for s, p in deleted)
+            job.events.extend(_deleted_events(deleted))
 
     def _finish(self, job: _SaveJob) -> None:
         self.last_save_timing = dict(job.timing)
@@ -902,8 +905,8 @@ class CheckpointManager:
         shutil.rmtree(trash, ignore_errors=True)
 
     def _emit_deleted(self, deleted: list[tuple[int, Path]], reason: str = "retention") -> None:
-        for step, path in deleted:
-            self._emit("checkpoint_deleted", {"step": step, "path": str(path), "reason": reason})
+        for name, payload in _deleted_events(deleted, reason):
+            self._emit(name, payload)
 
     def discard_newer_than(self, step: int) -> list[Path]:
         """After a rollback to `step`: delete the checkpoints of the abandoned trajectory (rank 0 only).

@@ -54,6 +54,19 @@ def build(seed: int) -> tuple[TinyNet, torch.optim.Optimizer, torch.optim.lr_sch
     return model, opt, sched
 
 
+def build_fsdp(seed: int, mesh) -> tuple[TinyNet, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+    """build(seed) with each layer and the root sharded by FSDP2 over `mesh`, optimizer and scheduler over the
+    sharded parameters."""
+    from torch.distributed.fsdp import fully_shard
+
+    model, _, _ = build(seed)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
+    return model, opt, torch.optim.lr_scheduler.LambdaLR(opt, halving)
+
+
 def train_steps(model, opt, sched, n: int, *, rank: int = 0, world: int = 1, offset: int = 0) -> None:
     gen = torch.Generator().manual_seed(1234)
     for i in range(n):
@@ -108,18 +121,12 @@ def same_draws(a: tuple, b: tuple) -> bool:
 
 def _worker(rank: int, world: int, port: int, root_a: str, root_b: str, out: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     torch.set_num_threads(1)
     with rank_process_group("gloo", f"tcp://127.0.0.1:{port}", rank, world):
         out_dir = Path(out)
-        model, opt, sched = build(seed=99)  # a different init than the checkpoint: loading must overwrite it
-        mesh = init_device_mesh("cpu", (world,))
-        for layer in model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, halving)
+        # a different init than the checkpoint: loading must overwrite it
+        model, opt, sched = build_fsdp(99, init_device_mesh("cpu", (world,)))
 
         # 1 -> 2 ranks: a checkpoint written by a single plain process loads into the FSDP2 shards
         mgr_a = CheckpointManager(root_a, create=False)

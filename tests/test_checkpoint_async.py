@@ -17,7 +17,7 @@ import torch.multiprocessing as mp
 
 from orchestration.checkpoint import CheckpointError, CheckpointManager, verify_checkpoint
 from tests.spawned import free_port, rank_process_group
-from tests.test_checkpoint import assert_states_bit_identical, build, full_state, halving, train_steps
+from tests.test_checkpoint import assert_states_bit_identical, build, build_fsdp, full_state, halving, train_steps
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -146,17 +146,11 @@ def test_a_crash_with_a_save_in_flight_leaves_the_previous_checkpoint(tmp_path):
 
 def _fsdp_rank(rank: int, world: int, port: int, root: str, out: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     torch.set_num_threads(1)
     with rank_process_group("gloo", f"tcp://127.0.0.1:{port}", rank, world):
-        model, opt, sched = build(seed=0)
         mesh = init_device_mesh("cpu", (world,))
-        for layer in model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, halving)
+        model, opt, sched = build_fsdp(0, mesh)
         train_steps(model, opt, sched, 2, rank=rank, world=world)
         want = full_state(model, opt)
         mgr = CheckpointManager(root)
@@ -166,12 +160,7 @@ def _fsdp_rank(rank: int, world: int, port: int, root: str, out: str) -> None:
         for _ in range(20):
             dist.all_reduce(torch.ones(4))
         done = mgr.wait()
-        fresh, fresh_opt, fresh_sched = build(seed=9)
-        for layer in fresh.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(fresh, mesh=mesh)
-        fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.05, weight_decay=0.1)
-        fresh_sched = torch.optim.lr_scheduler.LambdaLR(fresh_opt, halving)
+        fresh, fresh_opt, fresh_sched = build_fsdp(9, mesh)
         train_steps(fresh, fresh_opt, fresh_sched, 1, rank=rank, world=world)
         mgr.load(mgr.latest(collective=True), fresh, fresh_opt, fresh_sched)
         got = full_state(fresh, fresh_opt)
