@@ -35,15 +35,27 @@ from benchmarks.common import bench_ms, env_info, write_json
 from benchmarks.fp8_linear import SHAPES, build, kernel_table, make_step
 from benchmarks.grouped_host import host_us
 
-# (label, impl, recipe, FP8_KERNELS value)
+# (label, impl, recipe, FP8_KERNELS value, health statistics on)
 VARIANTS = (
-    ("bf16", "bf16", "-", "1"),
-    ("torchao tensorwise", "torchao", "tensorwise", "1"),
-    ("ours tensorwise (transpose kernel)", "ours_compiled", "tensorwise", "1"),
-    ("ours tensorwise (Inductor transposes)", "ours_compiled", "tensorwise", "no_transposes"),
-    ("ours rowwise (cast kernels)", "ours_compiled", "rowwise", "1"),
-    ("ours rowwise (casts traced)", "ours_compiled", "rowwise", "0"),
+    ("bf16", "bf16", "-", "1", True),
+    ("torchao tensorwise", "torchao", "tensorwise", "1", True),
+    ("ours tensorwise (transpose kernel)", "ours_compiled", "tensorwise", "1", True),
+    ("ours tensorwise (Inductor transposes)", "ours_compiled", "tensorwise", "no_transposes", True),
+    # Probe only (session 14): the health statistics replaced by a constant, to price them on the host.
+    ("ours tensorwise (no health stats)", "ours_compiled", "tensorwise", "1", False),
+    ("ours rowwise (cast kernels)", "ours_compiled", "rowwise", "1", True),
+    ("ours rowwise (casts traced)", "ours_compiled", "rowwise", "0", True),
 )
+
+
+def set_health_stats(on: bool) -> None:
+    """Probe switch: fp8.linear's health statistics as they are, or a constant (what they cost per call)."""
+    from fp8 import linear
+
+    if not hasattr(linear, "_health_stats_real"):
+        linear._health_stats_real = linear.health_stats
+    linear.health_stats = linear._health_stats_real if on else (
+        lambda x_hp, x_fp8, scale, dtype: torch.zeros(3, dtype=torch.float32, device=x_hp.device))
 
 
 def set_kernels_env(value: str) -> None:
@@ -92,10 +104,11 @@ def main() -> None:
               "cases": []}
     for shape in args.shapes:
         k, n = SHAPES[shape]
-        for label, impl, recipe, kernels in VARIANTS:
+        for label, impl, recipe, kernels, health in VARIANTS:
             rec = {"shape": shape, "variant": label, "FP8_KERNELS": kernels}
             try:
                 set_kernels_env(kernels)
+                set_health_stats(health)
                 step = make_step(build(impl, recipe, k, n, "cuda"), args.m, k, n, "cuda")
                 step()
                 torch.cuda.synchronize()

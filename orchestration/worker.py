@@ -298,6 +298,9 @@ class Trainer:
             # Verdicts still pending when the previous group stopped: keep waiting for them (a trouble step since
             # then, in the restored guard's last_bad_step, still rules them out).
             self.ckpt.awaiting_good.update(self.ckpt.unjudged_steps(info.step))
+            if self.async_saves:
+                # A restart's first background save would otherwise get its host buffers while training waits.
+                self.ckpt.prepare_staging(self.model, self.optimizer)
         load_s = time.time() - t_load
         self.event("worker_group_start", world_size=self.world_size, grad_accum=self.plan.grad_accum,
                    micro_batch_size=self.plan.micro_batch_size, backend=self.info.backend,

@@ -53,11 +53,11 @@ def test_next_save_waits_reuses_the_host_buffers_and_retention_runs(tmp_path):
     model, opt, sched = build(seed=0)
     train_steps(model, opt, sched, 1)
     mgr.save(0, model, opt, sched, background=True)
-    buffers = {k: v.data_ptr() for k, v in mgr._staging_buffers.items()}
+    buffers = {k: v.data_ptr() for k, v in mgr._staging.buffers.items()}
     for step in (1, 2, 3):
         train_steps(model, opt, sched, 1, offset=step)
         mgr.save(step, model, opt, sched, background=True)  # joins the previous one first
-        assert {k: v.data_ptr() for k, v in mgr._staging_buffers.items()} == buffers
+        assert {k: v.data_ptr() for k, v in mgr._staging.buffers.items()} == buffers
     # latest() joins the save in flight: step 3 is there, retention (in the thread) kept the newest two
     assert mgr.latest().step == 3
     assert [s for s, _ in mgr.finalized()] == [3, 2]
@@ -69,7 +69,7 @@ def test_a_staged_synchronous_save_equals_a_direct_one(tmp_path):
     train_steps(model, opt, sched, 2)
     staged = CheckpointManager(tmp_path / "staged")
     staged.save(2, model, opt, sched, stage=True)
-    assert staged._staging_buffers and staged.wait() is None  # nothing in flight, nothing to report
+    assert staged._staging.buffers and staged.wait() is None  # nothing in flight, nothing to report
     assert {"stage_s", "write_s"} <= staged.last_save_timing.keys()
     CheckpointManager(tmp_path / "direct").save(2, model, opt, sched)
     loaded = []
