@@ -469,6 +469,8 @@ def stage_to_host(tree: dict, staging: HostStaging, prefix: str = "") -> dict:
     host, and later kernels on that stream (the optimizer step) cannot overwrite the sources before they are done."""
     from torch.distributed.tensor import DTensor
 
+    if not prefix:  # every missing buffer at once: the page-locked ones in one arena, one registration
+        staging.ensure(tensor_specs(tree))
     out: dict = {}
     for key, value in tree.items():
         path = f"{prefix}/{key}"
@@ -671,6 +673,10 @@ class CheckpointManager:
                 self._staging.release()
             _sync_errors(error, f"copying the state of step {step} to host memory")
             job.timing["stage_s"] = round(time.perf_counter() - t_stage, 3)
+            if self._staging.last_alloc:  # buffers allocated by this save (its first, or after a reshape)
+                job.timing["stage_alloc_s"] = self._staging.last_alloc["alloc_s"]
+                job.timing["stage_new_buffers"] = self._staging.last_alloc["new_buffers"]
+                job.timing["stage_pinned_fallbacks"] = self._staging.fallbacks
         if not background:
             if job.ready is not None:
                 job.ready.synchronize()

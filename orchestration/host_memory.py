@@ -3,26 +3,32 @@
 Why not torch.empty(pin_memory=True): it goes through cudaHostAlloc, which on the H200 host took 5 s for 13 GiB and
 held a driver lock the whole time - a training loop beside it ran 2x slower, with single kernel launches blocked for
 1.1 s (benchmarks/pinned_staging.py, BENCHMARKS.md session 14). Torch's caching host allocator also rounds each block
-up to a power of two. Here a buffer is ordinary pageable memory whose pages are first faulted in by torch's
-multithreaded fill, then page-locked with cudaHostRegister for its exact size: 0.95 s for 13 GiB, 8% slower steps
-while it runs in a thread, the same 55 GB/s device-to-host copies, and torch sees it as pinned (non_blocking copies
-stay asynchronous).
+up to a power of two. Here the buffers of one allocation batch are views into one ordinary pageable allocation (an
+"arena") whose pages are first faulted in by torch's multithreaded fill, then page-locked with ONE cudaHostRegister
+for its exact, page-aligned size: 0.95 s for 13 GiB, 8% slower steps while it runs in a thread, the same 55 GB/s
+device-to-host copies, and torch sees the views as pinned (non_blocking copies stay asynchronous). One registration
+per arena, not per tensor: small tensors share pages with their heap neighbours, and a page can be registered once.
 
-A registered buffer must be unregistered before its memory is freed: HostStaging owns its buffers and unregisters
-them when they are replaced or released (and at garbage collection).
+A registered arena must be unregistered before its memory is freed: HostStaging owns its arenas and unregisters one
+when none of its buffers is in use any more, on release(), and at garbage collection.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterable
 
 import torch
 
+PAGE = 4096
+ALIGN = 512  # every buffer starts on this boundary inside its arena (any dtype, and DMA-friendly)
+
 # (data_ptr, nbytes) -> raises on failure. Replaceable for tests (CPU-only machines have no CUDA runtime).
 PageLocker = Callable[[int, int], None]
 PageUnlocker = Callable[[int], None]
+Spec = tuple[str, torch.Size, torch.dtype, bool]  # key path, shape, dtype, page-locked
 
 
 def cuda_register(ptr: int, nbytes: int) -> None:
@@ -36,80 +42,129 @@ def cuda_unregister(ptr: int) -> None:
     torch.cuda.cudart().cudaHostUnregister(ptr)
 
 
-def torch_pinned_empty(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+def torch_pinned_empty(nbytes: int) -> torch.Tensor:
     """The fallback where registering fails: torch's pinned allocator (cudaHostAlloc)."""
-    return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=True)
+    return torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=True)
+
+
+def _round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+def _nbytes(shape: torch.Size, dtype: torch.dtype) -> int:
+    return shape.numel() * torch.empty((), dtype=dtype).element_size()
+
+
+class _Arena:
+    """One page-locked allocation and the key paths whose buffers are views into it."""
+
+    def __init__(self, storage: torch.Tensor, region_ptr: int | None, paths: set[str]):
+        self.storage = storage  # keeps the memory alive
+        self.region_ptr = region_ptr  # the registered range's start, None when torch pinned it (fallback)
+        self.paths = paths
 
 
 class HostStaging:
     """Host buffers kept from one checkpoint save to the next, keyed by the state's key path.
 
-    buffer(path, like) returns a CPU tensor of like's shape and dtype: page-locked when `like` is on a GPU, reused
-    while shape and dtype stay the same. prepare(specs) allocates buffers in a background thread ahead of the first
-    save that needs them (a resumed run's first background save would otherwise pay for them while training waits);
-    buffer() waits for a preparation in flight.
+    ensure(specs) makes a buffer of the right shape and dtype for every (path, shape, dtype, pin) - page-locked when
+    pin - allocating what is missing in one arena; buffer(path, like) returns one (allocating it if missing).
+    prepare(specs) does ensure in a background thread, ahead of the first save that needs the buffers (a resumed
+    run's first background save would otherwise pay for them while training waits); ensure/buffer wait for it.
     """
 
     def __init__(self, lock: PageLocker | None = None, unlock: PageUnlocker | None = None):
         self._lock = cuda_register if lock is None else lock
         self._unlock = cuda_unregister if unlock is None else unlock
         self.buffers: dict[str, torch.Tensor] = {}
-        # data_ptr of every buffer registered here (and not yet unregistered)
-        self._locked: dict[int, torch.Tensor] = {}
+        self._pinned_paths: set[str] = set()
+        self._arena_of: dict[str, _Arena] = {}
+        self._arenas: list[_Arena] = []
         self._thread: threading.Thread | None = None
         self._prepare_error: BaseException | None = None
-        self.fallbacks = 0  # buffers that came from torch's pinned allocator because registering failed
+        self.fallbacks = 0  # arenas that came from torch's pinned allocator because registering failed
+        self.last_alloc: dict = {}  # what the last ensure() allocated: buffers, bytes, seconds
         # Unregister at garbage collection too: freeing registered memory without it leaves the driver a stale range.
-        self._finalizer = weakref.finalize(self, _unlock_all, self._locked, self._unlock)
+        self._finalizer = weakref.finalize(self, _unlock_all, self._arenas, self._unlock)
 
     # -- allocation --------------------------------------------------------------------------------------------------
-
-    def _new_buffer(self, shape: torch.Size, dtype: torch.dtype, pin: bool) -> torch.Tensor:
-        if not pin:
-            return torch.empty(shape, dtype=dtype, device="cpu")
-        buf = torch.empty(shape, dtype=dtype, device="cpu")
-        nbytes = buf.numel() * buf.element_size()
-        if nbytes == 0:
-            return buf
-        buf.zero_()  # fault every page in now, on torch's threads (the driver would do it on one)
-        try:
-            self._lock(buf.data_ptr(), nbytes)
-        except (RuntimeError, OSError, AttributeError):
-            # No registration on this build or platform: torch's own pinned allocator (slower, see the docstring).
-            self.fallbacks += 1
-            return torch_pinned_empty(shape, dtype)
-        self._locked[buf.data_ptr()] = buf
-        return buf
-
-    def _drop(self, buf: torch.Tensor) -> None:
-        if self._locked.pop(buf.data_ptr(), None) is not None:
-            self._unlock(buf.data_ptr())
 
     def _fits(self, path: str, shape: torch.Size, dtype: torch.dtype, pin: bool) -> bool:
         buf = self.buffers.get(path)
         if buf is None or buf.shape != shape or buf.dtype != dtype:
             return False
-        return not pin or buf.numel() == 0 or buf.data_ptr() in self._locked or buf.is_pinned()
+        return not pin or buf.numel() == 0 or path in self._pinned_paths
+
+    def _forget(self, path: str) -> None:
+        self.buffers.pop(path, None)
+        self._pinned_paths.discard(path)
+        arena = self._arena_of.pop(path, None)
+        if arena is not None:
+            arena.paths.discard(path)
+            if not arena.paths:  # no buffer of it is in use: give the pages back
+                _unlock_all([arena], self._unlock)
+                self._arenas.remove(arena)
+
+    def _allocate(self, specs: list[Spec]) -> None:
+        t0 = time.perf_counter()
+        for path, *_ in specs:
+            self._forget(path)
+        locked = [(p, s, d) for p, s, d, pin in specs if pin and _nbytes(s, d) > 0]
+        for path, shape, dtype, pin in specs:
+            if not (pin and _nbytes(shape, dtype) > 0):
+                self.buffers[path] = torch.empty(shape, dtype=dtype, device="cpu")
+        total = 0
+        offsets = []
+        for _, shape, dtype in locked:
+            offsets.append(total)
+            total = _round_up(total + _nbytes(shape, dtype), ALIGN)
+        if locked:
+            size = _round_up(total, PAGE)
+            raw = torch.empty(size + PAGE, dtype=torch.uint8, device="cpu")
+            start = (-raw.data_ptr()) % PAGE  # whole pages of our own: no page shared with another allocation
+            region = raw[start:start + size]
+            region.zero_()  # fault every page in now, on torch's threads (the driver would do it on one)
+            try:
+                self._lock(region.data_ptr(), size)
+                arena = _Arena(raw, region.data_ptr(), set())
+            except (RuntimeError, OSError, AttributeError):
+                # No registration on this build or platform: torch's own pinned allocator (slower, see the docstring).
+                self.fallbacks += 1
+                del raw, region
+                region = torch_pinned_empty(size)
+                arena = _Arena(region, None, set())
+            self._arenas.append(arena)
+            for (path, shape, dtype), off in zip(locked, offsets):
+                nbytes = _nbytes(shape, dtype)
+                self.buffers[path] = region[off:off + nbytes].view(dtype).view(shape)
+                self._pinned_paths.add(path)
+                self._arena_of[path] = arena
+                arena.paths.add(path)
+        self.last_alloc = {"new_buffers": len(specs), "new_locked_bytes": total,
+                           "alloc_s": round(time.perf_counter() - t0, 3)}
+
+    def ensure(self, specs: Iterable[Spec]) -> None:
+        """A buffer for every spec; whatever does not fit yet is allocated now, the page-locked ones in one arena."""
+        self.wait_prepared()
+        missing = [(p, torch.Size(s), d, pin) for p, s, d, pin in specs if not self._fits(p, torch.Size(s), d, pin)]
+        self.last_alloc = {}
+        if missing:
+            self._allocate(missing)
 
     def buffer(self, path: str, like: torch.Tensor, pin: bool | None = None) -> torch.Tensor:
         """The buffer for `path`, (re)allocated to like's shape and dtype; page-locked when `pin` (default: when
         like is on a GPU)."""
-        self.wait_prepared()
         pin = (like.is_cuda and torch.cuda.is_available()) if pin is None else pin
-        if self._fits(path, like.shape, like.dtype, pin):
-            return self.buffers[path]
-        old = self.buffers.get(path)
-        if old is not None:
-            self._drop(old)
-        buf = self._new_buffer(like.shape, like.dtype, pin)
-        self.buffers[path] = buf
-        return buf
+        self.wait_prepared()
+        if not self._fits(path, like.shape, like.dtype, pin):
+            self._allocate([(path, like.shape, like.dtype, pin)])
+        return self.buffers[path]
 
     # -- preparation in the background ------------------------------------------------------------------------------
 
-    def prepare(self, specs: Iterable[tuple[str, torch.Size, torch.dtype, bool]]) -> None:
-        """Allocate buffers for (path, shape, dtype, pin) in a thread; the next buffer() call waits for it. A
-        failure is kept and raised by that call (the save then reports it like any staging error)."""
+    def prepare(self, specs: Iterable[Spec]) -> None:
+        """ensure(specs) in a thread; the next ensure/buffer call waits for it. A failure is kept and raised by that
+        call (the save then reports it like any staging error)."""
         self.wait_prepared()
         todo = [(p, torch.Size(s), d, pin) for p, s, d, pin in specs if not self._fits(p, torch.Size(s), d, pin)]
         if not todo:
@@ -117,11 +172,7 @@ class HostStaging:
 
         def work() -> None:
             try:
-                for path, shape, dtype, pin in todo:
-                    old = self.buffers.get(path)
-                    if old is not None:
-                        self._drop(old)
-                    self.buffers[path] = self._new_buffer(shape, dtype, pin)
+                self._allocate(todo)
             except BaseException as e:  # noqa: BLE001  # handed to the training thread by wait_prepared
                 self._prepare_error = e
 
@@ -145,25 +196,30 @@ class HostStaging:
         try:
             self.wait_prepared()
         finally:
-            _unlock_all(self._locked, self._unlock)
+            _unlock_all(self._arenas, self._unlock)
+            self._arenas.clear()
+            self._arena_of.clear()
+            self._pinned_paths.clear()
             self.buffers.clear()
 
     def __len__(self) -> int:
         return len(self.buffers)
 
 
-def _unlock_all(locked: dict[int, torch.Tensor], unlock: PageUnlocker) -> None:
-    for ptr in list(locked):
+def _unlock_all(arenas: list[_Arena], unlock: PageUnlocker) -> None:
+    for arena in arenas:
+        if arena.region_ptr is None:
+            continue
         try:
-            unlock(ptr)
+            unlock(arena.region_ptr)
         except (RuntimeError, OSError, AttributeError):
             pass  # interpreter shutdown: the CUDA runtime may be gone, and the process frees everything anyway
-        locked.pop(ptr, None)
+        arena.region_ptr = None
 
 
-def tensor_specs(tree: dict, prefix: str = "") -> list[tuple[str, torch.Size, torch.dtype, bool]]:
-    """(key path, shape, dtype, on a GPU) of every tensor leaf of a nested state dict - a DTensor's local shard - in
-    the key paths stage_to_host uses."""
+def tensor_specs(tree: dict, prefix: str = "") -> list[Spec]:
+    """(key path, shape, dtype, page-locked = on a GPU) of every tensor leaf of a nested state dict - a DTensor's
+    local shard - in the key paths stage_to_host uses."""
     from torch.distributed.tensor import DTensor
 
     out = []

@@ -38,21 +38,31 @@ class Recorder:
         self.log.append(("unlock", ptr, 0))
 
 
-def test_buffers_are_registered_once_for_their_exact_bytes_and_unregistered_when_replaced():
+def test_one_registration_of_whole_pages_per_allocation_and_reuse_while_shapes_hold():
     rec = Recorder()
     st = HostStaging(rec.lock, rec.unlock)
-    like = torch.empty(3, 5, dtype=torch.bfloat16)
-    a = st.buffer("/model/w", like, pin=True)
-    assert a.shape == like.shape and a.dtype == torch.bfloat16 and not a.is_pinned()
-    assert rec.locked == {a.data_ptr(): 3 * 5 * 2}  # exact size, no power-of-two rounding
-    assert torch.count_nonzero(a) == 0  # pages touched (zeroed) before registering
-    assert st.buffer("/model/w", like, pin=True).data_ptr() == a.data_ptr()  # reused: no second registration
-    assert len(rec.log) == 1
-    b = st.buffer("/model/w", torch.empty(4, 5, dtype=torch.bfloat16), pin=True)  # new shape: replaced
-    assert rec.log[1:] == [("unlock", a.data_ptr(), 0), ("lock", b.data_ptr(), 40)]
-    st.buffer("/model/bias", torch.empty(0), pin=True)  # empty: nothing to register
-    st.buffer("/extra/cpu_tensor", torch.empty(7), pin=False)  # a host source needs no page-locking
-    assert rec.locked == {b.data_ptr(): 40}
+    specs = [("/model/w", torch.Size([3, 5]), torch.bfloat16, True), ("/model/b", torch.Size([5]), torch.float32, True),
+             ("/optim/step", torch.Size([]), torch.float32, False), ("/model/empty", torch.Size([0]), torch.float32, True)]
+    st.ensure(specs)
+    w, b = st.buffers["/model/w"], st.buffers["/model/b"]
+    assert w.shape == (3, 5) and w.dtype == torch.bfloat16 and b.shape == (5,) and b.dtype == torch.float32
+    # one registration covering both page-locked buffers, page-aligned, whole pages (no page shared with a neighbour)
+    ((ptr, nbytes),) = rec.locked.items()
+    assert ptr % hm.PAGE == 0 and nbytes % hm.PAGE == 0
+    for buf in (w, b):
+        assert ptr <= buf.data_ptr() and buf.data_ptr() + buf.numel() * buf.element_size() <= ptr + nbytes
+        assert buf.data_ptr() % hm.ALIGN == 0 and torch.count_nonzero(buf) == 0  # touched (zeroed) first
+    assert st.last_alloc["new_buffers"] == 4 and st.buffers["/optim/step"].shape == ()
+    # buffers do not overlap: writing one leaves the other alone
+    w.fill_(1.5)
+    assert torch.count_nonzero(b) == 0
+    st.ensure(specs)  # everything fits: nothing allocated, nothing registered
+    assert st.last_alloc == {} and len(rec.log) == 1 and st.buffers["/model/w"].data_ptr() == w.data_ptr()
+    # a new shape for one path: a new arena for it; the old arena stays registered while /model/b lives in it
+    w2 = st.buffer("/model/w", torch.empty(4, 5, dtype=torch.bfloat16), pin=True)
+    assert len(rec.locked) == 2 and ptr in rec.locked and w2.shape == (4, 5)
+    st.buffer("/model/b", torch.empty(6), pin=True)  # the last buffer of the first arena moves: it is unregistered
+    assert ptr not in rec.locked and len(rec.locked) == 2
     st.release()
     assert rec.locked == {} and len(st) == 0
 
@@ -65,35 +75,34 @@ def test_prepare_allocates_in_a_thread_and_the_next_save_uses_those_buffers():
     assert [p for p, *_ in specs] == ["/model/w", "/model/b", "/optim/state/0/m"]
     st.prepare(specs)
     st.wait_prepared()
-    assert threading.get_ident() not in rec.threads and len(rec.locked) == 3
+    assert threading.get_ident() not in rec.threads and len(rec.locked) == 1
     ptrs = {p: t.data_ptr() for p, t in st.buffers.items()}
     st.prepare(specs)  # nothing left to do: no thread, no new registration
-    assert not st.preparing() and len(rec.log) == 3
-    # stage_to_host walks the same key paths, so it finds the prepared buffers (pin decided by the source: CPU here,
-    # so the prepared page-locked buffers, which also fit, are kept)
+    assert not st.preparing() and len(rec.log) == 1
+    # stage_to_host walks the same key paths and finds the prepared buffers (page-locked ones also fit a CPU source)
     staged = stage_to_host(tree, st)
     assert {p: t.data_ptr() for p, t in st.buffers.items()} == ptrs
-    assert torch.equal(staged["model"]["w"], tree["model"]["w"]) and torch.equal(staged["optim"]["state"]["0"]["m"],
-                                                                                 tree["optim"]["state"]["0"]["m"])
+    assert torch.equal(staged["model"]["w"], tree["model"]["w"])
+    assert torch.equal(staged["optim"]["state"]["0"]["m"], tree["optim"]["state"]["0"]["m"])
 
 
 def test_a_failed_preparation_is_raised_by_the_next_use_and_registration_failure_falls_back(monkeypatch):
     rec = Recorder()
 
-    def broken_lock(ptr, nbytes):
-        raise OSError("no more locked memory (ulimit -l)")
+    def out_of_memory(ptr, nbytes):
+        raise MemoryError("host RAM exhausted")
 
-    st = HostStaging(lambda p, n: (_ for _ in ()).throw(MemoryError("host RAM exhausted")), rec.unlock)
+    st = HostStaging(out_of_memory, rec.unlock)
     st.prepare([("/model/w", torch.Size([4]), torch.float32, True)])
     with pytest.raises(RuntimeError, match="preparing the checkpoint's host buffers failed: MemoryError: host RAM"):
         st.buffer("/model/w", torch.empty(4), pin=True)
     # registration refused (an unsupported platform, a locked-memory limit): torch's pinned allocator instead
     fallback_calls = []
-    monkeypatch.setattr(hm, "torch_pinned_empty", lambda shape, dtype: fallback_calls.append(shape) or
-                        torch.zeros(shape, dtype=dtype))
-    st2 = HostStaging(broken_lock, rec.unlock)
+    monkeypatch.setattr(hm, "torch_pinned_empty", lambda nbytes: fallback_calls.append(nbytes) or
+                        torch.zeros(nbytes, dtype=torch.uint8))
+    st2 = HostStaging(Recorder(fail=True).lock, rec.unlock)
     buf = st2.buffer("/model/w", torch.empty(2, 3), pin=True)
-    assert buf.shape == (2, 3) and fallback_calls == [torch.Size([2, 3])] and st2.fallbacks == 1
+    assert buf.shape == (2, 3) and fallback_calls == [hm.PAGE] and st2.fallbacks == 1
     st2.release()
     assert rec.log == []  # nothing was registered, so nothing is unregistered
 

@@ -6,7 +6,7 @@
 #     (saves: 0 synchronous, 8 background, 16 final) and the same run resumed to 32 steps (buffers prepared in the
 #     background after the load; saves 24 background, 32 final). Session 13: step-0 save 12.9 s (8.6 s pinning),
 #     first background save stalled 7.7 s.
-#   bash benchmarks/scripts/session14_b.sh   ($OUT set by the device tool; carry .whl: hydra-core, omegaconf, antlr4)
+#   bash benchmarks/scripts/session14_b.sh (call C re-ran it after the arena change)   ($OUT set by the device tool; carry .whl: hydra-core, omegaconf, antlr4)
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   || exit 1
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
