@@ -4,7 +4,7 @@ Why not torch.empty(pin_memory=True): it goes through cudaHostAlloc, which on th
 held a driver lock the whole time - a training loop beside it ran 2x slower, with single kernel launches blocked for
 1.1 s (benchmarks/pinned_staging.py, BENCHMARKS.md session 14). Torch's caching host allocator also rounds each block
 up to a power of two. Here the buffers of one allocation batch are views into one ordinary pageable allocation (an
-"arena") whose pages are first faulted in by torch's multithreaded fill, then page-locked with ONE cudaHostRegister
+"arena") whose pages are first faulted in by several threads, then page-locked with ONE cudaHostRegister
 for its exact, page-aligned size: 0.95 s for 13 GiB, 8% slower steps while it runs in a thread, the same 55 GB/s
 device-to-host copies, and torch sees the views as pinned (non_blocking copies stay asynchronous). One registration
 per arena, not per tensor: small tensors share pages with their heap neighbours, and a page can be registered once.
@@ -15,10 +15,13 @@ when none of its buffers is in use any more, on release(), and at garbage collec
 
 from __future__ import annotations
 
+import mmap
+import os
 import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -45,6 +48,28 @@ def cuda_unregister(ptr: int) -> None:
 def torch_pinned_empty(nbytes: int) -> torch.Tensor:
     """The fallback where registering fails: torch's pinned allocator (cudaHostAlloc)."""
     return torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=True)
+
+
+def touch_pages(region: torch.Tensor, threads: int | None = None) -> None:
+    """Zero a uint8 host tensor from several threads, faulting its pages in. Why threads of our own: torchrun and Ray
+    workers run with OMP_NUM_THREADS=1, where torch's fill faulted 13 GiB in on one core (~7 s on the H200 host)."""
+    n = region.numel()
+    threads = min(8, os.cpu_count() or 1) if threads is None else threads
+    if threads <= 1 or n < (64 << 20):
+        region.zero_()
+        return
+    chunk = _round_up(-(-n // threads), PAGE)
+    with ThreadPoolExecutor(threads, thread_name_prefix="checkpoint-touch") as pool:
+        # torch releases the GIL inside zero_, so the chunks fault in at the same time
+        list(pool.map(lambda a: region[a:a + chunk].zero_(), range(0, n, chunk)))
+
+
+def page_aligned_empty(nbytes: int) -> torch.Tensor:
+    """A uint8 host tensor on pages of its own (an anonymous private mapping): its storage starts on a page boundary,
+    so registering it shares no page with another allocation, and torch.Tensor.is_pinned() - which asks about the
+    storage's first byte - reports the registration for every view into it. Freed when the last view is gone."""
+    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(mapping, dtype=torch.uint8)
 
 
 def _round_up(n: int, to: int) -> int:
@@ -120,17 +145,15 @@ class HostStaging:
             total = _round_up(total + _nbytes(shape, dtype), ALIGN)
         if locked:
             size = _round_up(total, PAGE)
-            raw = torch.empty(size + PAGE, dtype=torch.uint8, device="cpu")
-            start = (-raw.data_ptr()) % PAGE  # whole pages of our own: no page shared with another allocation
-            region = raw[start:start + size]
-            region.zero_()  # fault every page in now, on torch's threads (the driver would do it on one)
+            region = page_aligned_empty(size)
+            touch_pages(region)  # fault every page in now, on several threads (the driver would do it on one)
             try:
                 self._lock(region.data_ptr(), size)
-                arena = _Arena(raw, region.data_ptr(), set())
+                arena = _Arena(region, region.data_ptr(), set())
             except (RuntimeError, OSError, AttributeError):
                 # No registration on this build or platform: torch's own pinned allocator (slower, see the docstring).
                 self.fallbacks += 1
-                del raw, region
+                del region
                 region = torch_pinned_empty(size)
                 arena = _Arena(region, None, set())
             self._arenas.append(arena)

@@ -50,6 +50,9 @@ def test_one_registration_of_whole_pages_per_allocation_and_reuse_while_shapes_h
     ((ptr, nbytes),) = rec.locked.items()
     assert ptr % hm.PAGE == 0 and nbytes % hm.PAGE == 0
     for buf in (w, b):
+        # the views' storage starts where the registration does: is_pinned() (which asks about a storage's first
+        # byte) then sees it
+        assert buf.untyped_storage().data_ptr() == ptr
         assert ptr <= buf.data_ptr() and buf.data_ptr() + buf.numel() * buf.element_size() <= ptr + nbytes
         assert buf.data_ptr() % hm.ALIGN == 0 and torch.count_nonzero(buf) == 0  # touched (zeroed) first
     assert st.last_alloc["new_buffers"] == 4 and st.buffers["/optim/step"].shape == ()
@@ -136,3 +139,12 @@ def test_checkpoint_manager_prepares_then_saves_into_the_prepared_buffers(tmp_pa
     train_steps(fresh, fresh_opt, fresh_sched, 1)
     mgr.load(mgr.latest(), fresh, fresh_opt, fresh_sched)
     assert_states_bit_identical(full_state(fresh, fresh_opt), want)
+
+
+def test_touch_pages_zeroes_every_chunk_from_several_threads():
+    region = torch.full(((64 << 20) + 12345,), 7, dtype=torch.uint8)  # not a multiple of the chunk size
+    hm.touch_pages(region, threads=3)
+    assert torch.count_nonzero(region) == 0
+    small = torch.full((100,), 7, dtype=torch.uint8)
+    hm.touch_pages(small, threads=3)
+    assert torch.count_nonzero(small) == 0

@@ -12,7 +12,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 ROOT=/tmp/wt; avail=$(df --output=avail -k /dev/shm | tail -1); [ "${avail:-0}" -gt 62000000 ] && ROOT=/dev/shm/wt
 mkdir -p $OUT/tests $OUT/run
-timeout 100 python3 -m pytest -q tests/test_host_memory_gpu.py -p no:cacheprovider 2>&1 | tail -4 \
+timeout 100 python3 -m pytest -q --tb=short tests/test_host_memory_gpu.py -p no:cacheprovider 2>&1 | tail -40 \
   | tee $OUT/tests/pytest_gpu.txt
 RUN=resume-$(date +%s)
 COMMON="model=deepseek_moe16b +model.overrides.n_layers=2 data.seq_len=4096 train.micro_batch_size=4
