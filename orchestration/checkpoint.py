@@ -460,11 +460,10 @@ def _gather_to_all(obj: Any, group: Any = None) -> list:
     return [obj]
 
 
-def stage_to_host(tree: dict, staging: HostStaging, prefix: str = "", copy: bool = True) -> dict:
+def stage_to_host(tree: dict, staging: HostStaging, prefix: str = "") -> dict:
     """A copy of a nested dict of tensors in host memory, for a background save: each tensor (a DTensor's local
     shard, keeping its sharding spec) is copied into a CPU buffer of `staging` (kept from one save to the next),
-    page-locked when the source is on a GPU so the copy is a DMA at full speed and non-blocking. copy=False: the
-    buffers only (their contents undefined), for a load to read into (CheckpointManager.load with stage).
+    page-locked when the source is on a GPU so the copy is a DMA at full speed and non-blocking.
 
     The copies are queued on the current stream; the caller must synchronize (an event) before reading them on the
     host, and later kernels on that stream (the optimizer step) cannot overwrite the sources before they are done."""
@@ -476,31 +475,15 @@ def stage_to_host(tree: dict, staging: HostStaging, prefix: str = "", copy: bool
     for key, value in tree.items():
         path = f"{prefix}/{key}"
         if isinstance(value, dict):
-            out[key] = stage_to_host(value, staging, path, copy)
+            out[key] = stage_to_host(value, staging, path)
             continue
         local = value.to_local() if isinstance(value, DTensor) else value
         buf = staging.buffer(path, local)
-        if copy:
-            buf.copy_(local.detach(), non_blocking=local.is_cuda)
+        buf.copy_(local.detach(), non_blocking=local.is_cuda)
         # DTensor with a host-memory local shard and the source's spec (mesh, placements, global shape): DCP writes
         # it as the same shard of the same global tensor.
         out[key] = DTensor(buf, value._spec, requires_grad=False) if isinstance(value, DTensor) else buf
     return out
-
-
-def copy_tree_into(dest: dict, src: dict) -> None:
-    """dest's tensors (DTensors: their local shards) take src's values, key by key (same nesting); host-to-device
-    copies from page-locked buffers are queued without waiting (the caller synchronizes)."""
-    from torch.distributed.tensor import DTensor
-
-    for key, value in dest.items():
-        if isinstance(value, dict):
-            copy_tree_into(value, src[key])
-            continue
-        d = value.to_local() if isinstance(value, DTensor) else value
-        s = src[key].to_local() if isinstance(src[key], DTensor) else src[key]
-        with torch.no_grad():
-            d.copy_(s, non_blocking=d.is_cuda and s.is_pinned())
 
 
 @dataclass
@@ -569,7 +552,6 @@ class CheckpointManager:
         self.event_sink = event_sink
         self.last_load_rng: str | None = None  # "restored" or "derived" after load()
         self.last_save_timing: dict[str, float] = {}  # this rank's share of the last save (see save)
-        self.last_load_timing: dict[str, float] = {}  # this rank's share of the last load (see load)
         self._pending: _SaveJob | None = None  # the background save in flight
         self._unreported: _SaveJob | None = None  # finished background save not yet returned by wait()
         self._staging = HostStaging()  # host buffers of staged saves (orchestration.host_memory)
@@ -1012,22 +994,15 @@ class CheckpointManager:
     # -- load -------------------------------------------------------------------------------------------------------
 
     def load(self, info: CheckpointInfo | str | Path, model: torch.nn.Module,
-             optimizer: torch.optim.Optimizer | None = None, scheduler: Any | None = None, *,
-             stage: bool = False) -> dict:
+             optimizer: torch.optim.Optimizer | None = None, scheduler: Any | None = None) -> dict:
         """Load `info` into the (possibly resharded) model/optimizer/scheduler; return the extra state.
 
         Call on every rank when a process group is initialized (DCP reads collectively). Call it before the
         first backward or right after an optimizer step (get/set_state_dict need initialized optimizer state).
-        stage=True: DCP reads into the host buffers of staged saves (page-locked for GPU tensors), which are then
-        copied to the devices in one pass, instead of DCP's own per-tensor copies from pageable memory. The time
-        split is in last_load_timing.
         """
         self._join()
-        t0 = time.perf_counter()
-        self.last_load_timing = {}
         if not isinstance(info, CheckpointInfo):
             info = self.verify(info)
-        self.last_load_timing["verify_s"] = round(time.perf_counter() - t0, 3)
         path = info.path
         if scheduler is not None and not (path / SCHEDULER).is_file():
             raise CheckpointError(f"checkpoint {path} was saved without a scheduler; pass scheduler=None or "
@@ -1044,23 +1019,12 @@ class CheckpointManager:
         tensors, _ = split_tensors(dest)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-            t_read = time.perf_counter()
-            target = stage_to_host(tensors, self._staging, copy=False) if stage else tensors
-            if stage and self._staging.last_alloc:
-                self.last_load_timing["stage_alloc_s"] = self._staging.last_alloc["alloc_s"]
             try:
-                dcp.load(target, checkpoint_id=path / DCP_DIR)  # in place, resharded to the current layout
+                dcp.load(tensors, checkpoint_id=path / DCP_DIR)  # in place, resharded to the current layout
             except CheckpointException as e:  # a BaseException: would escape `except Exception` handlers
                 raise CheckpointError(f"checkpoint {path} does not fit this model/optimizer: "
                                       f"{_dcp_failure_summary(e)}; a run resumes with the model settings it was "
                                       "saved with (model.name, model.overrides), or choose a new run_name") from None
-            t_copy = time.perf_counter()
-            self.last_load_timing["read_s"] = round(t_copy - t_read, 3)
-            if stage:
-                copy_tree_into(tensors, target)
-                if any(t.is_cuda for t in _leaves(tensors)):
-                    torch.cuda.synchronize()
-                self.last_load_timing["to_device_s"] = round(time.perf_counter() - t_copy, 3)
         merged = merge_trees(saved_rest, tensors)
         if optimizer is None:
             set_model_state_dict(model, merged["model"])

@@ -148,8 +148,7 @@ class StepGuard:
         bad_end = t.state.cursor + t.job.train.global_batch_size  # the bad step's samples are dropped too
         policy_state = self.policy.state_dict()  # the policy is not rolled back: it bounds the episode
         monitor_state = self.monitor.state_dict()
-        # Through the host buffers of staged saves when the run has them (checkpoint.async_save on).
-        extra = t.ckpt.load(info, t.model, t.optimizer, t.scheduler, stage=getattr(t, "async_saves", False))
+        extra = t.ckpt.load(info, t.model, t.optimizer, t.scheduler)
         t.restore_extra(extra)
         self.policy.load_state_dict(policy_state)
         self.monitor.load_state_dict(monitor_state)

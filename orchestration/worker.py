@@ -293,12 +293,14 @@ class Trainer:
         t_load = time.time()
         if info is not None:
             self.check_resumable(info)
-            # With background saves on, through their page-locked host buffers (left in place for the next save).
-            extra = self.ckpt.load(info, self.model, self.optimizer, self.scheduler, stage=self.async_saves)
+            extra = self.ckpt.load(info, self.model, self.optimizer, self.scheduler)
             self.restore_extra(extra)
             # Verdicts still pending when the previous group stopped: keep waiting for them (a trouble step since
             # then, in the restored guard's last_bad_step, still rules them out).
             self.ckpt.awaiting_good.update(self.ckpt.unjudged_steps(info.step))
+            if self.async_saves:
+                # A restart's first background save would otherwise get its host buffers while training waits.
+                self.ckpt.prepare_staging(self.model, self.optimizer)
         load_s = time.time() - t_load
         self.event("worker_group_start", world_size=self.world_size, grad_accum=self.plan.grad_accum,
                    micro_batch_size=self.plan.micro_batch_size, backend=self.info.backend,
@@ -320,8 +322,7 @@ class Trainer:
                            previous_world_size=before, world_size=self.world_size, last_seen_time=last_seen)
             self.event("resume", from_step=self.state.step, world_size=self.world_size,
                        checkpoint=str(info.path), downtime_s=round(time.time() - last_seen, 3),
-                       setup_s=round(self.setup_s, 3), checkpoint_load_s=round(load_s, 3),
-                       **{f"load_{k}": v for k, v in self.ckpt.last_load_timing.items()})
+                       setup_s=round(self.setup_s, 3), checkpoint_load_s=round(load_s, 3))
         else:
             # A step-0 checkpoint, good by definition: a rollback always has somewhere to go.
             self.save_checkpoint(good=True)

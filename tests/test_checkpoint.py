@@ -131,9 +131,7 @@ def _worker(rank: int, world: int, port: int, root_a: str, root_b: str, out: str
         # 1 -> 2 ranks: a checkpoint written by a single plain process loads into the FSDP2 shards
         mgr_a = CheckpointManager(root_a, create=False)
         info_a = mgr_a.latest(collective=True)
-        # staged: DCP reads into host buffers, which are then copied into the shards (CheckpointManager.load)
-        extra_a = mgr_a.load(info_a, model, opt, sched, stage=True)
-        assert {"verify_s", "read_s", "to_device_s"} <= mgr_a.last_load_timing.keys()
+        extra_a = mgr_a.load(info_a, model, opt, sched)
         full_a = full_state(model, opt)
         if rank == 0:
             torch.save({"state": full_a, "extra": extra_a, "sched": sched.state_dict(), "rng": mgr_a.last_load_rng},

@@ -77,7 +77,7 @@ def test_a_staged_synchronous_save_equals_a_direct_one(tmp_path):
         fresh, fresh_opt, fresh_sched = build(seed=3)
         train_steps(fresh, fresh_opt, fresh_sched, 1)
         mgr = CheckpointManager(tmp_path / root)
-        mgr.load(mgr.latest(), fresh, fresh_opt, fresh_sched, stage=root == "staged")  # staged load too
+        mgr.load(mgr.latest(), fresh, fresh_opt, fresh_sched)
         loaded.append(full_state(fresh, fresh_opt))
     assert_states_bit_identical(loaded[0], loaded[1])
     assert_states_bit_identical(loaded[0], full_state(model, opt))
@@ -162,8 +162,7 @@ def _fsdp_rank(rank: int, world: int, port: int, root: str, out: str) -> None:
         done = mgr.wait()
         fresh, fresh_opt, fresh_sched = build_fsdp(9, mesh)
         train_steps(fresh, fresh_opt, fresh_sched, 1, rank=rank, world=world)
-        # staged load: read into the buffers the background save used, then copied into the shards
-        mgr.load(mgr.latest(collective=True), fresh, fresh_opt, fresh_sched, stage=True)
+        mgr.load(mgr.latest(collective=True), fresh, fresh_opt, fresh_sched)
         got = full_state(fresh, fresh_opt)
         if rank == 0:
             torch.save({"want": want, "got": got, "done_step": done[0]}, out)
