@@ -231,3 +231,35 @@ def test_a_staging_failure_is_an_error_of_the_save(tmp_path, monkeypatch):
                                               "RuntimeError: CUDA error: out of memory"):
         mgr.save(3, model, opt, sched, background=True)
     assert not mgr.save_in_flight() and mgr.latest() is None
+
+
+def test_parallel_reader_reads_each_file_in_its_own_thread_and_loads_bit_identical(tmp_path, monkeypatch):
+    import threading
+
+    import torch.distributed.checkpoint as dcp
+
+    import orchestration.checkpoint as ck
+
+    monkeypatch.setattr(ck, "io_threads", lambda: 4)  # the save writes 4 files, the load reads with 4 threads
+    model, opt, sched = build(seed=0)
+    train_steps(model, opt, sched, 2)
+    mgr = CheckpointManager(tmp_path / "ck")
+    path = mgr.save(2, model, opt, sched)
+    files = sorted(p.name for p in (path / ck.DCP_DIR).glob("*.distcp"))
+    assert len(files) == 4
+    seen: dict[str, set] = {}
+    parent_read = dcp.FileSystemReader.read_data
+
+    def recording_read(self, plan, planner):
+        for item in plan.items:
+            seen.setdefault(self.storage_data[item.storage_index].relative_path, set()).add(
+                threading.current_thread().name)
+        return parent_read(self, plan, planner)
+
+    monkeypatch.setattr(dcp.FileSystemReader, "read_data", recording_read)
+    fresh, fresh_opt, fresh_sched = build(seed=5)
+    train_steps(fresh, fresh_opt, fresh_sched, 1)
+    mgr.load(mgr.latest(), fresh, fresh_opt, fresh_sched)
+    assert_states_bit_identical(full_state(fresh, fresh_opt), full_state(model, opt))
+    assert sorted(seen) == files  # every file read, each by one call in one reader thread
+    assert all(len(names) == 1 and next(iter(names)).startswith("checkpoint-read") for names in seen.values())
