@@ -582,7 +582,8 @@ class CheckpointManager:
         self.last_save_timing: dict[str, float] = {}  # this rank's share of the last save (see save)
         self._pending: _SaveJob | None = None  # the background save in flight
         self._unreported: _SaveJob | None = None  # finished background save not yet returned by wait()
-        self._staging = HostStaging()  # host buffers of staged saves (orchestration.host_memory)
+        # host buffers of staged saves (orchestration.host_memory), their pages touched by this rank's I/O threads
+        self._staging = HostStaging(touch_threads=io_threads())
         self._io_group_handle: Any = None
         self._io_group_for: Any = None
         self.root = Path(root).expanduser().absolute()

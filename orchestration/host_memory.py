@@ -98,8 +98,10 @@ class HostStaging:
     run's first background save would otherwise pay for them while training waits); ensure/buffer wait for it.
     """
 
-    def __init__(self, lock: PageLocker | None = None, unlock: PageUnlocker | None = None):
+    def __init__(self, lock: PageLocker | None = None, unlock: PageUnlocker | None = None,
+                 touch_threads: int | None = None):
         self._lock = cuda_register if lock is None else lock
+        self.touch_threads = touch_threads  # threads faulting a new arena's pages in (None: up to 8)
         self._unlock = cuda_unregister if unlock is None else unlock
         self.buffers: dict[str, torch.Tensor] = {}
         self._pinned_paths: set[str] = set()
@@ -146,7 +148,7 @@ class HostStaging:
         if locked:
             size = _round_up(total, PAGE)
             region = page_aligned_empty(size)
-            touch_pages(region)  # fault every page in now, on several threads (the driver would do it on one)
+            touch_pages(region, self.touch_threads)  # fault every page in now, on several threads (the driver would do it on one)
             try:
                 self._lock(region.data_ptr(), size)
                 arena = _Arena(region, region.data_ptr(), set())

@@ -109,6 +109,12 @@ def test_a_failed_preparation_is_raised_by_the_next_use_and_registration_failure
     st2.release()
     assert rec.log == []  # nothing was registered, so nothing is unregistered
 
+    def no_binding(ptr, nbytes):  # a build whose runtime binding lacks the call (ROCm is expected to have it)
+        raise AttributeError("module has no attribute 'cudaHostRegister'")
+
+    st3 = HostStaging(no_binding, rec.unlock)
+    assert st3.buffer("/w", torch.empty(5), pin=True).shape == (5,) and st3.fallbacks == 1
+
 
 def test_garbage_collection_unregisters():
     rec = Recorder()
