@@ -383,3 +383,29 @@ def test_compiled_fp8_output_head_matches_eager_and_float64(recipe):
             assert sqnr(c, e) > 40, (recipe, what, sqnr(c, e))
     finally:
         torch._dynamo.reset()
+
+
+def test_compiled_tensorwise_float8_linear_launches_its_transposes_inline_in_backward():
+    """The fp8 transposes of the backward GEMMs (x, w and the gradient) are Triton ops: inside the compiled backward
+    Inductor must launch their kernels itself; a call back into elastic_fp8 would cost a Python dispatch each (a
+    lone wo layer spent ~290 us of host per fwd+bwd on three transposes, BENCHMARKS.md session 14)."""
+    from torch._inductor.utils import run_and_get_code
+
+    import fp8
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(1024, 512, bias=False).cuda().to(torch.bfloat16)
+    fp8.convert_to_fp8(model, "tensorwise", module_filter=lambda m, fqn: True)
+    x = _x(2048, 1024, seed=3).requires_grad_(True)
+    compiled = torch.compile(model)
+
+    def step():
+        compiled(x).float().square().mean().backward()
+
+    _, codes = run_and_get_code(step)
+    code = "\n".join(codes)
+    callbacks = [line.strip() for line in code.splitlines() if "elastic_fp8" in line]
+    assert not callbacks, f"compiled code calls back into the ops: {callbacks[:6]}"
+    assert code.count("_transpose_kernel") >= 3, "the three transposes should be launched as kernels"
+    torch._dynamo.reset()
