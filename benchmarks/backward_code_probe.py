@@ -21,7 +21,7 @@ import fp8
 
 
 def main() -> None:
-    model = torch.nn.Linear(4096, 4096, bias=False).cuda().to(torch.bfloat16)
+    model = torch.nn.Sequential(torch.nn.Linear(4096, 4096, bias=False)).cuda().to(torch.bfloat16)  # root: not replaced
     fp8.convert_to_fp8(model, "tensorwise", module_filter=lambda m, fqn: True)
     x = torch.randn(8192, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     compiled = torch.compile(model)

@@ -395,8 +395,9 @@ def test_compiled_tensorwise_float8_linear_launches_its_transposes_inline_in_bac
 
     torch._dynamo.reset()
     torch.manual_seed(0)
-    model = torch.nn.Linear(1024, 512, bias=False).cuda().to(torch.bfloat16)
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 512, bias=False)).cuda().to(torch.bfloat16)  # root: not replaced
     fp8.convert_to_fp8(model, "tensorwise", module_filter=lambda m, fqn: True)
+    assert isinstance(model[0], fp8.Float8Linear)
     x = _x(2048, 1024, seed=3).requires_grad_(True)
     compiled = torch.compile(model)
 
