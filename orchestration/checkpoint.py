@@ -53,7 +53,8 @@ import threading
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -243,16 +244,15 @@ class ParallelFileSystemReader(dcp.FileSystemReader):
     """DCP's file reader with its files read in threads, one group of requests per file (DCP's reads them one file
     after the other: 13 GB took 9-11 s on the H200 host, ~1.2 GB/s, most of a resume's downtime - BENCHMARKS.md
     session 14). Each file's requests go through the parent's own read_data, so the format handling stays DCP's;
-    the files' requests write disjoint destinations."""
+    the files' requests write disjoint destinations. Safe with DefaultLoadPlanner (resolve_tensor only looks up and
+    narrows, commit_tensor does nothing, load_bytes assigns into existing containers); a custom planner that keeps
+    state in those calls would need its own locking."""
 
     def __init__(self, path: str | os.PathLike, threads: int):
         super().__init__(path)
         self.threads = threads
 
     def read_data(self, plan, planner):
-        import dataclasses
-        from concurrent.futures import ThreadPoolExecutor
-
         per_file: dict[str, list] = {}
         for item in plan.items:
             per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
@@ -260,7 +260,7 @@ class ParallelFileSystemReader(dcp.FileSystemReader):
             return super().read_data(plan, planner)
         read_one = super().read_data
         with ThreadPoolExecutor(min(self.threads, len(per_file)), thread_name_prefix="checkpoint-read") as pool:
-            futures = [pool.submit(read_one, dataclasses.replace(plan, items=items), planner)
+            futures = [pool.submit(read_one, replace(plan, items=items), planner)
                        for items in per_file.values()]
             for f in futures:
                 f.result().wait()  # raises the first failure, after the pool has finished the others
@@ -699,6 +699,13 @@ class CheckpointManager:
                     job.ready.record()
             except (RuntimeError, OSError) as e:
                 error = _err(e)
+                # Copies queued before the failure may still be landing in the buffers: let them finish before the
+                # buffers are unregistered and freed.
+                if any(t.is_cuda for t in _leaves(tensors)):
+                    try:
+                        torch.cuda.synchronize()
+                    except RuntimeError:
+                        pass  # a broken device: its copies are not running either
                 self._staging.release()
             _sync_errors(error, f"copying the state of step {step} to host memory")
             job.timing["stage_s"] = round(time.perf_counter() - t_stage, 3)

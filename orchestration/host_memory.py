@@ -34,15 +34,51 @@ PageUnlocker = Callable[[int], None]
 Spec = tuple[str, torch.Size, torch.dtype, bool]  # key path, shape, dtype, page-locked
 
 
+CUDA_HOST_REGISTER_PORTABLE = 1  # page-locked for every CUDA context of the process, not only the caller's device
+
+
 def cuda_register(ptr: int, nbytes: int) -> None:
     """Page-lock [ptr, ptr + nbytes) for DMA (cudaHostRegister; HIP's on ROCm builds, through the same binding)."""
-    err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)
+    err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, CUDA_HOST_REGISTER_PORTABLE)
     if int(err) != 0:
         raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed with CUDA error {int(err)} ({err})")
 
 
 def cuda_unregister(ptr: int) -> None:
-    torch.cuda.cudart().cudaHostUnregister(ptr)
+    err = torch.cuda.cudart().cudaHostUnregister(ptr)
+    if int(err) != 0:
+        raise RuntimeError(f"cudaHostUnregister failed with CUDA error {int(err)} ({err})")
+
+
+def _current_device() -> int | None:
+    """The caller's CUDA device, without initializing CUDA where nothing has (CPU runs, tests)."""
+    return torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+
+
+def run_in_own_thread(fn: Callable[[], None], device: int | None) -> None:
+    """fn() in a short-lived thread on `device`, its exception re-raised here. Why: a new thread starts on CUDA device
+    0 (a rank on another GPU would create a context there), and a failed CUDA runtime call leaves the calling thread's
+    last-error flag set, which torch's next kernel-launch check on the training thread would report as its own."""
+    failure: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            if device is not None:
+                torch.cuda.set_device(device)
+            fn()
+        except BaseException as e:  # noqa: BLE001  # re-raised on the caller's thread below
+            failure.append(e)
+
+    thread = threading.Thread(target=target, name="checkpoint-page-lock", daemon=True)
+    thread.start()
+    thread.join()
+    if failure:
+        raise failure[0]
+
+
+# Arenas whose unregistration failed: kept alive for the process's lifetime, since freeing memory the driver still
+# holds registered could let it DMA into whatever reuses those pages.
+_KEPT_REGISTERED: list = []
 
 
 def torch_pinned_empty(nbytes: int) -> torch.Tensor:
@@ -83,10 +119,11 @@ def _nbytes(shape: torch.Size, dtype: torch.dtype) -> int:
 class _Arena:
     """One page-locked allocation and the key paths whose buffers are views into it."""
 
-    def __init__(self, storage: torch.Tensor, region_ptr: int | None, paths: set[str]):
+    def __init__(self, storage: torch.Tensor, region_ptr: int | None, paths: set[str], device: int | None):
         self.storage = storage  # keeps the memory alive
         self.region_ptr = region_ptr  # the registered range's start, None when torch pinned it (fallback)
         self.paths = paths
+        self.device = device  # the CUDA device current when it was registered (unregistered from there too)
 
 
 class HostStaging:
@@ -109,6 +146,7 @@ class HostStaging:
         self._arenas: list[_Arena] = []
         self._thread: threading.Thread | None = None
         self._prepare_error: BaseException | None = None
+        self.last_prepare_error: str | None = None  # a failed prepare(): the next save allocated instead
         self.fallbacks = 0  # arenas that came from torch's pinned allocator because registering failed
         self.last_alloc: dict = {}  # what the last ensure() allocated: buffers, bytes, seconds
         # Unregister at garbage collection too: freeing registered memory without it leaves the driver a stale range.
@@ -128,11 +166,12 @@ class HostStaging:
         arena = self._arena_of.pop(path, None)
         if arena is not None:
             arena.paths.discard(path)
-            if not arena.paths:  # no buffer of it is in use: give the pages back
+            # No buffer of it in use: give the pages back. (An arena of which one buffer still lives stays whole.)
+            if not arena.paths:
                 _unlock_all([arena], self._unlock)
                 self._arenas.remove(arena)
 
-    def _allocate(self, specs: list[Spec]) -> None:
+    def _allocate(self, specs: list[Spec], device: int | None) -> None:
         t0 = time.perf_counter()
         for path, *_ in specs:
             self._forget(path)
@@ -148,16 +187,17 @@ class HostStaging:
         if locked:
             size = _round_up(total, PAGE)
             region = page_aligned_empty(size)
-            touch_pages(region, self.touch_threads)  # fault every page in now, on several threads (the driver would do it on one)
+            # Fault every page in now, on several threads (the driver would do it on one).
+            touch_pages(region, self.touch_threads)
             try:
-                self._lock(region.data_ptr(), size)
-                arena = _Arena(region, region.data_ptr(), set())
+                run_in_own_thread(lambda: self._lock(region.data_ptr(), size), device)
+                arena = _Arena(region, region.data_ptr(), set(), device)
             except (RuntimeError, OSError, AttributeError):
                 # No registration on this build or platform: torch's own pinned allocator (slower, see the docstring).
                 self.fallbacks += 1
                 del region
                 region = torch_pinned_empty(size)
-                arena = _Arena(region, None, set())
+                arena = _Arena(region, None, set(), device)
             self._arenas.append(arena)
             for (path, shape, dtype), off in zip(locked, offsets):
                 nbytes = _nbytes(shape, dtype)
@@ -174,7 +214,7 @@ class HostStaging:
         missing = [(p, torch.Size(s), d, pin) for p, s, d, pin in specs if not self._fits(p, torch.Size(s), d, pin)]
         self.last_alloc = {}
         if missing:
-            self._allocate(missing)
+            self._allocate(missing, _current_device())
 
     def buffer(self, path: str, like: torch.Tensor, pin: bool | None = None) -> torch.Tensor:
         """The buffer for `path`, (re)allocated to like's shape and dtype; page-locked when `pin` (default: when
@@ -182,22 +222,23 @@ class HostStaging:
         pin = (like.is_cuda and torch.cuda.is_available()) if pin is None else pin
         self.wait_prepared()
         if not self._fits(path, like.shape, like.dtype, pin):
-            self._allocate([(path, like.shape, like.dtype, pin)])
+            self._allocate([(path, like.shape, like.dtype, pin)], _current_device())
         return self.buffers[path]
 
     # -- preparation in the background ------------------------------------------------------------------------------
 
     def prepare(self, specs: Iterable[Spec]) -> None:
-        """ensure(specs) in a thread; the next ensure/buffer call waits for it. A failure is kept and raised by that
-        call (the save then reports it like any staging error)."""
+        """ensure(specs) in a thread; the next ensure/buffer call waits for it. A failure is kept in
+        last_prepare_error and the next save allocates what is missing itself (reporting its own failure, if any)."""
         self.wait_prepared()
         todo = [(p, torch.Size(s), d, pin) for p, s, d, pin in specs if not self._fits(p, torch.Size(s), d, pin)]
         if not todo:
             return
+        device = _current_device()  # the caller's: the thread would start on device 0
 
         def work() -> None:
             try:
-                self._allocate(todo)
+                self._allocate(todo, device)
             except BaseException as e:  # noqa: BLE001  # handed to the training thread by wait_prepared
                 self._prepare_error = e
 
@@ -213,8 +254,7 @@ class HostStaging:
             thread.join()
         error, self._prepare_error = self._prepare_error, None
         if error is not None:
-            raise RuntimeError(f"preparing the checkpoint's host buffers failed: {type(error).__name__}: {error}") \
-                from error
+            self.last_prepare_error = f"{type(error).__name__}: {error}"
 
     def release(self) -> None:
         """Unregister and forget every buffer (after a staging error, or to give the host memory back)."""
@@ -233,12 +273,14 @@ class HostStaging:
 
 def _unlock_all(arenas: list[_Arena], unlock: PageUnlocker) -> None:
     for arena in arenas:
-        if arena.region_ptr is None:
+        ptr = arena.region_ptr
+        if ptr is None:
             continue
         try:
-            unlock(arena.region_ptr)
+            run_in_own_thread(lambda p=ptr: unlock(p), arena.device)
         except (RuntimeError, OSError, AttributeError):
-            pass  # interpreter shutdown: the CUDA runtime may be gone, and the process frees everything anyway
+            # Still registered as far as we know (or the runtime is gone at interpreter shutdown): never free it.
+            _KEPT_REGISTERED.append(arena.storage)
         arena.region_ptr = None
 
 

@@ -134,7 +134,8 @@ def _crash_mid_write_script(root: Path) -> str:
 
 def test_a_crash_with_a_save_in_flight_leaves_the_previous_checkpoint(tmp_path):
     root = tmp_path / "ck"
-    proc = subprocess.run([sys.executable, "-c", _crash_mid_write_script(root)], check=False, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-c", _crash_mid_write_script(root)], check=False, capture_output=True,
+                          text=True,
                           timeout=120, cwd=ROOT)
     assert proc.returncode == 3, proc.stderr[-2000:]
     assert "WRITING" in proc.stdout

@@ -1,7 +1,7 @@
 """Host staging buffers (orchestration.host_memory): registration bookkeeping, reuse, background preparation.
 
 cudaHostRegister cannot run on a machine without CUDA: the page-locking calls are replaced by a recorder here (a
-mock of the CUDA runtime, nothing else); the real calls run in tests/test_fp8_gpu.py on the GPU.
+mock of the CUDA runtime, nothing else); the real calls run in tests/test_host_memory_gpu.py on the GPU.
 """
 
 from __future__ import annotations
@@ -9,7 +9,6 @@ from __future__ import annotations
 import gc
 import threading
 
-import pytest
 import torch
 
 import orchestration.host_memory as hm
@@ -41,8 +40,10 @@ class Recorder:
 def test_one_registration_of_whole_pages_per_allocation_and_reuse_while_shapes_hold():
     rec = Recorder()
     st = HostStaging(rec.lock, rec.unlock)
-    specs = [("/model/w", torch.Size([3, 5]), torch.bfloat16, True), ("/model/b", torch.Size([5]), torch.float32, True),
-             ("/optim/step", torch.Size([]), torch.float32, False), ("/model/empty", torch.Size([0]), torch.float32, True)]
+    specs = [("/model/w", torch.Size([3, 5]), torch.bfloat16, True),
+             ("/model/b", torch.Size([5]), torch.float32, True),
+             ("/optim/step", torch.Size([]), torch.float32, False),
+             ("/model/empty", torch.Size([0]), torch.float32, True)]
     st.ensure(specs)
     w, b = st.buffers["/model/w"], st.buffers["/model/b"]
     assert w.shape == (3, 5) and w.dtype == torch.bfloat16 and b.shape == (5,) and b.dtype == torch.float32
@@ -89,30 +90,37 @@ def test_prepare_allocates_in_a_thread_and_the_next_save_uses_those_buffers():
     assert torch.equal(staged["optim"]["state"]["0"]["m"], tree["optim"]["state"]["0"]["m"])
 
 
-def test_a_failed_preparation_is_raised_by_the_next_use_and_registration_failure_falls_back(monkeypatch):
+def test_a_failed_preparation_is_recorded_and_the_next_use_allocates_and_registration_failure_falls_back(
+        monkeypatch):
     rec = Recorder()
+    calls = []
 
-    def out_of_memory(ptr, nbytes):
-        raise MemoryError("host RAM exhausted")
+    def out_of_memory_once(ptr, nbytes):
+        calls.append(nbytes)
+        if len(calls) == 1:
+            raise MemoryError("host RAM exhausted")
+        rec.lock(ptr, nbytes)
 
-    st = HostStaging(out_of_memory, rec.unlock)
+    st = HostStaging(out_of_memory_once, rec.unlock)
     st.prepare([("/model/w", torch.Size([4]), torch.float32, True)])
-    with pytest.raises(RuntimeError, match="preparing the checkpoint's host buffers failed: MemoryError: host RAM"):
-        st.buffer("/model/w", torch.empty(4), pin=True)
+    buf = st.buffer("/model/w", torch.empty(4), pin=True)  # the save allocates what the preparation could not
+    assert st.last_prepare_error == "MemoryError: host RAM exhausted"
+    assert len(calls) == 2 and rec.locked and buf.shape == (4,)
     # registration refused (an unsupported platform, a locked-memory limit): torch's pinned allocator instead
     fallback_calls = []
     monkeypatch.setattr(hm, "torch_pinned_empty", lambda nbytes: fallback_calls.append(nbytes) or
                         torch.zeros(nbytes, dtype=torch.uint8))
-    st2 = HostStaging(Recorder(fail=True).lock, rec.unlock)
+    rec2 = Recorder()
+    st2 = HostStaging(Recorder(fail=True).lock, rec2.unlock)
     buf = st2.buffer("/model/w", torch.empty(2, 3), pin=True)
     assert buf.shape == (2, 3) and fallback_calls == [hm.PAGE] and st2.fallbacks == 1
     st2.release()
-    assert rec.log == []  # nothing was registered, so nothing is unregistered
+    assert rec2.log == []  # nothing was registered, so nothing is unregistered
 
     def no_binding(ptr, nbytes):  # a build whose runtime binding lacks the call (ROCm is expected to have it)
         raise AttributeError("module has no attribute 'cudaHostRegister'")
 
-    st3 = HostStaging(no_binding, rec.unlock)
+    st3 = HostStaging(no_binding, rec2.unlock)
     assert st3.buffer("/w", torch.empty(5), pin=True).shape == (5,) and st3.fallbacks == 1
 
 
@@ -154,3 +162,20 @@ def test_touch_pages_zeroes_every_chunk_from_several_threads():
     small = torch.full((100,), 7, dtype=torch.uint8)
     hm.touch_pages(small, threads=3)
     assert torch.count_nonzero(small) == 0
+
+
+def test_page_locking_runs_in_a_thread_of_its_own_and_a_failed_unregistration_keeps_the_memory():
+    rec = Recorder()
+    st = HostStaging(rec.lock, rec.unlock)
+    st.buffer("/a", torch.empty(8), pin=True)  # from the training thread, registered from another one
+    assert rec.locked and threading.get_ident() not in rec.threads
+
+    def failing_unlock(ptr):
+        raise RuntimeError("cudaHostUnregister failed with CUDA error 1")
+
+    st2 = HostStaging(Recorder().lock, failing_unlock)
+    st2.buffer("/a", torch.empty(8), pin=True)
+    storage = st2._arenas[0].storage
+    before = len(hm._KEPT_REGISTERED)
+    st2.release()  # never frees memory that may still be registered
+    assert len(hm._KEPT_REGISTERED) == before + 1 and hm._KEPT_REGISTERED[-1] is storage

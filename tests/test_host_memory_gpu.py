@@ -12,7 +12,7 @@ from orchestration.host_memory import HostStaging, tensor_specs
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-def test_registered_buffers_are_pinned_copy_asynchronously_and_are_released():
+def test_registered_buffers_are_pinned_take_device_copies_and_are_released():
     st = HostStaging()
     src = torch.randn(1 << 20, 8, device="cuda")
     st.ensure([("/w", src.shape, src.dtype, True), ("/small", torch.Size([3]), torch.float32, True)])
