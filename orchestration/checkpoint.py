@@ -690,9 +690,9 @@ class CheckpointManager:
         job.timing["state_s"] = round(t_stage - t_start, 3)
         if background if stage is None else stage:
             error = None
+            cuda = [t.device for t in _leaves(tensors) if t.is_cuda]
             try:  # pinning tens of GB of host memory can fail on one rank: all ranks must learn it before writing
                 job.tensors = stage_to_host(tensors, self._staging)
-                cuda = [t.device for t in _leaves(tensors) if t.is_cuda]
                 if cuda:
                     job.device = cuda[0]
                     job.ready = torch.cuda.Event()
@@ -701,7 +701,7 @@ class CheckpointManager:
                 error = _err(e)
                 # Copies queued before the failure may still be landing in the buffers: let them finish before the
                 # buffers are unregistered and freed.
-                if any(t.is_cuda for t in _leaves(tensors)):
+                if cuda:
                     try:
                         torch.cuda.synchronize()
                     except RuntimeError:

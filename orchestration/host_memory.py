@@ -113,7 +113,7 @@ def _round_up(n: int, to: int) -> int:
 
 
 def _nbytes(shape: torch.Size, dtype: torch.dtype) -> int:
-    return shape.numel() * torch.empty((), dtype=dtype).element_size()
+    return shape.numel() * dtype.itemsize
 
 
 class _Arena:
@@ -159,6 +159,10 @@ class HostStaging:
         if buf is None or buf.shape != shape or buf.dtype != dtype:
             return False
         return not pin or buf.numel() == 0 or path in self._pinned_paths
+
+    def _missing(self, specs: Iterable[Spec]) -> list[Spec]:
+        out = [(p, torch.Size(shape), d, pin) for p, shape, d, pin in specs]
+        return [spec for spec in out if not self._fits(*spec)]
 
     def _forget(self, path: str) -> None:
         self.buffers.pop(path, None)
@@ -211,7 +215,7 @@ class HostStaging:
     def ensure(self, specs: Iterable[Spec]) -> None:
         """A buffer for every spec; whatever does not fit yet is allocated now, the page-locked ones in one arena."""
         self.wait_prepared()
-        missing = [(p, torch.Size(s), d, pin) for p, s, d, pin in specs if not self._fits(p, torch.Size(s), d, pin)]
+        missing = self._missing(specs)
         self.last_alloc = {}
         if missing:
             self._allocate(missing, _current_device())
@@ -231,7 +235,7 @@ class HostStaging:
         """ensure(specs) in a thread; the next ensure/buffer call waits for it. A failure is kept in
         last_prepare_error and the next save allocates what is missing itself (reporting its own failure, if any)."""
         self.wait_prepared()
-        todo = [(p, torch.Size(s), d, pin) for p, s, d, pin in specs if not self._fits(p, torch.Size(s), d, pin)]
+        todo = self._missing(specs)
         if not todo:
             return
         device = _current_device()  # the caller's: the thread would start on device 0
