@@ -20,7 +20,8 @@ worker's policy, orchestration/gc_policy.py; every row records its GC pauses und
 with K*N/(K+N) < W in bf16 (fp8.convert.min_width_module_filter); "+eagerbody" runs the grouped GEMM custom ops'
 bodies eagerly (FP8_GROUPED_BODY=eager; default: compiled on CUDA); "+head" converts the LM output head too (ours:
 precision.fp8_output_head, fp8.convert.make_module_filter; torchao: the same filter without its head exclusion);
-"+cdt" turns on Inductor's coordinate-descent tuning of its Triton kernels' block sizes (slower compiles).
+"+cdt" turns on Inductor's coordinate-descent tuning of its Triton kernels' block sizes (slower compiles); "+tadam"
+steps with optim.ChunkedAdamW (one Triton launch, the clip folded in) instead of torch's fused AdamW after a clip pass.
 Every row also times the AdamW step alone and checks the gradients' layout
 (`optimizer_probe`), which localises optimizer-time differences between variants.
 
@@ -186,9 +187,13 @@ def make_step(model, optimizer, guard: Guard | None, compiled_loss: bool, cuda_g
                 applies_update = guard.check(model, loss.detach(), grad_norm, state["step"]).applies_update
         with record_function("step.optimizer"):
             if applies_update:
-                # After the guard's host read, as the worker does.
-                torch.nn.utils.clip_grads_with_norm_(model.parameters(), 1.0, grad_norm)
-                optimizer.step()
+                # After the guard's host read, as the worker does. optim.ChunkedAdamW ("+tadam") scales inside its
+                # launch; torch's AdamW after a clip_grads_with_norm_ pass.
+                if hasattr(optimizer, "clip_and_step"):
+                    optimizer.clip_and_step(grad_norm, 1.0)
+                else:
+                    torch.nn.utils.clip_grads_with_norm_(model.parameters(), 1.0, grad_norm)
+                    optimizer.step()
                 if update_router_bias is not None:  # the worker's per-kept-step MoE balancing (update_router_bias)
                     update_router_bias()
             optimizer.zero_grad(set_to_none=True)
@@ -482,7 +487,7 @@ def bench_config(name: str, cfg: dict, args, device) -> dict:
 
             base_variant, *flags = variant.split("+")
             known = {"nomix", "kern", "ntk", "cg", "eagerloss", "eagergrp", "tracedgrp", "fp8dg", "widthdg", "autogc", "eagerbody", "head",
-                     "cdt"}
+                     "cdt", "tadam"}
             width_flags = [f for f in flags if f.startswith("minw") and f[4:].isdigit()]
             unknown = set(flags) - known - set(width_flags)
             if unknown:
@@ -504,7 +509,12 @@ def bench_config(name: str, cfg: dict, args, device) -> dict:
                           compile_mode="reduce-overhead" if "cg" in flags else None,
                           min_width=float(width_flags[0][4:]) if width_flags else None, output_head="head" in flags)
             vocab = model.args.vocab_size
-            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+            if "tadam" in flags:
+                from optim import ChunkedAdamW
+
+                optimizer = ChunkedAdamW(model.parameters(), lr=1e-5, fused=True)
+            else:
+                optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
             impl = base_variant.split(":")[0]
             guard = Guard(fp8_model=impl == "ours") if impl == "ours" else None
             compiled_loss = COMPILED and "eagerloss" not in flags
@@ -526,6 +536,9 @@ def bench_config(name: str, cfg: dict, args, device) -> dict:
                        precision=precision, max_mem_gib=torch.cuda.max_memory_allocated(device) / 2**30,
                        setup_s=round(time.time() - t0, 1))
             row["optimizer_probe"] = optimizer_probe(model, optimizer, batches[0], compiled_loss)
+            # Steps optim.ChunkedAdamW ran through its kernel (None: torch's AdamW): a "+tadam" row that fell back
+            # to torch's step would show 0 here.
+            row["adamw_kernel_steps"] = getattr(optimizer, "kernel_steps", None)
             if args.profile:
                 print(f"[{name}] {variant} profile of one step:", flush=True)
                 row["profile"] = kernel_profile(step, batches[0], top=args.profile_top)

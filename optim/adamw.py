@@ -1,0 +1,312 @@
+"""AdamW with torch.optim.AdamW's state, settings and checkpoints, stepped by one Triton launch for all parameters,
+with the gradient clip folded into that launch.
+
+Why (BENCHMARKS.md, session 10 profiles of benchmarks/train_step.py, one step): torch's fused AdamW took 16.7 ms for
+the 8-layer Llama3-8B-width model's 2.8B bf16 parameters (~39 GB of reads and writes: 2.35 TB/s, half of the H200's
+HBM bandwidth) in 134 launches - multi_tensor_apply puts at most 320 chunks of 65536 elements in one launch - and
+the clip's scaling pass (`clip_grads_with_norm_`: one more read and write of every gradient) another 3.8 ms. The same
+two items were 12.3 + 3.1 ms of the 4-layer DeepSeek-MoE-16B-width step. Both precisions pay them, so they are pure
+step time for every run.
+
+Here: one launch over BLOCK-element chunks of every parameter of a dtype bucket. A table of per-tensor addresses
+(parameter, gradient, exp_avg, exp_avg_sq, step) lives on the device and is re-sent only when an address changes
+(gradients set to None each step usually come back at the same addresses from the caching allocator). The clip
+coefficient min(1, max_norm / (norm + 1e-6)) is computed in the kernel from the gradient norm on the device, so a
+clipped step reads each gradient once and writes it never.
+
+Math: torch's fused AdamW (decoupled weight decay), in fp32 whatever the storage dtype:
+    p  <- p - lr * wd * p
+    m  <- beta1 * m + (1 - beta1) * g
+    v  <- beta2 * v + (1 - beta2) * g^2
+    p  <- p - (lr / (1 - beta1^t)) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
+with t the step count after this step (torch increments it first; here it is incremented by one foreach add after the
+launch, because the chunks of one tensor must all read the same count). `adamw_reference_step` is the same in
+PyTorch (float64 in tests).
+
+Anything the kernel does not cover - amsgrad, maximize, capturable, differentiable, a tensor lr, a closure, sparse or
+non-contiguous gradients, tensors that are not 16-byte aligned, devices other than CUDA (ROCm included: unverified),
+no Triton - goes through torch.optim.AdamW.step unchanged (with clip_grads_with_norm_ first when a clip was asked).
+The state dict is torch's (exp_avg, exp_avg_sq, a float32 step on the device as the fused implementation keeps it),
+so checkpoints load into either implementation.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # CPU-only installs: torch's step runs instead
+    triton = None
+    tl = None
+    HAS_TRITON = False
+
+# Elements per program: 4096 bf16 = 8 KiB per stream and program, 16 elements per thread at 8 warps (measured on the
+# H200 by benchmarks/adamw.py; 2048 and 8192 are its other candidates).
+BLOCK = 4096
+# Columns of the address table, one row per tensor.
+_P, _M, _V, _STEP = 0, 1, 2, 3
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def adamw_reference_step(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, step: int, lr: float,
+                         beta1: float, beta2: float, eps: float, weight_decay: float,
+                         clip_coef: float = 1.0) -> None:
+    """One AdamW step in place, in the tensors' own dtype (float64 in tests): the kernel's math, for checking it.
+    `step` is the count after this step; `clip_coef` multiplies the gradient first."""
+    g = g * clip_coef
+    p.mul_(1 - lr * weight_decay)
+    m.mul_(beta1).add_(g, alpha=1 - beta1)
+    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    bias1 = 1 - beta1**step
+    bias2_sqrt = (1 - beta2**step) ** 0.5
+    p.sub_((lr / bias1) * m / (v.sqrt() / bias2_sqrt + eps))
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _adamw_chunks_kernel(addr_ptr, grad_addr_ptr, numel_ptr, chunk_tensor_ptr, chunk_index_ptr, norm_ptr,
+                             lr, beta1, beta2, eps, weight_decay, max_norm,
+                             P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, S_DTYPE: tl.constexpr,
+                             CLIP: tl.constexpr, BLOCK: tl.constexpr):
+        chunk = tl.program_id(0)
+        t = tl.load(chunk_tensor_ptr + chunk).to(tl.int64)
+        # The chunk's first element as index * BLOCK: the compiler then knows it is a multiple of BLOCK and, with the
+        # 16-byte aligned addresses below, issues vector loads (a start loaded as such would be of unknown alignment).
+        start = tl.load(chunk_index_ptr + chunk).to(tl.int64) * BLOCK
+        row = addr_ptr + t * 4
+        p_ptr = tl.multiple_of(tl.load(row + 0), 16).to(tl.pointer_type(P_DTYPE))
+        m_ptr = tl.multiple_of(tl.load(row + 1), 16).to(tl.pointer_type(S_DTYPE))
+        v_ptr = tl.multiple_of(tl.load(row + 2), 16).to(tl.pointer_type(S_DTYPE))
+        step_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
+        g_ptr = tl.multiple_of(tl.load(grad_addr_ptr + t), 16).to(tl.pointer_type(G_DTYPE))
+        n = tl.load(numel_ptr + t)
+
+        step = tl.load(step_ptr) + 1.0
+        bias1 = 1.0 - tl.exp2(step * tl.log2(beta1))
+        bias2_sqrt = tl.sqrt(1.0 - tl.exp2(step * tl.log2(beta2)))
+
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < n
+        p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        m = tl.load(m_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        if CLIP:
+            norm = tl.load(norm_ptr).to(tl.float32)
+            g = g * tl.minimum(max_norm / (norm + 1e-6), 1.0)
+        p = p - (lr * weight_decay) * p
+        m = beta1 * m + (1.0 - beta1) * g
+        v = beta2 * v + (1.0 - beta2) * g * g
+        p = p - (lr / bias1) * m / (tl.sqrt(v) / bias2_sqrt + eps)
+        tl.store(p_ptr + offs, p.to(P_DTYPE), mask=mask)
+        tl.store(m_ptr + offs, m.to(S_DTYPE), mask=mask)
+        tl.store(v_ptr + offs, v.to(S_DTYPE), mask=mask)
+
+    _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+else:
+    _TL_DTYPES = {}
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (FSDP2 parameters, their gradients and AdamW states), else the tensor itself.
+    `_local_tensor` instead of to_local(): to_local() is an autograd call, ~10 us each for hundreds of tensors."""
+    return getattr(t, "_local_tensor", t)
+
+
+@dataclass
+class _Bucket:
+    """The tensors of one parameter group that share (param, grad, state) dtypes, and their device tables."""
+    params: list[torch.Tensor]
+    addr: torch.Tensor  # int64 [T, 4] on the device: param, exp_avg, exp_avg_sq, step
+    numel: torch.Tensor  # int64 [T]
+    chunk_tensor: torch.Tensor  # int32 [C]
+    chunk_index: torch.Tensor  # int32 [C]
+    steps: list[torch.Tensor]
+    grad_addr: torch.Tensor  # int64 [T] on the device
+    grad_addr_host: list[int]
+    staging: torch.Tensor  # int64 [T], pinned on CUDA: the host side of grad_addr's copies
+    copied: torch.cuda.Event | None  # recorded after the last copy out of `staging`
+    dtypes: tuple
+
+
+class ChunkedAdamW(torch.optim.AdamW):
+    """torch.optim.AdamW whose step runs as one Triton launch per dtype bucket (see the module docstring).
+
+    `clip_and_step(grad_norm, max_norm)` is clip_grads_with_norm_(params, max_norm, grad_norm) followed by step(),
+    with the scaling done inside the launch."""
+
+    def __init__(self, params, *args, **kwargs) -> None:
+        super().__init__(params, *args, **kwargs)
+        # id(param group) -> (addresses of its params and states, its buckets)
+        self._buckets: dict[int, tuple[tuple, list[_Bucket]]] = {}
+        self._clip: tuple[torch.Tensor, float] | None = None
+        self.kernel_steps = 0  # steps that ran through the kernel (tests and benchmarks read it)
+
+    def load_state_dict(self, state_dict) -> None:
+        super().load_state_dict(state_dict)
+        self._buckets.clear()  # new state tensors: new addresses
+
+    def add_param_group(self, param_group) -> None:
+        super().add_param_group(param_group)
+        if hasattr(self, "_buckets"):
+            self._buckets.clear()
+
+    def clip_and_step(self, grad_norm: torch.Tensor, max_norm: float) -> None:
+        self._clip = (grad_norm, float(max_norm))
+        try:
+            self.step()
+        finally:
+            self._clip = None
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if closure is None and all(self._group_supported(group) for group in self.param_groups):
+            groups = [(group, [p for p in group["params"] if p.grad is not None]) for group in self.param_groups]
+            if all(self._tensors_supported(params) for _, params in groups):
+                for group, params in groups:
+                    if params:
+                        self._kernel_step(group, params)
+                self.kernel_steps += 1
+                return None
+        if self._clip is not None:
+            grad_norm, max_norm = self._clip
+            params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, grad_norm)
+        return super().step(closure)
+
+    # -- which steps the kernel takes --------------------------------------------------------------------------
+    @staticmethod
+    def _group_supported(group: dict) -> bool:
+        beta1, beta2 = group["betas"]
+        return (HAS_TRITON and not group["amsgrad"] and not group["maximize"] and not group["capturable"]
+                and not group["differentiable"] and not torch.is_tensor(group["lr"])
+                and not torch.is_tensor(beta1) and not torch.is_tensor(beta2) and 0.0 < beta1 < 1.0
+                and 0.0 < beta2 < 1.0)
+
+    @staticmethod
+    def _tensors_supported(params: list[torch.Tensor]) -> bool:
+        for p in params:
+            lp, lg = _local(p), _local(p.grad)
+            on_device = lp.is_cuda and torch.version.hip is None
+            if not (on_device or (interpreting() and lp.device.type == "cpu")):
+                return False
+            if (lp.dtype not in _TL_DTYPES or lg.dtype not in _TL_DTYPES or lg.is_sparse or lg.device != lp.device
+                    or lg.shape != lp.shape or not lp.is_contiguous() or not lg.is_contiguous()
+                    or lp.data_ptr() % 16 or lg.data_ptr() % 16):
+                return False
+        return True
+
+    # -- the step ----------------------------------------------------------------------------------------------
+    def _kernel_step(self, group: dict, params: list[torch.Tensor]) -> None:
+        self._init_states(group, params)
+        for bucket in self._buckets_for(group, params):
+            device = bucket.addr.device
+            with torch.cuda.device(device) if device.type == "cuda" else _nullcontext():
+                self._launch(bucket, group)
+
+    def _launch(self, bucket: _Bucket, group: dict) -> None:
+        """Send the gradients' addresses if they moved, run the kernel, count the step (on the current stream)."""
+        beta1, beta2 = group["betas"]
+        self._send_grad_addresses(bucket, [_local(p.grad) for p in bucket.params])
+        p_dtype, g_dtype, s_dtype, _ = bucket.dtypes
+        if self._clip is not None:
+            norm, max_norm = self._clip[0].detach().reshape(1).float(), self._clip[1]
+        else:
+            norm, max_norm = bucket.numel, 0.0  # unread (CLIP=False)
+        _adamw_chunks_kernel[(bucket.chunk_tensor.numel(),)](
+            bucket.addr, bucket.grad_addr, bucket.numel, bucket.chunk_tensor, bucket.chunk_index, norm,
+            float(group["lr"]), float(beta1), float(beta2), float(group["eps"]), float(group["weight_decay"]),
+            float(max_norm), P_DTYPE=_TL_DTYPES[p_dtype], G_DTYPE=_TL_DTYPES[g_dtype], S_DTYPE=_TL_DTYPES[s_dtype],
+            CLIP=self._clip is not None, BLOCK=BLOCK, num_warps=8)
+        torch._foreach_add_(bucket.steps, 1.0)
+
+    def _init_states(self, group: dict, params: list[torch.Tensor]) -> None:
+        """Torch's own lazy state initialisation (so the state dict is torch's), for parameters without state; a step
+        count restored on the CPU (a checkpoint of an unfused run) moves to the parameter's device as float32."""
+        if any(len(self.state[p]) == 0 for p in params):
+            self._init_group(group, [], [], [], [], [], [])
+        for p in params:
+            state = self.state[p]
+            step = state["step"]
+            if step.device != _local(p).device or step.dtype != torch.float32:
+                state["step"] = step.to(device=_local(p).device, dtype=torch.float32)
+
+    def _buckets_for(self, group: dict, params: list[torch.Tensor]) -> list[_Bucket]:
+        """The group's buckets, rebuilt when its set of parameters or any param/state address changed (a state
+        load, a reshard)."""
+        key = tuple((_local(p).data_ptr(), _local(self.state[p]["exp_avg"]).data_ptr(),
+                     _local(self.state[p]["exp_avg_sq"]).data_ptr(), self.state[p]["step"].data_ptr())
+                    for p in params)
+        cached = self._buckets.get(id(group))
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        by_dtypes: dict[tuple, list[torch.Tensor]] = {}
+        for p in params:
+            state = self.state[p]
+            dtypes = (_local(p).dtype, _local(p.grad).dtype, _local(state["exp_avg"]).dtype,
+                      _local(state["exp_avg_sq"]).dtype)
+            by_dtypes.setdefault(dtypes, []).append(p)
+        buckets = [self._make_bucket(ps, dtypes) for dtypes, ps in by_dtypes.items()]
+        self._buckets[id(group)] = (key, buckets)
+        return buckets
+
+    def _make_bucket(self, params: list[torch.Tensor], dtypes: tuple) -> _Bucket:
+        if dtypes[2] != dtypes[3]:
+            raise NotImplementedError(f"exp_avg ({dtypes[2]}) and exp_avg_sq ({dtypes[3]}) of different dtypes")
+        device = _local(params[0]).device
+        rows, numels, chunk_tensor, chunk_index, steps = [], [], [], [], []
+        for i, p in enumerate(params):
+            state = self.state[p]
+            lp, m, v = _local(p), _local(state["exp_avg"]), _local(state["exp_avg_sq"])
+            if not (m.is_contiguous() and v.is_contiguous() and m.data_ptr() % 16 == 0 and v.data_ptr() % 16 == 0
+                    and m.shape == lp.shape and v.shape == lp.shape):
+                raise ValueError("AdamW states must be contiguous, 16-byte aligned and shaped like their parameter")
+            rows.append([lp.data_ptr(), m.data_ptr(), v.data_ptr(), state["step"].data_ptr()])
+            numels.append(lp.numel())
+            chunks = -(-lp.numel() // BLOCK)
+            chunk_tensor += [i] * chunks
+            chunk_index += range(chunks)
+            steps.append(state["step"])
+        pinned = device.type == "cuda"
+        return _Bucket(
+            params=params, addr=torch.tensor(rows, dtype=torch.int64).to(device),
+            numel=torch.tensor(numels, dtype=torch.int64).to(device),
+            chunk_tensor=torch.tensor(chunk_tensor, dtype=torch.int32).to(device),
+            chunk_index=torch.tensor(chunk_index, dtype=torch.int32).to(device), steps=steps,
+            grad_addr=torch.zeros(len(params), dtype=torch.int64, device=device), grad_addr_host=[],
+            staging=torch.zeros(len(params), dtype=torch.int64, pin_memory=pinned), copied=None, dtypes=dtypes)
+
+    @staticmethod
+    def _send_grad_addresses(bucket: _Bucket, grads: list[torch.Tensor]) -> None:
+        """Copy the gradients' addresses to the device when they changed since the last step (asynchronously: the
+        staging buffer is pinned, and reused only after its previous copy finished)."""
+        addrs = [g.data_ptr() for g in grads]
+        if addrs == bucket.grad_addr_host:
+            return
+        if bucket.copied is not None:
+            bucket.copied.synchronize()
+        bucket.staging.copy_(torch.tensor(addrs, dtype=torch.int64))
+        bucket.grad_addr.copy_(bucket.staging, non_blocking=True)
+        if bucket.grad_addr.is_cuda:
+            bucket.copied = torch.cuda.Event()
+            bucket.copied.record()
+        bucket.grad_addr_host = addrs
+
+
+class _nullcontext:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False

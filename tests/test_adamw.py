@@ -1,0 +1,249 @@
+"""optim.ChunkedAdamW: the Triton step against float64 AdamW, torch's AdamW state dict, the clip folded in.
+
+The kernel runs on the CPU under TRITON_INTERPRET=1, which must be set before triton is imported, so the `_interp_*`
+cases run in a child pytest (as in test_fp8_kernels.py). The interpreter rounds fp32 -> bf16 by truncation (ENV.md),
+so bf16 cases allow one bf16 step; fp32 cases must agree with the float64 reference to fp32 rounding. The GPU cases
+(skipped without CUDA) compare with torch's fused AdamW on the device.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+
+_IN_CHILD = os.environ.get("ELASTIC_FP8_INTERP_CHILD") == "1"
+if _IN_CHILD:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest
+import torch
+
+from optim import ChunkedAdamW, adamw_reference_step
+from optim import adamw as adamw_mod
+
+KW = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+# Sizes around the chunk size (one partial chunk, exact chunks, a tiny tensor) with a small BLOCK so that the
+# interpreter's cost per program stays low.
+SIZES = ((3, 70), (64,), (5,), (2, 128), (300,))
+
+
+def make(dtype, seed=0, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=g).to(device=device, dtype=dtype)) for s in SIZES]
+
+
+def grads_for(params, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(p.shape, generator=g).to(dtype=p.dtype, device=p.device) * (1 + i) for i, p in
+            enumerate(params)]
+
+
+def norm_of(grads):
+    return torch.linalg.vector_norm(torch.stack([g.double().norm() for g in grads])).float()
+
+
+def reference_run(start, grad_seq, max_norm):
+    """float64 AdamW with the clip, from `start`, over the gradient sequence; returns params and states."""
+    p = [t.detach().double().clone() for t in start]
+    m = [torch.zeros_like(t) for t in p]
+    v = [torch.zeros_like(t) for t in p]
+    for step, grads in enumerate(grad_seq, start=1):
+        coef = 1.0 if max_norm is None else min(1.0, max_norm / (float(norm_of(grads)) + 1e-6))
+        for i in range(len(p)):
+            adamw_reference_step(p[i], grads[i].double(), m[i], v[i], step, KW["lr"], *KW["betas"], KW["eps"],
+                                 KW["weight_decay"], clip_coef=coef)
+    return p, m, v
+
+
+def run_ours(params, grad_seq, max_norm, opt=None):
+    opt = opt or ChunkedAdamW(params, **KW)
+    for grads in grad_seq:
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        if max_norm is None:
+            opt.step()
+        else:
+            opt.clip_and_step(norm_of(grads), max_norm)
+    return opt
+
+
+# ----------------------------------------------------------------------------- interpreter cases (child process)
+
+@pytest.fixture
+def small_block(monkeypatch):
+    monkeypatch.setattr(adamw_mod, "BLOCK", 64)
+
+
+def _interp_fp32_matches_float64_reference_with_and_without_clip(small_block):
+    for max_norm in (None, 0.5, 1e6):  # no clip, clip active, clip inactive
+        params = make(torch.float32)
+        start = [p.detach().clone() for p in params]
+        seq = [grads_for(params, s) for s in range(4)]
+        opt = run_ours(params, seq, max_norm)
+        assert opt.kernel_steps == 4
+        ref_p, ref_m, ref_v = reference_run(start, seq, max_norm)
+        for i, p in enumerate(params):
+            change = (ref_p[i] - start[i].double()).abs().max()
+            assert change > 1e-3  # the steps moved the weights
+            torch.testing.assert_close(p.double(), ref_p[i], rtol=2e-6, atol=2e-6 * float(change))
+            torch.testing.assert_close(opt.state[p]["exp_avg"].double(), ref_m[i], rtol=1e-5, atol=1e-7)
+            torch.testing.assert_close(opt.state[p]["exp_avg_sq"].double(), ref_v[i], rtol=1e-5, atol=1e-9)
+            assert opt.state[p]["step"].item() == 4.0 and opt.state[p]["step"].dtype == torch.float32
+
+
+def _interp_states_show_the_clip(small_block):
+    # Adam's update is nearly invariant to the gradient's scale, so the weights barely show a clip; the first moment
+    # does: clipped to a quarter of the norm, exp_avg is a quarter of the unclipped one.
+    params_a, params_b = make(torch.float32), make(torch.float32)
+    seq = [grads_for(params_a, 8)]
+    norm = float(norm_of(seq[0]))
+    opt_a = run_ours(params_a, seq, norm / 4)
+    opt_b = run_ours(params_b, seq, None)
+    for a, b in zip(params_a, params_b):
+        torch.testing.assert_close(opt_a.state[a]["exp_avg"] * 4, opt_b.state[b]["exp_avg"], rtol=1e-5, atol=1e-7)
+
+
+def _interp_bf16_within_one_bf16_step_of_float64(small_block):
+    params = make(torch.bfloat16)
+    start = [p.detach().clone() for p in params]
+    seq = [grads_for(params, s) for s in range(3)]
+    run_ours(params, seq, 1.0)
+    ref_p, _, _ = reference_run(start, seq, 1.0)
+    for p, r, s in zip(params, ref_p, start):
+        # Each of the 3 steps stores the weight and the states in bf16 once more (the interpreter truncates): up to
+        # about a bf16 step (2^-7 relative) of the value per step, the value taken along its path (start or end);
+        # the float64 reference never rounds. Updates are ~lr = 1e-2, so a dropped or doubled update fails this.
+        tol = 4 * 2.0**-7 * torch.maximum(r.abs(), s.double().abs())
+        assert ((p.double() - r).abs() <= tol).all(), (p.double() - r).abs().max()
+
+
+def _interp_state_dict_is_torchs_both_ways(small_block):
+    # Ours for 2 steps -> torch's AdamW for 2 more, against ours for 4; and torch's state -> ours.
+    seq = [grads_for(make(torch.float32), s) for s in range(4)]
+    a = make(torch.float32)
+    opt_a = run_ours(a, seq[:2], None)
+    b = [torch.nn.Parameter(p.detach().clone()) for p in a]
+    opt_b = torch.optim.AdamW(b, foreach=False, **KW)
+    # A copy: load_state_dict keeps tensors that already have the parameter's dtype and device (no copy), and the
+    # two optimizers must not share states here.
+    opt_b.load_state_dict(copy.deepcopy(opt_a.state_dict()))
+    for grads in seq[2:]:
+        for p, g in zip(b, grads):
+            p.grad = g.clone()
+        opt_b.step()
+    run_ours(a, seq[2:], None, opt=opt_a)
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-7)
+    # torch -> ours: the loaded step counts (CPU scalars of an unfused run) are moved to float32 and continue.
+    c = [torch.nn.Parameter(p.detach().clone()) for p in b]
+    opt_c = ChunkedAdamW(c, **KW)
+    opt_c.load_state_dict(copy.deepcopy(opt_b.state_dict()))
+    run_ours(c, seq[:1], None, opt=opt_c)
+    assert opt_c.kernel_steps == 1
+    for grads in seq[:1]:
+        for p, g in zip(b, grads):
+            p.grad = g.clone()
+        opt_b.step()
+    for x, y in zip(c, b):
+        torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-7)
+        assert opt_c.state[x]["step"].item() == 5.0
+
+
+def _interp_new_gradient_addresses_every_step_and_params_without_grads(small_block):
+    params = make(torch.float32)
+    start = [p.detach().clone() for p in params]
+    opt = ChunkedAdamW(params, **KW)
+    seq = [grads_for(params, s) for s in range(3)]
+    keep = []
+    for grads in seq:
+        for p, g in zip(params[:-1], grads):  # the last parameter never gets a gradient
+            p.grad = g.clone()
+            keep.append(p.grad)  # kept alive: the next step's gradients land at new addresses
+        opt.step()
+    assert opt.kernel_steps == 3
+    ref_p, _, _ = reference_run(start[:-1], [g[:-1] for g in seq], None)
+    for p, r in zip(params[:-1], ref_p):
+        torch.testing.assert_close(p.double(), r, rtol=2e-6, atol=1e-7)
+    assert torch.equal(params[-1], start[-1]) and len(opt.state[params[-1]]) == 0
+
+
+def _interp_mixed_dtypes_run_as_buckets(small_block):
+    params = make(torch.float32)
+    params[1].data = params[1].data.to(torch.bfloat16)
+    start = [p.detach().clone() for p in params]
+    seq = [grads_for(params, s) for s in range(2)]
+    opt = run_ours(params, seq, None)
+    assert opt.kernel_steps == 2 and len(next(iter(opt._buckets.values()))[1]) == 2
+    ref_p, _, _ = reference_run(start, seq, None)
+    for i in (0, 2, 3, 4):
+        torch.testing.assert_close(params[i].double(), ref_p[i], rtol=2e-6, atol=1e-7)
+
+
+N_INTERP_CASES = 6
+
+if _IN_CHILD:
+    globals().update({"test_" + name[1:]: fn for name, fn in list(globals().items()) if name.startswith("_interp_")})
+else:
+
+    def test_kernel_cases_in_the_triton_interpreter():
+        env = dict(os.environ, TRITON_INTERPRET="1", ELASTIC_FP8_INTERP_CHILD="1")
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "interp", __file__]
+        proc = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env, timeout=600)
+        tail = (proc.stdout + proc.stderr)[-6000:]
+        assert proc.returncode == 0, tail
+        assert f"{N_INTERP_CASES} passed" in proc.stdout, tail
+
+
+# ----------------------------------------------------------------------------- torch's step where the kernel cannot run
+
+def test_unsupported_settings_fall_back_to_torch_with_the_clip():
+    # amsgrad (and, without the interpreter, every CPU run) steps through torch.optim.AdamW, clip included.
+    for kwargs in ({"amsgrad": True}, {}):
+        a = make(torch.float32)
+        b = [torch.nn.Parameter(p.detach().clone()) for p in a]
+        opt_a = ChunkedAdamW(a, **KW, **kwargs)
+        opt_b = torch.optim.AdamW(b, **KW, **kwargs)
+        for s in range(2):
+            grads = grads_for(a, s)
+            for p, q, g in zip(a, b, grads):
+                p.grad, q.grad = g.clone(), g.clone()
+            norm = norm_of(grads)
+            opt_a.clip_and_step(norm, 0.3)
+            torch.nn.utils.clip_grads_with_norm_(b, 0.3, norm)
+            opt_b.step()
+        assert opt_a.kernel_steps == 0
+        for x, y in zip(a, b):
+            assert torch.equal(x, y)
+
+
+# ----------------------------------------------------------------------------- the GPU kernel against torch's fused AdamW
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_kernel_matches_torch_fused_adamw(dtype):
+    sizes = ((4096, 1000), (7,), (3, 5000), (64, 2048))
+    g = torch.Generator().manual_seed(0)
+    a = [torch.nn.Parameter(torch.randn(s, generator=g).to("cuda", dtype)) for s in sizes]
+    b = [torch.nn.Parameter(p.detach().clone()) for p in a]
+    start = [p.detach().clone() for p in a]
+    opt_a, opt_b = ChunkedAdamW(a, fused=True, **KW), torch.optim.AdamW(b, fused=True, **KW)
+    for s in range(4):
+        grads = [torch.randn(p.shape, generator=g).to("cuda", dtype) for p in a]
+        for p, q, gr in zip(a, b, grads):
+            p.grad, q.grad = gr.clone(), gr.clone()
+        norm = norm_of(grads).cuda()
+        opt_a.clip_and_step(norm, float(norm) / 3)
+        torch.nn.utils.clip_grads_with_norm_(b, float(norm) / 3, norm)
+        opt_b.step()
+    assert opt_a.kernel_steps == 4
+    for x, y, s0 in zip(a, b, start):
+        change = (y.float() - s0.float()).abs().max()
+        assert change > 1e-3
+        if dtype == torch.float32:
+            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5 * float(change))
+        else:  # bf16 storage: the two may round a value differently once per step
+            assert ((x.float() - y.float()).abs() <= 4 * 2.0**-7 * y.float().abs().clamp_min(1e-2)).all()
+        torch.testing.assert_close(opt_a.state[x]["exp_avg_sq"].float(), opt_b.state[y]["exp_avg_sq"].float(),
+                                   rtol=2e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-6)
