@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import statistics
 import sys
 
@@ -109,16 +110,23 @@ def run_case(shapes, dtype, args, device) -> dict:
     out["torch_fused_ms"] = time_ms(torch_opt.step, args.reps)
     torch_opt.state.clear()  # its exp_avg / exp_avg_sq, before ours allocates its own
     torch.cuda.empty_cache()
+    tiles = {}
     for block in args.blocks:
-        adamw.BLOCK = block
-        ours = ChunkedAdamW(params, fused=True, **kw)
-        for _ in range(3):
-            ours.clip_and_step(n, 1.0)
-        out[f"ours_clip_ms_block{block}"] = time_ms(lambda opt=ours: opt.clip_and_step(n, 1.0), args.reps)
-        ours.state.clear()
-        torch.cuda.empty_cache()
-    adamw.BLOCK = args.blocks[0]
-    best = min(out[f"ours_clip_ms_block{b}"] for b in args.blocks)
+        for warps in args.warps:
+            adamw.BLOCK, adamw.NUM_WARPS = block, warps
+            ours = ChunkedAdamW(params, fused=True, **kw)
+            for _ in range(3):
+                ours.clip_and_step(n, 1.0)
+            tiles[f"block{block}_warps{warps}"] = time_ms(lambda opt=ours: opt.clip_and_step(n, 1.0), args.reps)
+            ptx = ours.last_compiled.asm.get("ptx", "") if ours.last_compiled is not None else ""
+            # Vector loads are what the unmasked whole-chunk path is for (none: scalar 2- or 4-byte accesses).
+            out.setdefault("ptx_vector_loads", len(re.findall(r"ld\.global[.\w]*\.v[248]", ptx)))
+            ours.state.clear()
+            torch.cuda.empty_cache()
+    adamw.BLOCK, adamw.NUM_WARPS = args.blocks[0], args.warps[0]
+    out["ours_clip_ms_by_tile"] = tiles
+    best = min(tiles.values())
+    out["best_tile"] = min(tiles, key=tiles.get)
     out["ours_clip_ms"] = best
     out["torch_TBps"] = moved / out["torch_fused_ms"] / 1e9
     out["ours_TBps"] = moved / best / 1e9
@@ -131,7 +139,8 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--models", nargs="*", default=["llama3_8b:8", "deepseek_moe16b:4"])
     ap.add_argument("--dtypes", nargs="*", default=["bfloat16", "float32"])
-    ap.add_argument("--blocks", nargs="*", type=int, default=[4096, 2048, 8192])
+    ap.add_argument("--blocks", nargs="*", type=int, default=[4096, 2048, 1024])
+    ap.add_argument("--warps", nargs="*", type=int, default=[8, 4])
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--check-steps", type=int, default=3)
     args = ap.parse_args()

@@ -50,6 +50,7 @@ except ImportError:  # CPU-only installs: torch's step runs instead
 # Elements per program: 4096 bf16 = 8 KiB per stream and program, 16 elements per thread at 8 warps (measured on the
 # H200 by benchmarks/adamw.py; 2048 and 8192 are its other candidates).
 BLOCK = 4096
+NUM_WARPS = 8
 # Columns of the address table, one row per tensor.
 _P, _M, _V, _STEP = 0, 1, 2, 3
 
@@ -75,6 +76,15 @@ def adamw_reference_step(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: t
 if HAS_TRITON:
 
     @triton.jit
+    def _adamw_update(p, g, m, v, coef, lr, beta1, beta2, eps, weight_decay, bias1, bias2_sqrt):
+        g = g * coef
+        p = p - (lr * weight_decay) * p
+        m = beta1 * m + (1.0 - beta1) * g
+        v = beta2 * v + (1.0 - beta2) * g * g
+        p = p - (lr / bias1) * m / (tl.sqrt(v) / bias2_sqrt + eps)
+        return p, m, v
+
+    @triton.jit
     def _adamw_chunks_kernel(addr_ptr, grad_addr_ptr, numel_ptr, chunk_tensor_ptr, chunk_index_ptr, norm_ptr,
                              lr, beta1, beta2, eps, weight_decay, max_norm,
                              P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, S_DTYPE: tl.constexpr,
@@ -95,23 +105,31 @@ if HAS_TRITON:
         step = tl.load(step_ptr) + 1.0
         bias1 = 1.0 - tl.exp2(step * tl.log2(beta1))
         bias2_sqrt = tl.sqrt(1.0 - tl.exp2(step * tl.log2(beta2)))
+        coef = 1.0
+        if CLIP:
+            coef = tl.minimum(max_norm / (tl.load(norm_ptr).to(tl.float32) + 1e-6), 1.0)
 
         offs = start + tl.arange(0, BLOCK)
-        mask = offs < n
-        p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        m = tl.load(m_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        if CLIP:
-            norm = tl.load(norm_ptr).to(tl.float32)
-            g = g * tl.minimum(max_norm / (norm + 1e-6), 1.0)
-        p = p - (lr * weight_decay) * p
-        m = beta1 * m + (1.0 - beta1) * g
-        v = beta2 * v + (1.0 - beta2) * g * g
-        p = p - (lr / bias1) * m / (tl.sqrt(v) / bias2_sqrt + eps)
-        tl.store(p_ptr + offs, p.to(P_DTYPE), mask=mask)
-        tl.store(m_ptr + offs, m.to(S_DTYPE), mask=mask)
-        tl.store(v_ptr + offs, v.to(S_DTYPE), mask=mask)
+        if start + BLOCK <= n:
+            # Whole chunks without a mask: a mask against a numel of unknown divisibility stops the compiler from
+            # vectorizing the accesses (the first H200 run of this kernel, masked everywhere, moved bf16 at half
+            # the bandwidth of torch's fused AdamW).
+            p, m, v = _adamw_update(tl.load(p_ptr + offs).to(tl.float32), tl.load(g_ptr + offs).to(tl.float32),
+                                    tl.load(m_ptr + offs).to(tl.float32), tl.load(v_ptr + offs).to(tl.float32),
+                                    coef, lr, beta1, beta2, eps, weight_decay, bias1, bias2_sqrt)
+            tl.store(p_ptr + offs, p.to(P_DTYPE))
+            tl.store(m_ptr + offs, m.to(S_DTYPE))
+            tl.store(v_ptr + offs, v.to(S_DTYPE))
+        else:  # the tensor's last, partial chunk
+            mask = offs < n
+            p, m, v = _adamw_update(tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32),
+                                    tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32),
+                                    tl.load(m_ptr + offs, mask=mask, other=0.0).to(tl.float32),
+                                    tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32),
+                                    coef, lr, beta1, beta2, eps, weight_decay, bias1, bias2_sqrt)
+            tl.store(p_ptr + offs, p.to(P_DTYPE), mask=mask)
+            tl.store(m_ptr + offs, m.to(S_DTYPE), mask=mask)
+            tl.store(v_ptr + offs, v.to(S_DTYPE), mask=mask)
 
     _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 else:
@@ -152,6 +170,7 @@ class ChunkedAdamW(torch.optim.AdamW):
         self._buckets: dict[int, tuple[tuple, list[_Bucket]]] = {}
         self._clip: tuple[torch.Tensor, float] | None = None
         self.kernel_steps = 0  # steps that ran through the kernel (tests and benchmarks read it)
+        self.last_compiled = None  # the last launch's compiled kernel (benchmarks/adamw.py reads its PTX)
 
     def load_state_dict(self, state_dict) -> None:
         super().load_state_dict(state_dict)
@@ -224,11 +243,11 @@ class ChunkedAdamW(torch.optim.AdamW):
             norm, max_norm = self._clip[0].detach().reshape(1).float(), self._clip[1]
         else:
             norm, max_norm = bucket.numel, 0.0  # unread (CLIP=False)
-        _adamw_chunks_kernel[(bucket.chunk_tensor.numel(),)](
+        self.last_compiled = _adamw_chunks_kernel[(bucket.chunk_tensor.numel(),)](
             bucket.addr, bucket.grad_addr, bucket.numel, bucket.chunk_tensor, bucket.chunk_index, norm,
             float(group["lr"]), float(beta1), float(beta2), float(group["eps"]), float(group["weight_decay"]),
             float(max_norm), P_DTYPE=_TL_DTYPES[p_dtype], G_DTYPE=_TL_DTYPES[g_dtype], S_DTYPE=_TL_DTYPES[s_dtype],
-            CLIP=self._clip is not None, BLOCK=BLOCK, num_warps=8)
+            CLIP=self._clip is not None, BLOCK=BLOCK, num_warps=NUM_WARPS)
         torch._foreach_add_(bucket.steps, 1.0)
 
     def _init_states(self, group: dict, params: list[torch.Tensor]) -> None:

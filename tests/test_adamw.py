@@ -242,8 +242,11 @@ def test_gpu_kernel_matches_torch_fused_adamw(dtype):
         change = (y.float() - s0.float()).abs().max()
         assert change > 1e-3
         if dtype == torch.float32:
-            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5 * float(change))
+            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5 * float(change.detach()))
         else:  # bf16 storage: the two may round a value differently once per step
             assert ((x.float() - y.float()).abs() <= 4 * 2.0**-7 * y.float().abs().clamp_min(1e-2)).all()
+        # bf16: torch's clip pass rounds the scaled gradient to bf16 before its step, ours scales in fp32 inside the
+        # kernel, and each stores v in bf16: the two may differ by a bf16 step (2^-7 relative at most) per step,
+        # carried forward with weight beta2 -> at most 4 steps after 4 steps (the first H200 run saw 2.5%).
         torch.testing.assert_close(opt_a.state[x]["exp_avg_sq"].float(), opt_b.state[y]["exp_avg_sq"].float(),
-                                   rtol=2e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-6)
+                                   rtol=4 * 2.0**-7 if dtype == torch.bfloat16 else 1e-5, atol=1e-6)
