@@ -120,7 +120,8 @@ def run_case(shapes, dtype, args, device) -> dict:
             tiles[f"block{block}_warps{warps}"] = time_ms(lambda opt=ours: opt.clip_and_step(n, 1.0), args.reps)
             ptx = ours.last_compiled.asm.get("ptx", "") if ours.last_compiled is not None else ""
             # Vector loads are what the unmasked whole-chunk path is for (none: scalar 2- or 4-byte accesses).
-            out.setdefault("ptx_vector_loads", len(re.findall(r"ld\.global[.\w]*\.v[248]", ptx)))
+            out.setdefault("ptx_vector_loads", len(re.findall(r"ld\.global\S*\.v[248]", ptx)))
+            out.setdefault("ptx_loads", len(re.findall(r"ld\.global", ptx)))
             ours.state.clear()
             torch.cuda.empty_cache()
     adamw.BLOCK, adamw.NUM_WARPS = args.blocks[0], args.warps[0]
@@ -139,8 +140,8 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--models", nargs="*", default=["llama3_8b:8", "deepseek_moe16b:4"])
     ap.add_argument("--dtypes", nargs="*", default=["bfloat16", "float32"])
-    ap.add_argument("--blocks", nargs="*", type=int, default=[4096, 2048, 1024])
-    ap.add_argument("--warps", nargs="*", type=int, default=[8, 4])
+    ap.add_argument("--blocks", nargs="*", type=int, default=[1024, 512, 2048])
+    ap.add_argument("--warps", nargs="*", type=int, default=[4, 2, 8])
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--check-steps", type=int, default=3)
     args = ap.parse_args()

@@ -47,10 +47,11 @@ except ImportError:  # CPU-only installs: torch's step runs instead
     tl = None
     HAS_TRITON = False
 
-# Elements per program: 4096 bf16 = 8 KiB per stream and program, 16 elements per thread at 8 warps (measured on the
-# H200 by benchmarks/adamw.py; 2048 and 8192 are its other candidates).
-BLOCK = 4096
-NUM_WARPS = 8
+# Elements per program and warps: 8 elements per thread (one 16-byte access per bf16 stream). The H200 sweep of
+# benchmarks/adamw.py (session 15 call C, 2.8B bf16 parameters, clip included): 1024/4 warps 12.0 ms, 1024/8 13.8,
+# 2048/8 14.0, 2048/4 19.6, 4096/8 20.2, 4096/4 30.0 (torch's fused AdamW + clip pass: 25.2 ms).
+BLOCK = 1024
+NUM_WARPS = 4
 # Columns of the address table, one row per tensor.
 _P, _M, _V, _STEP = 0, 1, 2, 3
 

@@ -134,6 +134,11 @@ class TrainConfig:
     # Python GC on a schedule (orchestration/gc_policy.py): automatic collection off while training, a young-
     # generation collection every N steps on all ranks at once; 0 = Python's automatic GC.
     gc_every_steps: int = 50
+    # The AdamW step: "triton" = optim.ChunkedAdamW (one Triton launch per step over every parameter, the gradient clip
+    # folded in: 2.1x torch's fused AdamW + clip pass for bf16 weights and 1.5x for fp32 on the H200, BENCHMARKS.md
+    # session 15), "torch" = torch.optim.AdamW (fused on GPUs), "auto" = triton on NVIDIA GPUs, torch elsewhere
+    # (ROCm: unverified, so torch). Same state dict either way: a checkpoint resumes under the other.
+    adamw: str = "auto"
 
 
 @dataclass
@@ -287,6 +292,8 @@ def validate(job: JobConfig) -> None:
     _require(t.grad_clip > 0, "train.grad_clip", "must be > 0")
     _require(t.log_every >= 1, "train.log_every", "must be >= 1")
     _require(t.sharding in ("fsdp", "none"), "train.sharding", f"'{t.sharding}' is not one of ('fsdp', 'none')")
+    _require(t.adamw in ("auto", "triton", "torch"), "train.adamw",
+             f"'{t.adamw}' is not one of ('auto', 'triton', 'torch')")
     _require(t.gc_every_steps >= 0, "train.gc_every_steps",
              f"must be >= 0 (0 = Python's automatic garbage collection), got {t.gc_every_steps}")
     _require(t.micro_batch_size >= 1, "train.micro_batch_size", "must be >= 1")

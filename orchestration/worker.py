@@ -21,6 +21,7 @@ import torch
 from fp8 import grouped as fp8_grouped
 from fp8.linear import Float8Linear
 from models.loss import lm_loss as lm_loss_fn
+from optim import ChunkedAdamW
 from orchestration.config import JobConfig, from_dict
 from orchestration.data import ByteTextDataset, collect_text_files, python_stdlib_dir
 from orchestration.distributed import (
@@ -167,6 +168,24 @@ def adamw_kwargs(job: JobConfig, device: torch.device) -> dict[str, Any]:
             "fused": True if device.type == "cuda" else None}
 
 
+def adamw_implementation(job: JobConfig, device: torch.device) -> str:
+    """train.adamw resolved for this worker's device: "triton" (optim.ChunkedAdamW) or "torch"."""
+    nvidia = device.type == "cuda" and torch.version.hip is None
+    if job.train.adamw == "triton" and not nvidia:
+        raise ValueError(f"train.adamw=triton runs a Triton kernel on NVIDIA GPUs; this worker's device is "
+                         f"{'ROCm' if device.type == 'cuda' else device.type}: use train.adamw=auto or torch")
+    if job.train.adamw == "auto":
+        return "triton" if nvidia else "torch"
+    return job.train.adamw
+
+
+def make_optimizer(job: JobConfig, device: torch.device, params) -> torch.optim.Optimizer:
+    kwargs = adamw_kwargs(job, device)
+    if adamw_implementation(job, device) == "triton":
+        return ChunkedAdamW(params, **kwargs)
+    return torch.optim.AdamW(params, **kwargs)
+
+
 def compile_enabled(job: JobConfig, device: torch.device) -> bool:
     """model.compile, where null means: compile on GPUs (ROCm included), eager on CPU."""
     return job.model.compile if job.model.compile is not None else device.type == "cuda"
@@ -234,7 +253,7 @@ class Trainer:
         self.model, self.recipe = build_training_model(job, self.world_size, self.device)
         self.compiled = compile_enabled(job, self.device)  # the loss follows the blocks
         self.cuda_graphs = self.compiled and job.model.compile_mode == "reduce-overhead" and self.device.type == "cuda"
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), **adamw_kwargs(job, self.device))
+        self.optimizer = make_optimizer(job, self.device, self.model.parameters())
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_at(s, job))
         self.state = TrainState(precision="fp8" if self.recipe else "bf16")
         self.compute_dtype = _DTYPES[job.precision.compute_dtype]
@@ -540,12 +559,15 @@ class Trainer:
                 continue
             step_range = [self.state.cursor, self.state.cursor + job.train.global_batch_size]
             if action == "proceed":
-                # The clip is launched after the guard's host read, not before: its scaling pass then keeps the GPU
-                # busy while the host runs AdamW's Python prologue, where the GPU waited 1.0-1.9 ms a step in
-                # session 10's MoE host profile (BENCHMARKS.md; the gain is not measured yet). A skipped step does
-                # not scale the gradients it drops.
-                torch.nn.utils.clip_grads_with_norm_(self.model.parameters(), job.train.grad_clip, grad_norm)
-                self.optimizer.step()
+                # The clip is applied after the guard's host read, not before: a skipped step does not scale the
+                # gradients it drops. optim.ChunkedAdamW (train.adamw) scales inside its one launch; with torch's
+                # AdamW the scaling pass at least keeps the GPU busy while the host runs AdamW's Python prologue
+                # (the GPU waited 1.0-1.9 ms a step there in session 10's MoE host profile, BENCHMARKS.md).
+                if isinstance(self.optimizer, ChunkedAdamW):  # the clip's scaling inside the optimizer's launch
+                    self.optimizer.clip_and_step(grad_norm, job.train.grad_clip)
+                else:
+                    torch.nn.utils.clip_grads_with_norm_(self.model.parameters(), job.train.grad_clip, grad_norm)
+                    self.optimizer.step()
                 self.update_router_bias()
                 self.state.consumed_ranges = merge_ranges(self.state.consumed_ranges + [step_range])
             else:  # skipped: the bad step never updates the weights

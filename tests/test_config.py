@@ -249,6 +249,32 @@ def test_adamw_is_fused_on_gpus_and_default_on_cpu():
     assert torch.allclose(param.detach(), torch.full((4,), 1 - 0.002 - 0.002 * 0.05), rtol=1e-5)
 
 
+def test_train_adamw_picks_our_triton_step_on_nvidia_gpus_only(monkeypatch):
+    """train.adamw: auto = optim.ChunkedAdamW on NVIDIA GPUs, torch's AdamW on CPU and ROCm (mocked: no AMD GPU here);
+    an explicit triton on a device it cannot run on is refused with the setting to change; bad values are refused."""
+    import torch
+
+    from optim import ChunkedAdamW
+    from orchestration.worker import adamw_implementation, make_optimizer
+
+    auto, triton, torch_impl = compose_job(), compose_job("train.adamw=triton"), compose_job("train.adamw=torch")
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert adamw_implementation(auto, cuda) == "triton" and adamw_implementation(auto, cpu) == "torch"
+    assert adamw_implementation(torch_impl, cuda) == "torch" and adamw_implementation(triton, cuda) == "triton"
+    with pytest.raises(ValueError, match="train.adamw=auto or torch"):
+        adamw_implementation(triton, cpu)
+    monkeypatch.setattr(torch.version, "hip", "6.3.0")  # ROCm: unverified, so torch's fused AdamW
+    assert adamw_implementation(auto, cuda) == "torch"
+    with pytest.raises(ValueError, match="ROCm"):
+        adamw_implementation(triton, cuda)
+    monkeypatch.setattr(torch.version, "hip", None)
+    params = [torch.nn.Parameter(torch.ones(4))]
+    assert type(make_optimizer(auto, cpu, params)) is torch.optim.AdamW
+    assert type(make_optimizer(auto, cuda, params)) is ChunkedAdamW  # built, not stepped: no GPU needed for that
+    with pytest.raises(ConfigError, match="train.adamw"):
+        compose_job("train.adamw=apex")
+
+
 def test_a_start_that_cannot_resume_is_refused_before_the_run_directory_changes(tmp_path):
     """orchestration.trainer.check_start (called by open_run_dir, for Ray and torchrun): a run_root that is a file,
     resume=false over checkpoints, and a resume with other model/precision/data settings are refused with the
