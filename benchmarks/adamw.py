@@ -111,20 +111,20 @@ def run_case(shapes, dtype, args, device) -> dict:
     torch_opt.state.clear()  # its exp_avg / exp_avg_sq, before ours allocates its own
     torch.cuda.empty_cache()
     tiles = {}
-    for block in args.blocks:
-        for warps in args.warps:
-            adamw.BLOCK, adamw.NUM_WARPS = block, warps
-            ours = ChunkedAdamW(params, fused=True, **kw)
-            for _ in range(3):
-                ours.clip_and_step(n, 1.0)
-            tiles[f"block{block}_warps{warps}"] = time_ms(lambda opt=ours: opt.clip_and_step(n, 1.0), args.reps)
-            ptx = ours.last_compiled.asm.get("ptx", "") if ours.last_compiled is not None else ""
-            # Vector loads are what the unmasked whole-chunk path is for (none: scalar 2- or 4-byte accesses).
-            out.setdefault("ptx_vector_loads", len(re.findall(r"ld\.global\S*\.v[248]", ptx)))
-            out.setdefault("ptx_loads", len(re.findall(r"ld\.global", ptx)))
-            ours.state.clear()
-            torch.cuda.empty_cache()
-    adamw.BLOCK, adamw.NUM_WARPS = args.blocks[0], args.warps[0]
+    for block, warps, hint in [(b, w, h) for h in args.hints for b in args.blocks for w in args.warps]:
+        adamw.BLOCK, adamw.NUM_WARPS, adamw.HINT_POINTERS = block, warps, hint == "pointer"
+        ours = ChunkedAdamW(params, fused=True, **kw)
+        for _ in range(3):
+            ours.clip_and_step(n, 1.0)
+        tiles[f"block{block}_warps{warps}_hint-{hint}"] = time_ms(lambda opt=ours: opt.clip_and_step(n, 1.0),
+                                                                   args.reps)
+        ptx = ours.last_compiled.asm.get("ptx", "") if ours.last_compiled is not None else ""
+        # Vector loads are what the unmasked whole-chunk path is for (none: scalar 2- or 4-byte accesses).
+        out.setdefault(f"ptx_vector_loads_hint-{hint}", len(re.findall(r"ld\.global\S*\.v[248]", ptx)))
+        out.setdefault(f"ptx_loads_hint-{hint}", len(re.findall(r"ld\.global", ptx)))
+        ours.state.clear()
+        torch.cuda.empty_cache()
+    adamw.BLOCK, adamw.NUM_WARPS, adamw.HINT_POINTERS = args.blocks[0], args.warps[0], args.hints[0] == "pointer"
     out["ours_clip_ms_by_tile"] = tiles
     best = min(tiles.values())
     out["best_tile"] = min(tiles, key=tiles.get)
@@ -142,6 +142,8 @@ def main() -> None:
     ap.add_argument("--dtypes", nargs="*", default=["bfloat16", "float32"])
     ap.add_argument("--blocks", nargs="*", type=int, default=[1024, 512, 2048])
     ap.add_argument("--warps", nargs="*", type=int, default=[4, 2, 8])
+    ap.add_argument("--hints", nargs="*", default=["pointer", "integer"], choices=("pointer", "integer"),
+                    help="where the kernel states the 16-byte alignment (optim.adamw.HINT_POINTERS)")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--check-steps", type=int, default=3)
     args = ap.parse_args()

@@ -52,6 +52,7 @@ except ImportError:  # CPU-only installs: torch's step runs instead
 # 2048/8 14.0, 2048/4 19.6, 4096/8 20.2, 4096/4 30.0 (torch's fused AdamW + clip pass: 25.2 ms).
 BLOCK = 1024
 NUM_WARPS = 4
+HINT_POINTERS = True  # where the 16-byte alignment hint goes (see the kernel); False: session 15 call D's kernel
 # Columns of the address table, one row per tensor.
 _P, _M, _V, _STEP = 0, 1, 2, 3
 
@@ -89,18 +90,26 @@ if HAS_TRITON:
     def _adamw_chunks_kernel(addr_ptr, grad_addr_ptr, numel_ptr, chunk_tensor_ptr, chunk_index_ptr, norm_ptr,
                              lr, beta1, beta2, eps, weight_decay, max_norm,
                              P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, S_DTYPE: tl.constexpr,
-                             CLIP: tl.constexpr, BLOCK: tl.constexpr):
+                             CLIP: tl.constexpr, BLOCK: tl.constexpr, HINT_POINTERS: tl.constexpr):
         chunk = tl.program_id(0)
         t = tl.load(chunk_tensor_ptr + chunk).to(tl.int64)
         # The chunk's first element as index * BLOCK: the compiler then knows it is a multiple of BLOCK and, with the
         # 16-byte aligned addresses below, issues vector loads (a start loaded as such would be of unknown alignment).
         start = tl.load(chunk_index_ptr + chunk).to(tl.int64) * BLOCK
         row = addr_ptr + t * 4
-        p_ptr = tl.multiple_of(tl.load(row + 0), 16).to(tl.pointer_type(P_DTYPE))
-        m_ptr = tl.multiple_of(tl.load(row + 1), 16).to(tl.pointer_type(S_DTYPE))
-        v_ptr = tl.multiple_of(tl.load(row + 2), 16).to(tl.pointer_type(S_DTYPE))
+        if HINT_POINTERS:
+            # The 16-byte alignment stated on the pointers themselves (checked on the host): a hint on the integer
+            # before the cast did not reach the loads (call D: no vector loads in the PTX).
+            p_ptr = tl.multiple_of(tl.load(row + 0).to(tl.pointer_type(P_DTYPE)), 16)
+            m_ptr = tl.multiple_of(tl.load(row + 1).to(tl.pointer_type(S_DTYPE)), 16)
+            v_ptr = tl.multiple_of(tl.load(row + 2).to(tl.pointer_type(S_DTYPE)), 16)
+            g_ptr = tl.multiple_of(tl.load(grad_addr_ptr + t).to(tl.pointer_type(G_DTYPE)), 16)
+        else:
+            p_ptr = tl.multiple_of(tl.load(row + 0), 16).to(tl.pointer_type(P_DTYPE))
+            m_ptr = tl.multiple_of(tl.load(row + 1), 16).to(tl.pointer_type(S_DTYPE))
+            v_ptr = tl.multiple_of(tl.load(row + 2), 16).to(tl.pointer_type(S_DTYPE))
+            g_ptr = tl.multiple_of(tl.load(grad_addr_ptr + t), 16).to(tl.pointer_type(G_DTYPE))
         step_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
-        g_ptr = tl.multiple_of(tl.load(grad_addr_ptr + t), 16).to(tl.pointer_type(G_DTYPE))
         n = tl.load(numel_ptr + t)
 
         step = tl.load(step_ptr) + 1.0
@@ -248,7 +257,7 @@ class ChunkedAdamW(torch.optim.AdamW):
             bucket.addr, bucket.grad_addr, bucket.numel, bucket.chunk_tensor, bucket.chunk_index, norm,
             float(group["lr"]), float(beta1), float(beta2), float(group["eps"]), float(group["weight_decay"]),
             float(max_norm), P_DTYPE=_TL_DTYPES[p_dtype], G_DTYPE=_TL_DTYPES[g_dtype], S_DTYPE=_TL_DTYPES[s_dtype],
-            CLIP=self._clip is not None, BLOCK=BLOCK, num_warps=NUM_WARPS)
+            CLIP=self._clip is not None, BLOCK=BLOCK, HINT_POINTERS=HINT_POINTERS, num_warps=NUM_WARPS)
         torch._foreach_add_(bucket.steps, 1.0)
 
     def _init_states(self, group: dict, params: list[torch.Tensor]) -> None:

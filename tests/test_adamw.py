@@ -243,8 +243,11 @@ def test_gpu_kernel_matches_torch_fused_adamw(dtype):
         assert change > 1e-3
         if dtype == torch.float32:
             torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5 * float(change.detach()))
-        else:  # bf16 storage: the two may round a value differently once per step
-            assert ((x.float() - y.float()).abs() <= 4 * 2.0**-7 * y.float().abs().clamp_min(1e-2)).all()
+        else:  # bf16 storage: the two may round a value differently once per step, at the value's magnitude along
+            # its path (a weight that crossed zero was rounded at its start's magnitude): 4 bf16 steps of the larger
+            # of start and end, plus the steps' own movement (4 * lr) for weights that started near zero.
+            bound = 4 * 2.0**-7 * (torch.maximum(y.float().abs(), s0.float().abs()) + 4 * KW["lr"])
+            assert ((x.float() - y.float()).abs() <= bound).all(), (x.float() - y.float()).abs().max()
         # bf16: torch's clip pass rounds the scaled gradient to bf16 before its step, ours scales in fp32 inside the
         # kernel, and each stores v in bf16: the two may differ by a bf16 step (2^-7 relative at most) per step,
         # carried forward with weight beta2 -> at most 4 steps after 4 steps (the first H200 run saw 2.5%).
