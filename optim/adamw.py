@@ -47,10 +47,10 @@ except ImportError:  # CPU-only installs: torch's step runs instead
     tl = None
     HAS_TRITON = False
 
-# Elements per program and warps: 8 elements per thread (one 16-byte access per bf16 stream). The H200 sweep of
-# benchmarks/adamw.py (session 15 call C, 2.8B bf16 parameters, clip included): 1024/4 warps 12.0 ms, 1024/8 13.8,
-# 2048/8 14.0, 2048/4 19.6, 4096/8 20.2, 4096/4 30.0 (torch's fused AdamW + clip pass: 25.2 ms).
-BLOCK = 1024
+# Elements per program and warps, from the H200 sweeps of benchmarks/adamw.py (2.8B bf16 parameters, clip included;
+# torch's fused AdamW + clip pass 25.2 ms): call C (scalar accesses) 4096/8 warps 20.2 ms, 2048/8 14.0, 1024/4 12.0;
+# call E (vector accesses, HINT_POINTERS) 1024/4 10.3, 512/4 9.6 ms = 4.06 TB/s (fp32: 19.2 ms vs 29.3, 4.1 TB/s).
+BLOCK = 512
 NUM_WARPS = 4
 HINT_POINTERS = True  # where the 16-byte alignment hint goes (see the kernel); False: session 15 call D's kernel
 # Columns of the address table, one row per tensor.

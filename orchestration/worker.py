@@ -324,7 +324,7 @@ class Trainer:
         self.event("worker_group_start", world_size=self.world_size, grad_accum=self.plan.grad_accum,
                    micro_batch_size=self.plan.micro_batch_size, backend=self.info.backend,
                    device=str(self.device), group_id=self.group_id, precision=self.state.precision,
-                   recipe=self.recipe)
+                   recipe=self.recipe, adamw=type(self.optimizer).__name__)
         if info is not None:
             last_group = [e for e in previous if e["event"] == "worker_group_start"]
             # Last sign of life of the previous group: its newest event or metrics line.
@@ -627,6 +627,9 @@ class Trainer:
                   "step_time_s": step_time_s, "world_size": self.world_size, "precision": self.state.precision,
                   "samples_consumed": count_in_ranges(self.state.consumed_ranges), "mfu": self.mfu(tokens_per_s),
                   "gpu_mem_peak_gib": self.peak_memory_gib(), "time": time.time(), **self.guard.policy_metrics()}
+        if isinstance(self.optimizer, ChunkedAdamW):
+            # Steps our AdamW kernel took (a step it cannot take goes through torch's AdamW: this shows which).
+            record["adamw_kernel_steps"] = self.optimizer.kernel_steps
         if self.rank == 0:
             self.run_dir.metrics(record)
             self.guard.on_metrics(record)
