@@ -158,6 +158,7 @@ class _Bucket:
     params: list[torch.Tensor]
     addr: torch.Tensor  # int64 [T, 4] on the device: param, exp_avg, exp_avg_sq, step
     numel: torch.Tensor  # int64 [T]
+    numels: list[int]  # the same on the host
     chunk_tensor: torch.Tensor  # int32 [C]
     chunk_index: torch.Tensor  # int32 [C]
     steps: list[torch.Tensor]
@@ -200,14 +201,14 @@ class ChunkedAdamW(torch.optim.AdamW):
 
     @torch.no_grad()
     def step(self, closure=None):
-        if closure is None and all(self._group_supported(group) for group in self.param_groups):
-            groups = [(group, [p for p in group["params"] if p.grad is not None]) for group in self.param_groups]
-            if all(self._tensors_supported(params) for _, params in groups):
-                for group, params in groups:
-                    if params:
-                        self._kernel_step(group, params)
-                self.kernel_steps += 1
-                return None
+        launches = self._plan_kernel_step() if closure is None else None
+        if launches is not None:
+            for group, bucket, grad_addrs in launches:
+                device = bucket.addr.device
+                with torch.cuda.device(device) if device.type == "cuda" else _nullcontext():
+                    self._launch(bucket, group, grad_addrs)
+            self.kernel_steps += 1
+            return None
         if self._clip is not None:
             grad_norm, max_norm = self._clip
             params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
@@ -215,6 +216,28 @@ class ChunkedAdamW(torch.optim.AdamW):
         return super().step(closure)
 
     # -- which steps the kernel takes --------------------------------------------------------------------------
+    # Host time matters here: the step starts right after the guard's host read, with the GPU idle until the first
+    # launch. Parameters and states are checked once per set of parameter addresses (a bucket build); each step
+    # checks only the gradients (dtype, size, layout, alignment), ~1 us a parameter.
+    def _plan_kernel_step(self) -> list | None:
+        """(group, bucket, gradient addresses) for every launch of this step, or None: torch's step runs."""
+        launches = []
+        for group in self.param_groups:
+            if not self._group_supported(group):  # settings can change between steps (a tensor lr, amsgrad)
+                return None
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            buckets = self._buckets_for(group, params)
+            if buckets is None:
+                return None
+            for bucket in buckets:
+                grad_addrs = self._gradient_addresses(bucket)
+                if grad_addrs is None:
+                    return None
+                launches.append((group, bucket, grad_addrs))
+        return launches
+
     @staticmethod
     def _group_supported(group: dict) -> bool:
         beta1, beta2 = group["betas"]
@@ -224,30 +247,48 @@ class ChunkedAdamW(torch.optim.AdamW):
                 and 0.0 < beta2 < 1.0)
 
     @staticmethod
-    def _tensors_supported(params: list[torch.Tensor]) -> bool:
+    def _params_supported(params: list[torch.Tensor]) -> bool:
         for p in params:
-            lp, lg = _local(p), _local(p.grad)
+            lp = _local(p)
             on_device = lp.is_cuda and torch.version.hip is None
             if not (on_device or (interpreting() and lp.device.type == "cpu")):
                 return False
-            if (lp.dtype not in _TL_DTYPES or lg.dtype not in _TL_DTYPES or lg.is_sparse or lg.device != lp.device
-                    or lg.shape != lp.shape or not lp.is_contiguous() or not lg.is_contiguous()
-                    or lp.data_ptr() % 16 or lg.data_ptr() % 16):
+            if lp.dtype not in _TL_DTYPES or not lp.is_contiguous() or lp.data_ptr() % 16:
                 return False
         return True
 
-    # -- the step ----------------------------------------------------------------------------------------------
-    def _kernel_step(self, group: dict, params: list[torch.Tensor]) -> None:
-        self._init_states(group, params)
-        for bucket in self._buckets_for(group, params):
-            device = bucket.addr.device
-            with torch.cuda.device(device) if device.type == "cuda" else _nullcontext():
-                self._launch(bucket, group)
+    def _states_supported(self, params: list[torch.Tensor]) -> bool:
+        """exp_avg and exp_avg_sq shaped like their parameter, contiguous, 16-byte aligned (as torch creates them; a
+        state dict loaded from elsewhere might not be), and the step count on the parameter's device."""
+        for p in params:
+            state, lp = self.state[p], _local(p)
+            for name in ("exp_avg", "exp_avg_sq"):
+                t = _local(state[name])
+                if t.shape != lp.shape or not t.is_contiguous() or t.data_ptr() % 16 or t.device != lp.device:
+                    return False
+            if state["step"].device != lp.device:
+                return False
+        return True
 
-    def _launch(self, bucket: _Bucket, group: dict) -> None:
+    @staticmethod
+    def _gradient_addresses(bucket: _Bucket) -> list[int] | None:
+        """The bucket's gradients' addresses, or None where one does not fit the kernel (dtype, size, layout,
+        16-byte alignment): a sparse gradient, or a view into a flat buffer at an odd offset."""
+        grad_dtype = bucket.dtypes[1]
+        grads = [_local(p.grad) for p in bucket.params]
+        for g, n in zip(grads, bucket.numels):
+            if g.dtype is not grad_dtype or g.layout is not torch.strided or g.numel() != n or not g.is_contiguous():
+                return None
+        addrs = list(map(torch.Tensor.data_ptr, grads))
+        if any(a % 16 for a in addrs):
+            return None
+        return addrs
+
+    # -- the step ----------------------------------------------------------------------------------------------
+    def _launch(self, bucket: _Bucket, group: dict, grad_addrs: list[int]) -> None:
         """Send the gradients' addresses if they moved, run the kernel, count the step (on the current stream)."""
         beta1, beta2 = group["betas"]
-        self._send_grad_addresses(bucket, [_local(p.grad) for p in bucket.params])
+        self._send_grad_addresses(bucket, grad_addrs)
         p_dtype, g_dtype, s_dtype, _ = bucket.dtypes
         if self._clip is not None:
             norm, max_norm = self._clip[0].detach().reshape(1).float(), self._clip[1]
@@ -271,36 +312,35 @@ class ChunkedAdamW(torch.optim.AdamW):
             if step.device != _local(p).device or step.dtype != torch.float32:
                 state["step"] = step.to(device=_local(p).device, dtype=torch.float32)
 
-    def _buckets_for(self, group: dict, params: list[torch.Tensor]) -> list[_Bucket]:
-        """The group's buckets, rebuilt when its set of parameters or any param/state address changed (a state
-        load, a reshard)."""
-        key = tuple((_local(p).data_ptr(), _local(self.state[p]["exp_avg"]).data_ptr(),
-                     _local(self.state[p]["exp_avg_sq"]).data_ptr(), self.state[p]["step"].data_ptr())
-                    for p in params)
+    def _buckets_for(self, group: dict, params: list[torch.Tensor]) -> list[_Bucket] | None:
+        """The group's buckets for these parameters (None: the kernel cannot step them), rebuilt when the set of
+        parameters with gradients or a parameter's address changes; states change only through load_state_dict,
+        which forgets the buckets."""
+        key = (tuple(map(id, params)), tuple(map(torch.Tensor.data_ptr, map(_local, params))))
         cached = self._buckets.get(id(group))
         if cached is not None and cached[0] == key:
             return cached[1]
-        by_dtypes: dict[tuple, list[torch.Tensor]] = {}
-        for p in params:
-            state = self.state[p]
-            dtypes = (_local(p).dtype, _local(p.grad).dtype, _local(state["exp_avg"]).dtype,
-                      _local(state["exp_avg_sq"]).dtype)
-            by_dtypes.setdefault(dtypes, []).append(p)
-        buckets = [self._make_bucket(ps, dtypes) for dtypes, ps in by_dtypes.items()]
+        buckets = None
+        if self._params_supported(params):
+            self._init_states(group, params)
+            by_dtypes: dict[tuple, list[torch.Tensor]] = {}
+            for p in params:
+                state = self.state[p]
+                dtypes = (_local(p).dtype, _local(p.grad).dtype, _local(state["exp_avg"]).dtype,
+                          _local(state["exp_avg_sq"]).dtype)
+                by_dtypes.setdefault(dtypes, []).append(p)
+            if (all(d[1] in _TL_DTYPES and d[2] in _TL_DTYPES and d[2] == d[3] for d in by_dtypes)
+                    and self._states_supported(params)):
+                buckets = [self._make_bucket(ps, dtypes) for dtypes, ps in by_dtypes.items()]
         self._buckets[id(group)] = (key, buckets)
         return buckets
 
     def _make_bucket(self, params: list[torch.Tensor], dtypes: tuple) -> _Bucket:
-        if dtypes[2] != dtypes[3]:
-            raise NotImplementedError(f"exp_avg ({dtypes[2]}) and exp_avg_sq ({dtypes[3]}) of different dtypes")
         device = _local(params[0]).device
         rows, numels, chunk_tensor, chunk_index, steps = [], [], [], [], []
         for i, p in enumerate(params):
             state = self.state[p]
             lp, m, v = _local(p), _local(state["exp_avg"]), _local(state["exp_avg_sq"])
-            if not (m.is_contiguous() and v.is_contiguous() and m.data_ptr() % 16 == 0 and v.data_ptr() % 16 == 0
-                    and m.shape == lp.shape and v.shape == lp.shape):
-                raise ValueError("AdamW states must be contiguous, 16-byte aligned and shaped like their parameter")
             rows.append([lp.data_ptr(), m.data_ptr(), v.data_ptr(), state["step"].data_ptr()])
             numels.append(lp.numel())
             chunks = -(-lp.numel() // BLOCK)
@@ -310,17 +350,16 @@ class ChunkedAdamW(torch.optim.AdamW):
         pinned = device.type == "cuda"
         return _Bucket(
             params=params, addr=torch.tensor(rows, dtype=torch.int64).to(device),
-            numel=torch.tensor(numels, dtype=torch.int64).to(device),
+            numel=torch.tensor(numels, dtype=torch.int64).to(device), numels=numels,
             chunk_tensor=torch.tensor(chunk_tensor, dtype=torch.int32).to(device),
             chunk_index=torch.tensor(chunk_index, dtype=torch.int32).to(device), steps=steps,
             grad_addr=torch.zeros(len(params), dtype=torch.int64, device=device), grad_addr_host=[],
             staging=torch.zeros(len(params), dtype=torch.int64, pin_memory=pinned), copied=None, dtypes=dtypes)
 
     @staticmethod
-    def _send_grad_addresses(bucket: _Bucket, grads: list[torch.Tensor]) -> None:
+    def _send_grad_addresses(bucket: _Bucket, addrs: list[int]) -> None:
         """Copy the gradients' addresses to the device when they changed since the last step (asynchronously: the
         staging buffer is pinned, and reused only after its previous copy finished)."""
-        addrs = [g.data_ptr() for g in grads]
         if addrs == bucket.grad_addr_host:
             return
         if bucket.copied is not None:

@@ -181,7 +181,40 @@ def _interp_mixed_dtypes_run_as_buckets(small_block):
         torch.testing.assert_close(params[i].double(), ref_p[i], rtol=2e-6, atol=1e-7)
 
 
-N_INTERP_CASES = 6
+def _interp_fsdp2_parameters_step_through_their_local_shards(small_block, tmp_path):
+    # FSDP2 (one gloo rank: DTensor parameters, gradients and states) against torch's AdamW on the same model.
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        def sharded_model():
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.Linear(40, 8))
+            for layer in model:
+                fully_shard(layer)
+            return fully_shard(model)
+
+        ours, ref = sharded_model(), sharded_model()
+        opt_ours, opt_ref = ChunkedAdamW(ours.parameters(), **KW), torch.optim.AdamW(ref.parameters(), **KW)
+        x = torch.randn(16, 24)
+        for _ in range(3):
+            for model in (ours, ref):
+                model(x).square().mean().backward()
+            norm = torch.linalg.vector_norm(torch.stack([p.grad.full_tensor().norm() for p in ours.parameters()]))
+            opt_ours.clip_and_step(norm, 0.1)
+            torch.nn.utils.clip_grads_with_norm_(ref.parameters(), 0.1, norm)
+            opt_ref.step()
+            opt_ours.zero_grad()
+            opt_ref.zero_grad()
+        assert opt_ours.kernel_steps == 3
+        for p, q in zip(ours.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.full_tensor(), q.full_tensor(), rtol=1e-5, atol=1e-6)
+    finally:
+        dist.destroy_process_group()
+
+
+N_INTERP_CASES = 7
 
 if _IN_CHILD:
     globals().update({"test_" + name[1:]: fn for name, fn in list(globals().items()) if name.startswith("_interp_")})
