@@ -188,12 +188,18 @@ def _interp_fsdp2_parameters_step_through_their_local_shards(small_block, tmp_pa
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
     try:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        # A CPU mesh named explicitly: on a machine with a GPU fully_shard's default mesh is CUDA's (session 15 call
+        # G: this case failed there, and only there).
+        mesh = init_device_mesh("cpu", (1,))
+
         def sharded_model():
             torch.manual_seed(0)
             model = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.Linear(40, 8))
             for layer in model:
-                fully_shard(layer)
-            return fully_shard(model)
+                fully_shard(layer, mesh=mesh)
+            return fully_shard(model, mesh=mesh)
 
         ours, ref = sharded_model(), sharded_model()
         opt_ours, opt_ref = ChunkedAdamW(ours.parameters(), **KW), torch.optim.AdamW(ref.parameters(), **KW)
