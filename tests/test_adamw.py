@@ -9,19 +9,13 @@ so bf16 cases allow one bf16 step; fp32 cases must agree with the float64 refere
 from __future__ import annotations
 
 import copy
-import os
-import subprocess
-import sys
-
-_IN_CHILD = os.environ.get("ELASTIC_FP8_INTERP_CHILD") == "1"
-if _IN_CHILD:
-    os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest
 import torch
 
 from optim import ChunkedAdamW, adamw_reference_step
 from optim import adamw as adamw_mod
+from tests.interp_child import expose_or_run
 
 KW = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 # Sizes around the chunk size (one partial chunk, exact chunks, a tiny tensor) with a small BLOCK so that the
@@ -222,17 +216,7 @@ def _interp_fsdp2_parameters_step_through_their_local_shards(small_block, tmp_pa
 
 N_INTERP_CASES = 7
 
-if _IN_CHILD:
-    globals().update({"test_" + name[1:]: fn for name, fn in list(globals().items()) if name.startswith("_interp_")})
-else:
-
-    def test_kernel_cases_in_the_triton_interpreter():
-        env = dict(os.environ, TRITON_INTERPRET="1", ELASTIC_FP8_INTERP_CHILD="1")
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "interp", __file__]
-        proc = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env, timeout=600)
-        tail = (proc.stdout + proc.stderr)[-6000:]
-        assert proc.returncode == 0, tail
-        assert f"{N_INTERP_CASES} passed" in proc.stdout, tail
+expose_or_run(globals(), __file__, N_INTERP_CASES, "test_kernel_cases_in_the_triton_interpreter")
 
 
 # ----------------------------------------------------------------------------- torch's step where the kernel cannot run

@@ -13,19 +13,12 @@ Legend: M rows, N/K columns, E expert groups.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
-_IN_CHILD = os.environ.get("ELASTIC_FP8_INTERP_CHILD") == "1"
-if _IN_CHILD:
-    os.environ["TRITON_INTERPRET"] = "1"  # before torch/triton are imported below
-
 import pytest
 import torch
 
 import fp8.kernels as fk
 from fp8.kernels import quantize as fq
+from tests.interp_child import expose_or_run
 
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz]
 EXPECTED_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0, torch.float8_e4m3fnuz: 240.0,
@@ -446,14 +439,4 @@ def _interp_custom_ops_trace_under_torch_compile(interp):
 
 N_INTERP_CASES = 4 + 12 + 8 + 1 + 8 + 2 + 4 + 12 + 2 + 1 + 1 + 1 + 1  # test_interp_* items the child must pass
 
-if _IN_CHILD:
-    globals().update({"test_" + name[1:]: fn for name, fn in list(globals().items()) if name.startswith("_interp_")})
-else:
-
-    def test_triton_kernels_in_subprocess():
-        env = dict(os.environ, TRITON_INTERPRET="1", ELASTIC_FP8_INTERP_CHILD="1")
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "interp", __file__]
-        proc = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env, timeout=600)
-        tail = (proc.stdout + proc.stderr)[-6000:]
-        assert proc.returncode == 0, tail
-        assert f"{N_INTERP_CASES} passed" in proc.stdout, tail
+expose_or_run(globals(), __file__, N_INTERP_CASES, "test_triton_kernels_in_subprocess")

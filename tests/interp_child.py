@@ -1,0 +1,39 @@
+"""Triton kernels in the CPU interpreter, from a test file that also runs in the parent pytest.
+
+TRITON_INTERPRET=1 must be set before triton is imported (its standard library is @jit code built at import), so
+interpreter cases cannot share a pytest process with tests that imported triton first: the parent starts a child
+pytest with TRITON_INTERPRET=1 in its environment from the start. A file defines its cases as `_interp_*` functions
+and ends with `expose_or_run(globals(), __file__, n_cases, name)`: in the child the cases become `test_interp_*`; in
+the parent one test, `name`, runs the child and asserts that all n cases passed.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+_CHILD_FLAG = "ELASTIC_FP8_INTERP_CHILD"
+IN_CHILD = os.environ.get(_CHILD_FLAG) == "1"
+
+
+def run_child(test_file: str, n_cases: int) -> None:
+    env = dict(os.environ, TRITON_INTERPRET="1", **{_CHILD_FLAG: "1"})
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "interp", test_file]
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env, timeout=600)
+    tail = (proc.stdout + proc.stderr)[-6000:]
+    assert proc.returncode == 0, tail
+    assert f"{n_cases} passed" in proc.stdout, tail
+
+
+def expose_or_run(namespace: dict, test_file: str, n_cases: int, parent_test_name: str) -> None:
+    """Child: `_interp_x` -> `test_interp_x`. Parent: one test, `parent_test_name`, that runs the child."""
+    if IN_CHILD:
+        namespace.update({"test_" + name[1:]: fn for name, fn in list(namespace.items())
+                          if name.startswith("_interp_")})
+    else:
+        def parent_test():
+            run_child(test_file, n_cases)
+
+        parent_test.__name__ = parent_test_name
+        namespace[parent_test_name] = parent_test
