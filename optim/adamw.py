@@ -24,10 +24,11 @@ launch, because the chunks of one tensor must all read the same count). `adamw_r
 PyTorch (float64 in tests).
 
 Anything the kernel does not cover - amsgrad, maximize, capturable, differentiable, a tensor lr, a closure, sparse or
-non-contiguous gradients, tensors that are not 16-byte aligned, devices other than CUDA (ROCm included: unverified),
-no Triton - goes through torch.optim.AdamW.step unchanged (with clip_grads_with_norm_ first when a clip was asked).
+non-contiguous gradients, parameters or states that are not 16-byte aligned, devices other than CUDA (ROCm included:
+unverified), no Triton - goes through torch.optim.AdamW.step unchanged (with clip_grads_with_norm_ first when a clip was asked).
 The state dict is torch's (exp_avg, exp_avg_sq, a float32 step on the device as the fused implementation keeps it),
-so checkpoints load into either implementation.
+so checkpoints load into either implementation. Gradients at unaligned addresses (views into FSDP2's flat
+reduce-scatter output at odd offsets) run through the kernel without the alignment hint on them (scalar accesses).
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ except ImportError:  # CPU-only installs: torch's step runs instead
 # call E (vector accesses, HINT_POINTERS) 1024/4 10.3, 512/4 9.6 ms = 4.06 TB/s (fp32: 19.2 ms vs 29.3, 4.1 TB/s).
 BLOCK = 512
 NUM_WARPS = 4
-HINT_POINTERS = True  # where the 16-byte alignment hint goes (see the kernel); False: session 15 call D's kernel
+HINT_POINTERS = True  # state 16-byte alignment to the compiler where it holds (see the kernel); False: no hints
 # Columns of the address table, one row per tensor.
 _P, _M, _V, _STEP = 0, 1, 2, 3
 
@@ -90,25 +91,28 @@ if HAS_TRITON:
     def _adamw_chunks_kernel(addr_ptr, grad_addr_ptr, numel_ptr, chunk_tensor_ptr, chunk_index_ptr, norm_ptr,
                              lr, beta1, beta2, eps, weight_decay, max_norm,
                              P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, S_DTYPE: tl.constexpr,
-                             CLIP: tl.constexpr, BLOCK: tl.constexpr, HINT_POINTERS: tl.constexpr):
+                             CLIP: tl.constexpr, BLOCK: tl.constexpr, ALIGNED_STATES: tl.constexpr,
+                             ALIGNED_GRADS: tl.constexpr):
         chunk = tl.program_id(0)
         t = tl.load(chunk_tensor_ptr + chunk).to(tl.int64)
         # The chunk's first element as index * BLOCK: the compiler then knows it is a multiple of BLOCK and, with the
         # 16-byte aligned addresses below, issues vector loads (a start loaded as such would be of unknown alignment).
         start = tl.load(chunk_index_ptr + chunk).to(tl.int64) * BLOCK
         row = addr_ptr + t * 4
-        if HINT_POINTERS:
-            # The 16-byte alignment stated on the pointers themselves (checked on the host): a hint on the integer
-            # before the cast did not reach the loads (call D: no vector loads in the PTX).
-            p_ptr = tl.multiple_of(tl.load(row + 0).to(tl.pointer_type(P_DTYPE)), 16)
-            m_ptr = tl.multiple_of(tl.load(row + 1).to(tl.pointer_type(S_DTYPE)), 16)
-            v_ptr = tl.multiple_of(tl.load(row + 2).to(tl.pointer_type(S_DTYPE)), 16)
-            g_ptr = tl.multiple_of(tl.load(grad_addr_ptr + t).to(tl.pointer_type(G_DTYPE)), 16)
-        else:
-            p_ptr = tl.multiple_of(tl.load(row + 0), 16).to(tl.pointer_type(P_DTYPE))
-            m_ptr = tl.multiple_of(tl.load(row + 1), 16).to(tl.pointer_type(S_DTYPE))
-            v_ptr = tl.multiple_of(tl.load(row + 2), 16).to(tl.pointer_type(S_DTYPE))
-            g_ptr = tl.multiple_of(tl.load(grad_addr_ptr + t), 16).to(tl.pointer_type(G_DTYPE))
+        p_ptr = tl.load(row + 0).to(tl.pointer_type(P_DTYPE))
+        m_ptr = tl.load(row + 1).to(tl.pointer_type(S_DTYPE))
+        v_ptr = tl.load(row + 2).to(tl.pointer_type(S_DTYPE))
+        g_ptr = tl.load(grad_addr_ptr + t).to(tl.pointer_type(G_DTYPE))
+        # 16-byte alignment stated on the pointers themselves (checked on the host) lets the compiler issue vector
+        # accesses; stated on the integer before the cast it never reached the loads (call D: no vector loads in the
+        # PTX). Gradients may be views at any offset into a flat buffer (FSDP2's reduce-scatter output): those
+        # steps run without the hint on them.
+        if ALIGNED_STATES:
+            p_ptr = tl.multiple_of(p_ptr, 16)
+            m_ptr = tl.multiple_of(m_ptr, 16)
+            v_ptr = tl.multiple_of(v_ptr, 16)
+        if ALIGNED_GRADS:
+            g_ptr = tl.multiple_of(g_ptr, 16)
         step_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
         n = tl.load(numel_ptr + t)
 
@@ -203,10 +207,10 @@ class ChunkedAdamW(torch.optim.AdamW):
     def step(self, closure=None):
         launches = self._plan_kernel_step() if closure is None else None
         if launches is not None:
-            for group, bucket, grad_addrs in launches:
+            for group, bucket, grad_addrs, grads_aligned in launches:
                 device = bucket.addr.device
                 with torch.cuda.device(device) if device.type == "cuda" else _nullcontext():
-                    self._launch(bucket, group, grad_addrs)
+                    self._launch(bucket, group, grad_addrs, grads_aligned)
             self.kernel_steps += 1
             return None
         if self._clip is not None:
@@ -220,7 +224,7 @@ class ChunkedAdamW(torch.optim.AdamW):
     # launch. Parameters and states are checked once per set of parameter addresses (a bucket build); each step
     # checks only the gradients (dtype, size, layout, alignment), ~1 us a parameter.
     def _plan_kernel_step(self) -> list | None:
-        """(group, bucket, gradient addresses) for every launch of this step, or None: torch's step runs."""
+        """(group, bucket, gradient addresses, all aligned) for every launch of this step, or None: torch's step runs."""
         launches = []
         for group in self.param_groups:
             if not self._group_supported(group):  # settings can change between steps (a tensor lr, amsgrad)
@@ -232,10 +236,10 @@ class ChunkedAdamW(torch.optim.AdamW):
             if buckets is None:
                 return None
             for bucket in buckets:
-                grad_addrs = self._gradient_addresses(bucket)
-                if grad_addrs is None:
+                grads = self._gradient_addresses(bucket)
+                if grads is None:
                     return None
-                launches.append((group, bucket, grad_addrs))
+                launches.append((group, bucket, *grads))
         return launches
 
     @staticmethod
@@ -271,21 +275,19 @@ class ChunkedAdamW(torch.optim.AdamW):
         return True
 
     @staticmethod
-    def _gradient_addresses(bucket: _Bucket) -> list[int] | None:
-        """The bucket's gradients' addresses, or None where one does not fit the kernel (dtype, size, layout,
-        16-byte alignment): a sparse gradient, or a view into a flat buffer at an odd offset."""
+    def _gradient_addresses(bucket: _Bucket) -> tuple[list[int], bool] | None:
+        """The bucket's gradients' addresses and whether all are 16-byte aligned, or None where one does not fit the
+        kernel (dtype, size, layout): a sparse gradient, a strided view."""
         grad_dtype = bucket.dtypes[1]
         grads = [_local(p.grad) for p in bucket.params]
         for g, n in zip(grads, bucket.numels):
             if g.dtype is not grad_dtype or g.layout is not torch.strided or g.numel() != n or not g.is_contiguous():
                 return None
         addrs = list(map(torch.Tensor.data_ptr, grads))
-        if any(a % 16 for a in addrs):
-            return None
-        return addrs
+        return addrs, not any(a % 16 for a in addrs)
 
     # -- the step ----------------------------------------------------------------------------------------------
-    def _launch(self, bucket: _Bucket, group: dict, grad_addrs: list[int]) -> None:
+    def _launch(self, bucket: _Bucket, group: dict, grad_addrs: list[int], grads_aligned: bool) -> None:
         """Send the gradients' addresses if they moved, run the kernel, count the step (on the current stream)."""
         beta1, beta2 = group["betas"]
         self._send_grad_addresses(bucket, grad_addrs)
@@ -298,7 +300,8 @@ class ChunkedAdamW(torch.optim.AdamW):
             bucket.addr, bucket.grad_addr, bucket.numel, bucket.chunk_tensor, bucket.chunk_index, norm,
             float(group["lr"]), float(beta1), float(beta2), float(group["eps"]), float(group["weight_decay"]),
             float(max_norm), P_DTYPE=_TL_DTYPES[p_dtype], G_DTYPE=_TL_DTYPES[g_dtype], S_DTYPE=_TL_DTYPES[s_dtype],
-            CLIP=self._clip is not None, BLOCK=BLOCK, HINT_POINTERS=HINT_POINTERS, num_warps=NUM_WARPS)
+            CLIP=self._clip is not None, BLOCK=BLOCK, ALIGNED_STATES=HINT_POINTERS,
+            ALIGNED_GRADS=HINT_POINTERS and grads_aligned, num_warps=NUM_WARPS)
         torch._foreach_add_(bucket.steps, 1.0)
 
     def _init_states(self, group: dict, params: list[torch.Tensor]) -> None:
