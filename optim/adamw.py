@@ -296,6 +296,9 @@ class ChunkedAdamW(torch.optim.AdamW):
             norm, max_norm = self._clip[0].detach().reshape(1).float(), self._clip[1]
         else:
             norm, max_norm = bucket.numel, 0.0  # unread (CLIP=False)
+        if bucket.chunk_tensor.numel() == 0:  # only empty parameters: nothing to update but the step counts
+            torch._foreach_add_(bucket.steps, 1.0)
+            return
         self.last_compiled = _adamw_chunks_kernel[(bucket.chunk_tensor.numel(),)](
             bucket.addr, bucket.grad_addr, bucket.numel, bucket.chunk_tensor, bucket.chunk_index, norm,
             float(group["lr"]), float(beta1), float(beta2), float(group["eps"]), float(group["weight_decay"]),
