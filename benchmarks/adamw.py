@@ -16,14 +16,13 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
 
-from benchmarks.common import env_info, write_json
+from benchmarks.common import cuda_event_ms, env_info, write_json
 
 
 def model_param_shapes(spec: str) -> list[torch.Size]:
@@ -49,18 +48,6 @@ def set_grads(params, seed):
 
 def grad_norm(params):
     return torch.linalg.vector_norm(torch.stack(torch._foreach_norm([p.grad for p in params], 2.0)).float())
-
-
-def time_ms(fn, reps):
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
 def run_case(shapes, dtype, args, device) -> dict:
@@ -106,17 +93,18 @@ def run_case(shapes, dtype, args, device) -> dict:
 
     for _ in range(3):
         torch_step()
-    out["torch_fused_clip_ms"] = time_ms(torch_step, args.reps)
-    out["torch_fused_ms"] = time_ms(torch_opt.step, args.reps)
+    out["torch_fused_clip_ms"] = cuda_event_ms(torch_step, args.reps)
+    out["torch_fused_ms"] = cuda_event_ms(torch_opt.step, args.reps)
     torch_opt.state.clear()  # its exp_avg / exp_avg_sq, before ours allocates its own
     torch.cuda.empty_cache()
     tiles = {}
+    shipped = (adamw.BLOCK, adamw.NUM_WARPS, adamw.HINT_POINTERS)
     for block, warps, hint in [(b, w, h) for h in args.hints for b in args.blocks for w in args.warps]:
         adamw.BLOCK, adamw.NUM_WARPS, adamw.HINT_POINTERS = block, warps, hint == "pointer"
         ours = ChunkedAdamW(params, fused=True, **kw)
         for _ in range(3):
             ours.clip_and_step(n, 1.0)
-        tiles[f"block{block}_warps{warps}_hint-{hint}"] = time_ms(lambda opt=ours: opt.clip_and_step(n, 1.0),
+        tiles[f"block{block}_warps{warps}_hint-{hint}"] = cuda_event_ms(lambda opt=ours: opt.clip_and_step(n, 1.0),
                                                                    args.reps)
         ptx = ours.last_compiled.asm.get("ptx", "") if ours.last_compiled is not None else ""
         # Vector loads are what the unmasked whole-chunk path is for (none: scalar 2- or 4-byte accesses).
@@ -124,7 +112,7 @@ def run_case(shapes, dtype, args, device) -> dict:
         out.setdefault(f"ptx_loads_hint-{hint}", len(re.findall(r"ld\.global", ptx)))
         ours.state.clear()
         torch.cuda.empty_cache()
-    adamw.BLOCK, adamw.NUM_WARPS, adamw.HINT_POINTERS = args.blocks[0], args.warps[0], args.hints[0] == "pointer"
+    adamw.BLOCK, adamw.NUM_WARPS, adamw.HINT_POINTERS = shipped
     out["ours_clip_ms_by_tile"] = tiles
     best = min(tiles.values())
     out["best_tile"] = min(tiles, key=tiles.get)

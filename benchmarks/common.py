@@ -33,6 +33,19 @@ def bench_ms(fn, warmup_ms: float = 50.0, rep_ms: float = 200.0) -> float:
     return statistics.median(times)
 
 
+def cuda_event_ms(fn, reps: int) -> float:
+    """Median milliseconds of `reps` calls of fn(), each timed alone between two CUDA events (no warm-up)."""
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
 def device_name() -> str:
     return torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor() or "cpu"
 

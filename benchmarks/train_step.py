@@ -51,8 +51,9 @@ import torch._dynamo
 torch._dynamo.config.recompile_limit = 1024
 torch._dynamo.config.accumulated_recompile_limit = 4096
 
-from benchmarks.common import env_info, write_json
+from benchmarks.common import cuda_event_ms, env_info, write_json
 from models.loss import lm_loss
+from optim import clip_and_step
 from orchestration.distributed import global_grad_norm, local_grad_norm
 from orchestration.gc_policy import ManagedGc
 
@@ -187,13 +188,8 @@ def make_step(model, optimizer, guard: Guard | None, compiled_loss: bool, cuda_g
                 applies_update = guard.check(model, loss.detach(), grad_norm, state["step"]).applies_update
         with record_function("step.optimizer"):
             if applies_update:
-                # After the guard's host read, as the worker does. optim.ChunkedAdamW ("+tadam") scales inside its
-                # launch; torch's AdamW after a clip_grads_with_norm_ pass.
-                if hasattr(optimizer, "clip_and_step"):
-                    optimizer.clip_and_step(grad_norm, 1.0)
-                else:
-                    torch.nn.utils.clip_grads_with_norm_(model.parameters(), 1.0, grad_norm)
-                    optimizer.step()
+                # After the guard's host read, as the worker does (optim.ChunkedAdamW, "+tadam", scales in its launch).
+                clip_and_step(optimizer, model.parameters(), grad_norm, 1.0)
                 if update_router_bias is not None:  # the worker's per-kept-step MoE balancing (update_router_bias)
                     update_router_bias()
             optimizer.zero_grad(set_to_none=True)
@@ -234,15 +230,7 @@ class GcTimer:
 
 def time_optimizer_step(optimizer, reps: int = 5) -> float:
     """optimizer.step() alone on the current gradients: median ms of `reps` (CUDA events)."""
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        optimizer.step()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return cuda_event_ms(optimizer.step, reps)
 
 
 def optimizer_probe(model, optimizer, batch, compiled_loss: bool, reps: int = 5) -> dict:

@@ -33,6 +33,7 @@ reduce-scatter output at odd offsets) run through the kernel without the alignme
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 
@@ -181,8 +182,8 @@ class ChunkedAdamW(torch.optim.AdamW):
 
     def __init__(self, params, *args, **kwargs) -> None:
         super().__init__(params, *args, **kwargs)
-        # id(param group) -> (addresses of its params and states, its buckets)
-        self._buckets: dict[int, tuple[tuple, list[_Bucket]]] = {}
+        # id(param group) -> (ids and addresses of its params with gradients, its buckets or None: torch's step)
+        self._buckets: dict[int, tuple[tuple, list[_Bucket] | None]] = {}
         self._clip: tuple[torch.Tensor, float] | None = None
         self.kernel_steps = 0  # steps that ran through the kernel (tests and benchmarks read it)
         self.last_compiled = None  # the last launch's compiled kernel (benchmarks/adamw.py reads its PTX)
@@ -209,7 +210,7 @@ class ChunkedAdamW(torch.optim.AdamW):
         if launches is not None:
             for group, bucket, grad_addrs, grads_aligned in launches:
                 device = bucket.addr.device
-                with torch.cuda.device(device) if device.type == "cuda" else _nullcontext():
+                with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
                     self._launch(bucket, group, grad_addrs, grads_aligned)
             self.kernel_steps += 1
             return None
@@ -263,15 +264,13 @@ class ChunkedAdamW(torch.optim.AdamW):
 
     def _states_supported(self, params: list[torch.Tensor]) -> bool:
         """exp_avg and exp_avg_sq shaped like their parameter, contiguous, 16-byte aligned (as torch creates them; a
-        state dict loaded from elsewhere might not be), and the step count on the parameter's device."""
+        state dict loaded from elsewhere might not be). The step count is on the device already (_init_states)."""
         for p in params:
             state, lp = self.state[p], _local(p)
             for name in ("exp_avg", "exp_avg_sq"):
                 t = _local(state[name])
                 if t.shape != lp.shape or not t.is_contiguous() or t.data_ptr() % 16 or t.device != lp.device:
                     return False
-            if state["step"].device != lp.device:
-                return False
         return True
 
     @staticmethod
@@ -291,14 +290,14 @@ class ChunkedAdamW(torch.optim.AdamW):
         """Send the gradients' addresses if they moved, run the kernel, count the step (on the current stream)."""
         beta1, beta2 = group["betas"]
         self._send_grad_addresses(bucket, grad_addrs)
+        if bucket.chunk_tensor.numel() == 0:  # only empty parameters: nothing to update but the step counts
+            torch._foreach_add_(bucket.steps, 1.0)
+            return
         p_dtype, g_dtype, s_dtype, _ = bucket.dtypes
         if self._clip is not None:
             norm, max_norm = self._clip[0].detach().reshape(1).float(), self._clip[1]
         else:
             norm, max_norm = bucket.numel, 0.0  # unread (CLIP=False)
-        if bucket.chunk_tensor.numel() == 0:  # only empty parameters: nothing to update but the step counts
-            torch._foreach_add_(bucket.steps, 1.0)
-            return
         self.last_compiled = _adamw_chunks_kernel[(bucket.chunk_tensor.numel(),)](
             bucket.addr, bucket.grad_addr, bucket.numel, bucket.chunk_tensor, bucket.chunk_index, norm,
             float(group["lr"]), float(beta1), float(beta2), float(group["eps"]), float(group["weight_decay"]),
@@ -378,9 +377,11 @@ class ChunkedAdamW(torch.optim.AdamW):
         bucket.grad_addr_host = addrs
 
 
-class _nullcontext:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
+def clip_and_step(optimizer: torch.optim.Optimizer, params, grad_norm: torch.Tensor, max_norm: float) -> None:
+    """Scale the gradients by min(1, max_norm / (grad_norm + 1e-6)) and step: inside ChunkedAdamW's launch, or as
+    clip_grads_with_norm_ then step() for any other optimizer (the worker's and train_step.py's one path)."""
+    if isinstance(optimizer, ChunkedAdamW):
+        optimizer.clip_and_step(grad_norm, max_norm)
+    else:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, grad_norm)
+        optimizer.step()

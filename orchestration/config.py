@@ -135,7 +135,7 @@ class TrainConfig:
     # generation collection every N steps on all ranks at once; 0 = Python's automatic GC.
     gc_every_steps: int = 50
     # The AdamW step: "triton" = optim.ChunkedAdamW (one Triton launch per step over every parameter, the gradient clip
-    # folded in: 2.1x torch's fused AdamW + clip pass for bf16 weights and 1.5x for fp32 on the H200, BENCHMARKS.md
+    # folded in: 2.6x torch's fused AdamW + clip pass for bf16 weights and 1.56x for fp32 on the H200, BENCHMARKS.md
     # session 15), "torch" = torch.optim.AdamW (fused on GPUs), "auto" = triton on NVIDIA GPUs, torch elsewhere
     # (ROCm: unverified, so torch). Same state dict either way: a checkpoint resumes under the other.
     adamw: str = "auto"

@@ -21,7 +21,7 @@ import torch
 from fp8 import grouped as fp8_grouped
 from fp8.linear import Float8Linear
 from models.loss import lm_loss as lm_loss_fn
-from optim import ChunkedAdamW
+from optim import ChunkedAdamW, clip_and_step
 from orchestration.config import JobConfig, from_dict
 from orchestration.data import ByteTextDataset, collect_text_files, python_stdlib_dir
 from orchestration.distributed import (
@@ -563,11 +563,7 @@ class Trainer:
                 # gradients it drops. optim.ChunkedAdamW (train.adamw) scales inside its one launch; with torch's
                 # AdamW the scaling pass at least keeps the GPU busy while the host runs AdamW's Python prologue
                 # (the GPU waited 1.0-1.9 ms a step there in session 10's MoE host profile, BENCHMARKS.md).
-                if isinstance(self.optimizer, ChunkedAdamW):  # the clip's scaling inside the optimizer's launch
-                    self.optimizer.clip_and_step(grad_norm, job.train.grad_clip)
-                else:
-                    torch.nn.utils.clip_grads_with_norm_(self.model.parameters(), job.train.grad_clip, grad_norm)
-                    self.optimizer.step()
+                clip_and_step(self.optimizer, self.model.parameters(), grad_norm, job.train.grad_clip)
                 self.update_router_bias()
                 self.state.consumed_ranges = merge_ranges(self.state.consumed_ranges + [step_range])
             else:  # skipped: the bad step never updates the weights
