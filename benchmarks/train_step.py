@@ -21,7 +21,9 @@ with K*N/(K+N) < W in bf16 (fp8.convert.min_width_module_filter); "+eagerbody" r
 bodies eagerly (FP8_GROUPED_BODY=eager; default: compiled on CUDA); "+head" converts the LM output head too (ours:
 precision.fp8_output_head, fp8.convert.make_module_filter; torchao: the same filter without its head exclusion);
 "+cdt" turns on Inductor's coordinate-descent tuning of its Triton kernels' block sizes (slower compiles); "+tadam"
-steps with optim.ChunkedAdamW (one Triton launch, the clip folded in) instead of torch's fused AdamW after a clip pass.
+steps with optim.ChunkedAdamW (one Triton launch, the clip folded in) instead of torch's fused AdamW after a clip pass;
+"+nofce" keeps an FP8 "+head" unfused from the loss (default: the loss fused into the tensorwise head, fp8/head.py,
+as precision.fp8_head_fused_loss does).
 Every row also times the AdamW step alone and checks the gradients' layout
 (`optimizer_probe`), which localises optimizer-time differences between variants.
 
@@ -52,7 +54,7 @@ torch._dynamo.config.recompile_limit = 1024
 torch._dynamo.config.accumulated_recompile_limit = 4096
 
 from benchmarks.common import cuda_event_ms, env_info, write_json
-from models.loss import lm_loss
+from models.loss import model_lm_loss
 from optim import clip_and_step
 from orchestration.distributed import global_grad_norm, local_grad_norm
 from orchestration.gc_policy import ManagedGc
@@ -76,7 +78,7 @@ CONFIGS = {
 
 def build(model_name: str, overrides: dict, variant: str, device: torch.device, compile_blocks: bool,
           dtype: torch.dtype = torch.bfloat16, compile_mode: str | None = None, min_width: float | None = None,
-          output_head: bool = False, seed: int = 0):
+          output_head: bool = False, seed: int = 0, fused_head_loss: bool = True):
     from models.deepseek_moe import set_forward_recompute
     from models.registry import build_model
 
@@ -95,12 +97,17 @@ def build(model_name: str, overrides: dict, variant: str, device: torch.device, 
 
         module_filter = fp8.convert.make_module_filter(min_gemm_width=min_width or 0.0, output_head=output_head)
         fp8.convert_to_fp8(model, recipe, module_filter=module_filter)
+        if output_head:  # precision.fp8_head_fused_loss (fp8/head.py); applies under the tensorwise recipe
+            model.output.fused_loss = fused_head_loss
     elif impl == "torchao":
         convert_torchao(model, recipe, output_head=output_head)
     if compile_blocks:
         for block in model.layers.values():
             block.compile(dynamic=False, mode=compile_mode)  # static shapes: see the note on CONFIGS
-        if output_head:  # an FP8 head compiles too (its casts fuse), as orchestration.worker.compile_blocks does
+        fuses_loss = getattr(model.output, "fuses_loss", None)
+        if output_head and not (fuses_loss is not None and fuses_loss()):
+            # an FP8 head compiles too (its casts fuse), as orchestration.worker.compile_blocks does; one that fuses
+            # the loss runs its own kernels
             model.output.compile(dynamic=False, mode=compile_mode)
     return model
 
@@ -175,8 +182,7 @@ def make_step(model, optimizer, guard: Guard | None, compiled_loss: bool, cuda_g
             # A new iteration for CUDA-graph trees, as the worker marks it (orchestration/worker.py).
             torch.compiler.cudagraph_mark_step_begin()
         with record_function("step.forward"):
-            logits = model(inputs)
-            loss = lm_loss(logits, targets, compiled=compiled_loss) + model.aux_loss()
+            loss = model_lm_loss(model, inputs, targets, compiled=compiled_loss) + model.aux_loss()
         with record_function("step.backward"):
             loss.backward()
         with record_function("step.clip"):
@@ -240,8 +246,7 @@ def optimizer_probe(model, optimizer, batch, compiled_loss: bool, reps: int = 5)
     layout, or is misaligned for vector loads, would slow it down without showing up anywhere else.
     """
     inputs, targets = batch
-    logits = model(inputs)
-    loss = lm_loss(logits, targets, compiled=compiled_loss) + model.aux_loss()
+    loss = model_lm_loss(model, inputs, targets, compiled=compiled_loss) + model.aux_loss()
     loss.backward()
     params = [p for p in model.parameters() if p.grad is not None]
     layout = {
@@ -475,7 +480,7 @@ def bench_config(name: str, cfg: dict, args, device) -> dict:
 
             base_variant, *flags = variant.split("+")
             known = {"nomix", "kern", "ntk", "cg", "eagerloss", "eagergrp", "tracedgrp", "fp8dg", "widthdg", "autogc", "eagerbody", "head",
-                     "cdt", "tadam"}
+                     "cdt", "tadam", "nofce"}
             width_flags = [f for f in flags if f.startswith("minw") and f[4:].isdigit()]
             unknown = set(flags) - known - set(width_flags)
             if unknown:
@@ -495,7 +500,8 @@ def bench_config(name: str, cfg: dict, args, device) -> dict:
             torch._dynamo.reset()  # fresh graphs per variant: the flags above are not part of dynamo's guards
             model = build(cfg["model"], cfg["overrides"], base_variant, device, compile_blocks=not args.eager,
                           compile_mode="reduce-overhead" if "cg" in flags else None,
-                          min_width=float(width_flags[0][4:]) if width_flags else None, output_head="head" in flags)
+                          min_width=float(width_flags[0][4:]) if width_flags else None, output_head="head" in flags,
+                          fused_head_loss="nofce" not in flags)
             vocab = model.args.vocab_size
             if "tadam" in flags:
                 from optim import ChunkedAdamW
@@ -593,8 +599,7 @@ def loss_parity(args, device) -> dict:
                 tokens = rows[:, 0::2] * 256 + rows[:, 1::2]
                 inputs, targets = tokens[:, :-1], tokens[:, 1:]
             with torch.autocast("cuda", dtype=torch.bfloat16):
-                logits = model(inputs.to(device))
-            loss = lm_loss(logits, targets.to(device), compiled=COMPILED)
+                loss = model_lm_loss(model, inputs.to(device), targets.to(device), compiled=COMPILED)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
@@ -637,6 +642,7 @@ def main() -> None:
                     help="depth of the dense config (full-width Llama3-8B layers)")
     ap.add_argument("--moe-layers", type=int, default=CONFIGS["moe"]["overrides"]["n_layers"])
     ap.add_argument("--budget-s", type=float, default=1e9, help="start no new variant after this many seconds")
+    ap.add_argument("--ce-config", default="", help="a ce_head.json: use its fastest fused-head loss kernel tiles")
     args = ap.parse_args()
     global COMPILED
     COMPILED = not args.eager
@@ -645,6 +651,11 @@ def main() -> None:
     CONFIGS["dense"]["overrides"]["n_layers"] = args.dense_layers
     CONFIGS["moe"]["overrides"]["n_layers"] = args.moe_layers
     result = {"command": "python3 " + " ".join(sys.argv), "env": env_info(), "configs": []}
+    if args.ce_config:
+        from benchmarks.ce_head import apply_best
+
+        result["ce_config"] = apply_best(args.ce_config)
+        print("fused-head loss kernels:", result["ce_config"], flush=True)
     for name in args.configs.split(","):
         if name == "loss":
             if args.loss_steps > 0 and time.time() - START < args.budget_s:

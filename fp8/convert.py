@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from fp8.grouped import Fp8GroupedMM
+from fp8.head import Float8LMHead
 from fp8.linear import Float8Linear
 from fp8.recipes import Recipe, get_recipe
 
@@ -141,11 +142,13 @@ def convert_to_fp8(
     keep = module_filter or default_module_filter
     if any(isinstance(m, Float8Linear) or is_fp8_grouped(m) for m in model.modules()):
         raise ValueError("model is already converted to fp8; build a fresh model to change the recipe")
-    swaps: list[tuple[nn.Module, str, nn.Module]] = []
+    swaps: list[tuple[nn.Module, str, nn.Module, type]] = []
     for name, module in model.named_modules():
         if isinstance(module, nn.Linear) and type(module) is nn.Linear and name and keep(name, module):
             parent_name, _, child = name.rpartition(".")
-            swaps.append((model.get_submodule(parent_name), child, module))
+            # The LM head gets the class that can also fuse the loss into its backward (fp8/head.py).
+            cls = Float8LMHead if is_output_head(name, module) else Float8Linear
+            swaps.append((model.get_submodule(parent_name), child, module, cls))
         elif _is_grouped(module) and keep(name, module):
             setattr(module, _HP_OP, module.grouped_mm)
             # Experts are always rowwise grouped; rowwise_gw_hp keeps their weight gradient in high precision too.
@@ -155,8 +158,8 @@ def convert_to_fp8(
             if hasattr(module, "token_group_align"):
                 setattr(module, _HP_ALIGN, module.token_group_align)
             _set_module(module, True)
-    for parent, child, module in swaps:
-        setattr(parent, child, Float8Linear.from_float(module, rec))
+    for parent, child, module, cls in swaps:
+        setattr(parent, child, cls.from_float(module, rec))
     return model
 
 

@@ -254,14 +254,23 @@ class Llama3(nn.Module):
         self.tie_weights()
         return self
 
-    def forward(self, tokens_BT: torch.Tensor) -> torch.Tensor:
+    def hidden_states(self, tokens_BT: torch.Tensor) -> torch.Tensor:
+        """The final-normed hidden states the output head reads (models.loss.model_lm_loss fuses head and loss)."""
         T = tokens_BT.shape[1]
         if T > self.args.max_seq_len:
             raise ValueError(f"sequence length {T} exceeds max_seq_len={self.args.max_seq_len}; raise max_seq_len")
         h_BTD = self.tok_embeddings(tokens_BT)
         for layer in self.layers.values():
             h_BTD = layer(h_BTD, self.rope_cos, self.rope_sin)
-        return self.output(self.norm(h_BTD))
+        return self.norm(h_BTD)
+
+    def forward(self, tokens_BT: torch.Tensor, targets_BT: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B, T, V]; with targets, the loss an FP8 head fuses instead (models.loss.model_lm_loss). Through
+        forward, not hidden_states plus the head, so that wrappers' hooks (FSDP2's root unshard) run."""
+        h_BTD = self.hidden_states(tokens_BT)
+        if targets_BT is None:
+            return self.output(h_BTD)
+        return self.output(h_BTD, targets=targets_BT)
 
     def aux_loss(self) -> torch.Tensor:
         return torch.zeros((), device=self.norm.weight.device)

@@ -29,3 +29,19 @@ def lm_loss(logits_BSV: torch.Tensor, targets_BS: torch.Tensor, compiled: bool) 
     """token_cross_entropy, through torch.compile when `compiled` (the model's blocks are compiled on GPUs)."""
     fn = _compiled_token_cross_entropy() if compiled else token_cross_entropy
     return fn(logits_BSV, targets_BS)
+
+
+def model_lm_loss(model: torch.nn.Module, tokens_BT: torch.Tensor, targets_BT: torch.Tensor,
+                  compiled: bool) -> torch.Tensor:
+    """The model's mean token cross-entropy on (tokens, targets).
+
+    Where the output head is an FP8 head that fuses the loss (fp8.head.Float8LMHead.fuses_loss: FP8 on, tensorwise,
+    fused_loss on), the model's forward with targets has the head compute the loss from the final hidden states, so
+    the logits' gradient is written once, in fp8, instead of as a bf16 tensor the head casts again (fp8/head.py).
+    Otherwise: the logits, then lm_loss. Both compute the same function; the head falls back to the second form with set_precision("bf16").
+    """
+    head = getattr(model, "output", None)
+    fuses = getattr(head, "fuses_loss", None)
+    if fuses is not None and fuses():
+        return model(tokens_BT, targets_BT)
+    return lm_loss(model(tokens_BT), targets_BT, compiled)

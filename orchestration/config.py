@@ -67,6 +67,10 @@ class PrecisionConfig:
     # Convert the LM output head to FP8 too (fp8.convert.make_module_filter). Off: the head stays bf16, as in
     # torchtitan; on: the largest GEMM of a dense step runs in FP8 (see BENCHMARKS.md for its speed and loss).
     fp8_output_head: bool = False
+    # With an FP8 head under the tensorwise recipe: compute the loss inside the head, whose backward writes the logits'
+    # gradient once, in fp8 and in both layouts its GEMMs read (fp8/head.py), instead of a bf16 gradient cast again.
+    # false: the unfused head and loss (the same function; for A/B runs).
+    fp8_head_fused_loss: bool = True
     # Run the MoE routed experts' grouped GEMMs in FP8 (torch._scaled_grouped_mm). false keeps them bf16 while the
     # rest runs FP8: for GPUs or torch builds without an FP8 grouped GEMM (the worker refuses to emulate it there).
     fp8_experts: bool = True

@@ -20,7 +20,7 @@ import torch
 
 from fp8 import grouped as fp8_grouped
 from fp8.linear import Float8Linear
-from models.loss import lm_loss as lm_loss_fn
+from models.loss import model_lm_loss
 from optim import ChunkedAdamW, clip_and_step
 from orchestration.config import JobConfig, from_dict
 from orchestration.data import ByteTextDataset, collect_text_files, python_stdlib_dir
@@ -106,6 +106,9 @@ def build_training_model(job: JobConfig, world_size: int, device: torch.device):
                 "lower precision.fp8_min_gemm_width (0 converts every eligible linear) or use precision=bf16")
         if job.precision.fp8_output_head:
             require_fp8_output_head(model, job.model.name)
+            for _, head in fp8.convert.output_heads(model):
+                if hasattr(head, "fused_loss"):
+                    head.fused_loss = job.precision.fp8_head_fused_loss
         require_fp8_grouped_gemm(model, fp8.get_backend(device))
     template = copy.deepcopy(model)  # on meta: no memory
     model = parallelize(model, world_size, job.train.sharding, job.precision.fsdp_param_dtype,
@@ -226,9 +229,11 @@ def compile_blocks(model: torch.nn.Module, mode: str = "default") -> None:
         # fixed sequence length: no symbolic-shape kernels
         block.compile(dynamic=False, mode=None if mode == "default" else mode)
     head = getattr(model, "output", None)
-    if isinstance(head, Float8Linear):
+    fuses_loss = getattr(head, "fuses_loss", None)
+    if isinstance(head, Float8Linear) and not (fuses_loss is not None and fuses_loss()):
         # An FP8 output head (precision.fp8_output_head) is compiled too, so Inductor fuses its casts; a bf16 head
-        # is one matmul, which compiling would not change.
+        # is one matmul, which compiling would not change; a head that fuses the loss runs its own kernels
+        # (fp8/head.py) and would only break the graph.
         head.compile(dynamic=False, mode=None if mode == "default" else mode)
 
 
@@ -492,8 +497,8 @@ class Trainer:
             # A new iteration for CUDA-graph trees: the previous step's graph outputs may be overwritten now.
             torch.compiler.cudagraph_mark_step_begin()
         with torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=use_autocast):
-            logits = self.model(inputs)
-            lm_loss = lm_loss_fn(logits, targets, compiled=self.compiled)
+            # The logits then the loss, or the loss fused into an FP8 head (precision.fp8_head_fused_loss)
+            lm_loss = model_lm_loss(self.model, inputs, targets, compiled=self.compiled)
             aux = self.model.aux_loss()
         return lm_loss, aux
 

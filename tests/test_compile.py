@@ -7,15 +7,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from models.loss import model_lm_loss
 from orchestration.config import load_job_config
 from orchestration.worker import build_training_model
 
 
-def _loss_and_grads(precision: str, compile_blocks: bool, fp8_output_head: bool = False):
+def _loss_and_grads(precision: str, compile_blocks: bool, fp8_output_head: bool = False, fused_loss: bool = False):
     job = load_job_config({
         "model": {"name": "debug_dense", "compile": compile_blocks, "overrides": {"n_layers": 2}},
         "precision": {"name": precision, "recipe": "tensorwise", "compute_dtype": "float32",
-                      "fp8_output_head": fp8_output_head},
+                      "fp8_output_head": fp8_output_head, "fp8_head_fused_loss": fused_loss},
         "cluster": {"min_workers": 1, "max_workers": 1},
         "train": {"global_batch_size": 2, "micro_batch_size": 2},
     })
@@ -24,8 +25,11 @@ def _loss_and_grads(precision: str, compile_blocks: bool, fp8_output_head: bool 
     compiled = [getattr(b, "_compiled_call_impl", None) is not None
                 for b in [*model.layers.values(), *([model.output] if fp8_output_head else [])]]
     tokens = torch.randint(0, model.args.vocab_size, (2, 33), generator=torch.Generator().manual_seed(1))
-    logits = model(tokens[:, :-1])
-    loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+    if fused_loss:  # the worker's path: the loss inside the FP8 head (fp8/head.py)
+        loss = model_lm_loss(model, tokens[:, :-1], tokens[:, 1:], compiled=compile_blocks)
+    else:
+        logits = model(tokens[:, :-1])
+        loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
     loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     return compiled, loss.detach(), grads
@@ -58,7 +62,8 @@ def test_compiled_fp8_blocks_train():
 
 @pytest.mark.slow
 def test_compiled_fp8_output_head_matches_eager():
-    """precision.fp8_output_head=true: the FP8 head is compiled with the blocks and computes what eager does."""
+    """precision.fp8_output_head=true with fp8_head_fused_loss=false: the FP8 head is compiled with the blocks and
+    computes what eager does."""
     compiled_flags, loss_c, grads_c = _loss_and_grads("fp8", compile_blocks=True, fp8_output_head=True)
     _, loss_e, grads_e = _loss_and_grads("fp8", compile_blocks=False, fp8_output_head=True)
     _, loss_hp_head, _ = _loss_and_grads("fp8", compile_blocks=False)
@@ -69,3 +74,20 @@ def test_compiled_fp8_output_head_matches_eager():
     for name in grads_e:
         cos = F.cosine_similarity(grads_c[name].flatten(), grads_e[name].flatten(), dim=0)
         assert cos > 0.99999, name
+
+
+@pytest.mark.slow
+def test_fused_fp8_head_with_compiled_blocks_matches_eager_and_the_unfused_head():
+    """precision.fp8_head_fused_loss=true (the default): the head runs its own kernels (not compiled), the blocks
+    compile, and loss and gradients match eager and the unfused head's."""
+    compiled_flags, loss_c, grads_c = _loss_and_grads("fp8", True, fp8_output_head=True, fused_loss=True)
+    _, loss_e, grads_e = _loss_and_grads("fp8", False, fp8_output_head=True, fused_loss=True)
+    _, loss_u, grads_u = _loss_and_grads("fp8", False, fp8_output_head=True, fused_loss=False)
+    assert compiled_flags == [True, True, False]  # blocks compiled, the fused head not
+    torch.testing.assert_close(loss_c, loss_e, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(loss_e, loss_u, rtol=1e-5, atol=1e-5)
+    assert grads_c.keys() == grads_e.keys() == grads_u.keys()
+    for name in grads_e:
+        for other in (grads_c, grads_u):
+            cos = F.cosine_similarity(other[name].flatten(), grads_e[name].flatten(), dim=0)
+            assert cos > 0.9999, name

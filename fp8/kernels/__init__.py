@@ -8,6 +8,9 @@ Public functions (torch tensors in and out, any device):
 - quantize_colwise_batched(x_hp_BRC, fp8_dtype, pow2=True) -> (x_fp8_t_BCR, scale_BC)
 - transpose(x_MN) -> x^T contiguous [N, M] (fp8 operands for torch._scaled_mm)
 - health_stats(x_hp_MK, x_fp8_MK, scale, fp8_dtype) -> float32 [saturated_frac, underflow_frac, amax] of one cast
+- cross_entropy_fwd(logits_MV, targets_M, ignore_index) -> (lse_M, loss_M, gamax_M) and
+  cross_entropy_grad_cast(logits_MV, targets_M, lse_M, gamax, coef, fp8_dtype, ignore_index) -> (g_fp8_MV,
+  g_fp8_t_VM, scale): the fused FP8 output head's loss (cross_entropy.py; eager only, no torch.library op)
 
 Scale convention (all functions): x_fp8 = saturate(x_hp * scale), x_hp ~= x_fp8 / scale, so torch._scaled_mm's
 scale arguments are `scale.reciprocal()` (exact for pow2 scales). Layouts are documented on each function and in
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import torch
 
+from . import cross_entropy as _ce
 from . import ops
 from . import quantize as _q
 from .reference import (
@@ -34,6 +38,8 @@ from .reference import (
     HEALTH_SAMPLE_ROWS,
     amax_to_scale,
     check_fp8_dtype,
+    cross_entropy_fwd_ref,
+    cross_entropy_grad_cast_ref,
     fp8_max,
     health_stats_ref,
     pow2_floor,
@@ -53,6 +59,10 @@ __all__ = [
     "HAS_TRITON",
     "HEALTH_SAMPLE_ROWS",
     "amax_to_scale",
+    "cross_entropy_fwd",
+    "cross_entropy_fwd_ref",
+    "cross_entropy_grad_cast",
+    "cross_entropy_grad_cast_ref",
     "fp8_max",
     "health_stats",
     "health_stats_ref",
@@ -255,3 +265,38 @@ def health_stats(
     if will_use_triton(x_hp_MK, use_triton) and not torch.compiler.is_compiling():
         return _q.health_stats_triton(x_hp_MK, x_fp8_MK, scale, fp8_dtype)
     return health_stats_ref(x_hp_MK, x_fp8_MK, scale, fp8_dtype)
+
+
+def _check_ce(logits_MV: torch.Tensor, targets_M: torch.Tensor, name: str) -> None:
+    if logits_MV.dim() != 2 or not logits_MV.is_floating_point() or logits_MV.dtype in FP8_DTYPES:
+        raise ValueError(f"{name} expects [M, V] high-precision logits, got {logits_MV.dtype} of shape "
+                         f"{tuple(logits_MV.shape)}; flatten the batch dims first")
+    if targets_M.shape != (logits_MV.shape[0],) or targets_M.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"{name} expects int64/int32 targets of shape ({logits_MV.shape[0]},), got "
+                         f"{targets_M.dtype} of shape {tuple(targets_M.shape)}")
+
+
+def cross_entropy_fwd(
+    logits_MV: torch.Tensor, targets_M: torch.Tensor, ignore_index: int = -100, *, use_triton: bool | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-row cross-entropy and the row maxima of its gradient: (lse_M, loss_M, gamax_M) fp32 (definition:
+    reference.cross_entropy_fwd_ref). Targets must lie in [0, V) or equal ignore_index: the kernel does not check
+    (that would sync the host); the reference raises on an out-of-range index."""
+    _check_ce(logits_MV, targets_M, "cross_entropy_fwd")
+    if will_use_triton(logits_MV, use_triton):
+        return _ce.cross_entropy_fwd_triton(logits_MV.contiguous(), targets_M, ignore_index)
+    return cross_entropy_fwd_ref(logits_MV, targets_M, ignore_index)
+
+
+def cross_entropy_grad_cast(
+    logits_MV: torch.Tensor, targets_M: torch.Tensor, lse_M: torch.Tensor, gamax: torch.Tensor, coef: torch.Tensor,
+    fp8_dtype: torch.dtype, ignore_index: int = -100, *, use_triton: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """coef * (softmax - onehot) quantized tensorwise in both layouts, from the forward's lse and gradient amax:
+    (g_fp8_MV, g_fp8_t_VM, scale) (definition: reference.cross_entropy_grad_cast_ref). One read of the logits."""
+    check_fp8_dtype(fp8_dtype)
+    _check_ce(logits_MV, targets_M, "cross_entropy_grad_cast")
+    if will_use_triton(logits_MV, use_triton):
+        return _ce.cross_entropy_grad_cast_triton(logits_MV.contiguous(), targets_M, lse_M, gamax, coef, fp8_dtype,
+                                                  ignore_index)
+    return cross_entropy_grad_cast_ref(logits_MV, targets_M, lse_M, gamax, coef, fp8_dtype, ignore_index)

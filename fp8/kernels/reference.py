@@ -194,3 +194,47 @@ from fp8.health import (  # noqa: F401
     health_sample_step,
     health_stats_ref,
 )
+
+
+def cross_entropy_fwd_ref(
+    logits_MV: torch.Tensor, targets_M: torch.Tensor, ignore_index: int = -100
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-row token cross-entropy in fp32 and what its fp8 backward needs, without forming the gradient.
+
+    Returns fp32 [M] tensors (lse_M, loss_M, gamax_M): lse = logsumexp of the row; loss = lse - logit[target];
+    gamax = max over the row of |softmax - onehot(target)| = max(max over non-targets of p, 1 - p_target), the
+    row's largest gradient element before the loss's scalar factor. Rows whose target is ignore_index: loss and
+    gamax 0 (lse still computed).
+    """
+    x_MV = logits_MV.float()
+    lse_M = torch.logsumexp(x_MV, dim=1)
+    valid_M = targets_M != ignore_index
+    t_M1 = torch.where(valid_M, targets_M, 0).long()[:, None]
+    x_t_M = x_MV.gather(1, t_M1).squeeze(1)
+    other_max_M = x_MV.scatter(1, t_M1, float("-inf")).amax(dim=1)
+    gamax_M = torch.maximum(torch.exp(other_max_M - lse_M), 1.0 - torch.exp(x_t_M - lse_M))
+    zero = x_MV.new_zeros(())
+    return lse_M, torch.where(valid_M, lse_M - x_t_M, zero), torch.where(valid_M, gamax_M, zero)
+
+
+def cross_entropy_grad_cast_ref(
+    logits_MV: torch.Tensor, targets_M: torch.Tensor, lse_M: torch.Tensor, gamax: torch.Tensor, coef: torch.Tensor,
+    fp8_dtype: torch.dtype, ignore_index: int = -100,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The logits' gradient coef * (softmax - onehot(target)), tensorwise-quantized in both layouts.
+
+    gamax: 0-d, the max of cross_entropy_fwd_ref's gamax_M (so coef * gamax is the gradient's exact amax); coef:
+    0-d, d(loss)/d(sum of row losses), e.g. grad_loss / number of counted rows. Returns (g_fp8_MV, g_fp8_t_VM
+    contiguous [V, M], scale 0-d fp32) with g_fp8 = saturate(g * scale), scale = fp8_max / max(|coef| * gamax, EPS).
+    Ignored rows are zeros.
+    """
+    check_fp8_dtype(fp8_dtype)
+    coef = coef.float().reshape(())
+    scale = amax_to_scale(gamax.float().reshape(()) * coef.abs(), fp8_dtype)
+    p_MV = torch.exp(logits_MV.float() - lse_M[:, None])
+    valid_M = targets_M != ignore_index
+    onehot_MV = torch.zeros_like(p_MV).scatter_(1, torch.where(valid_M, targets_M, 0).long()[:, None], 1.0)
+    g_MV = torch.where(valid_M[:, None], p_MV - onehot_MV, 0.0)
+    row_coef_M1 = torch.where(valid_M, coef * scale, 0.0)[:, None]
+    g_fp8_MV = saturated_cast(g_MV, row_coef_M1, fp8_dtype)
+    return g_fp8_MV, g_fp8_MV.t().contiguous(), scale

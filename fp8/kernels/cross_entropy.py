@@ -1,0 +1,169 @@
+"""Triton kernels of the fused FP8 output head's loss: token cross-entropy whose backward writes the fp8 gradient.
+
+An FP8 LM head's backward needs the logits' gradient g = (softmax(logits) - onehot(target)) * coef quantized, in two
+layouts: row-major [M, V] for the grad-input GEMM and transposed [V, M] for the grad-weight GEMM (torch._scaled_mm
+contracts over contiguous dims only). Unfused, that gradient is the largest tensor of a step (16384 tokens x 102400
+vocab = 3.4 GB in bf16) and is moved five times: the loss backward writes it, an amax pass and a cast pass read it,
+a transpose reads and writes the fp8 copy. Fused:
+
+- `_ce_fwd_kernel`, one program per row: online max / sum-exp over the row -> lse, the row's loss (lse - logit of the
+  target) and the row's largest |p - onehot| = max(max over non-targets of p, 1 - p_target). The tensor's gradient
+  amax is therefore known after the forward, with no pass over g.
+- `_ce_bwd_cast_kernel`, one program per [BM, BV] tile: recomputes p from the saved logits and lse, forms g, scales it
+  by fp8_max / amax (computed in-kernel from the forward's row maxima times |coef|) and stores the fp8 tile twice,
+  row-major and transposed. Traffic: one read of the bf16 logits and two 1-byte writes, where the unfused path moves
+  ~5.5x that.
+
+Numerics: g is formed in fp32 from bf16 logits (as F.cross_entropy on upcast logits) and quantized from fp32 (the
+unfused path rounds it to bf16 first); the scale is the dynamic tensorwise scale of g's exact amax. The references
+(reference.cross_entropy_fwd_ref, cross_entropy_grad_cast_ref) define every output.
+
+Legend: M rows (tokens), V vocabulary; BM, BV tile sizes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import quantize as _q
+
+if _q.HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    from .quantize import _scale_from_amax, _to_fp8
+
+    @triton.jit
+    def _ce_fwd_kernel(logits_ptr, targets_ptr, lse_ptr, loss_ptr, gamax_ptr, M, V, stride_lm,
+                       IGNORE_INDEX: tl.constexpr, BM: tl.constexpr, BV: tl.constexpr):
+        # BM rows per program, streamed in [BM, BV] tiles with a running max / sum-exp per row (online softmax).
+        # Several rows per program make the per-tile reductions along V short (within a warp when a warp holds a
+        # row) instead of one block-wide reduction per tile.
+        NEG_INF: tl.constexpr = float("-inf")
+        offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
+        mask_m = offs_m < M
+        t = tl.load(targets_ptr + offs_m, mask=mask_m, other=IGNORE_INDEX).to(tl.int64)
+        rows = logits_ptr + offs_m.to(tl.int64)[:, None] * stride_lm
+        m = tl.full([BM], NEG_INF, tl.float32)  # running max over all columns (for lse)
+        m_other = tl.full([BM], NEG_INF, tl.float32)  # running max over the non-target columns
+        s = tl.zeros([BM], dtype=tl.float32)  # running sum of exp(x - m)
+        x_t = tl.zeros([BM], dtype=tl.float32)  # the target's logit
+        for v0 in range(0, V, BV):
+            offs_v = v0 + tl.arange(0, BV)
+            mask = mask_m[:, None] & (offs_v < V)[None, :]
+            x = tl.load(rows + offs_v[None, :], mask=mask, other=NEG_INF).to(tl.float32)
+            is_t = offs_v[None, :] == t[:, None]
+            m_new = tl.maximum(m, tl.max(x, 1))
+            # rows past M (all -inf) keep s = 0: exp(-inf - -inf) would be NaN
+            alpha = tl.where(m_new == NEG_INF, 0.0, tl.exp(m - m_new))
+            s = s * alpha + tl.sum(tl.where(mask, tl.exp(x - m_new[:, None]), 0.0), 1)
+            m = m_new
+            m_other = tl.maximum(m_other, tl.max(tl.where(is_t, NEG_INF, x), 1))
+            x_t += tl.sum(tl.where(is_t & mask, x, 0.0), 1)
+        lse = m + tl.log(s)
+        valid = t != IGNORE_INDEX
+        tl.store(lse_ptr + offs_m, lse, mask=mask_m)
+        tl.store(loss_ptr + offs_m, tl.where(valid, lse - x_t, 0.0), mask=mask_m)
+        # The same expressions the backward kernel evaluates for these two elements (same fp32 operations).
+        g_max = tl.maximum(tl.exp(m_other - lse), 1.0 - tl.exp(x_t - lse))
+        tl.store(gamax_ptr + offs_m, tl.where(valid, g_max, 0.0), mask=mask_m)
+
+    @triton.jit
+    def _ce_bwd_cast_kernel(logits_ptr, targets_ptr, lse_ptr, gamax_ptr, coef_ptr, g_ptr, g_t_ptr, scale_ptr,
+                            M, V, stride_lm,
+                            IGNORE_INDEX: tl.constexpr, FP8_MAX: tl.constexpr, EPS_: tl.constexpr,
+                            BM: tl.constexpr, BV: tl.constexpr, OUT_DTYPE: tl.constexpr, INT8_STORE: tl.constexpr,
+                            EXACT_ROUND: tl.constexpr, MBITS: tl.constexpr, MIN_NORMAL: tl.constexpr,
+                            SUB_MAGIC: tl.constexpr, NAN_BITS: tl.constexpr):
+        pid_m = tl.program_id(0)
+        pid_v = tl.program_id(1)
+        coef = tl.load(coef_ptr).to(tl.float32)
+        scale = _scale_from_amax(tl.load(gamax_ptr) * tl.abs(coef), FP8_MAX, EPS_, False)
+        if (pid_m == 0) & (pid_v == 0):
+            tl.store(scale_ptr, scale)
+        offs_m = pid_m * BM + tl.arange(0, BM)
+        offs_v = pid_v * BV + tl.arange(0, BV)
+        mask_m = offs_m < M
+        mask_v = offs_v < V
+        mask = mask_m[:, None] & mask_v[None, :]
+        rows64 = offs_m.to(tl.int64)
+        x = tl.load(logits_ptr + rows64[:, None] * stride_lm + offs_v[None, :], mask=mask, other=0.0).to(tl.float32)
+        lse = tl.load(lse_ptr + offs_m, mask=mask_m, other=0.0)
+        t = tl.load(targets_ptr + offs_m, mask=mask_m, other=IGNORE_INDEX).to(tl.int64)
+        p = tl.exp(x - lse[:, None])
+        g = tl.where(offs_v[None, :] == t[:, None], p - 1.0, p)
+        row_coef = tl.where(t != IGNORE_INDEX, coef * scale, 0.0)
+        y = _to_fp8(g * row_coef[:, None], OUT_DTYPE, FP8_MAX, EXACT_ROUND, MBITS, MIN_NORMAL, SUB_MAGIC, NAN_BITS)
+        if INT8_STORE:  # the outputs are int8 views: move bytes (the transposed store's layout change is byte-wise)
+            y = y.to(tl.int8, bitcast=True)
+        tl.store(g_ptr + rows64[:, None] * V + offs_v[None, :], y, mask=mask)
+        tl.store(g_t_ptr + offs_v.to(tl.int64)[:, None] * M + offs_m[None, :], tl.trans(y),
+                 mask=mask_v[:, None] & mask_m[None, :])
+
+
+# Tiles, from two sweeps on the H200 (benchmarks/ce_head.py, 16384 x 102400 bf16 logits; results/session16/call_c,
+# call_d): forward one row per program in 2048-column tiles, 4 warps, 2.31 ms (several rows per program, 512-2048
+# columns, 4-8 warps: 2.32-3.03 ms; a per-lane running state with the reductions after the loop: 2.50-5.12 ms);
+# backward 16 x 256 tiles, 4 warps, int8 stores, 3.67 ms (64 x 128: 4.04-4.22, 128 x 128 with 8 warps: 5.46; fp8 vs
+# int8 stores within 3%). Both stay below copy bandwidth (4.3 TB/s): 1.45 and 1.83 TB/s against their least traffic.
+CE_FWD_TILE = (1, 2048)  # (BM rows, BV columns) per program
+CE_FWD_WARPS = 4
+CE_BWD_TILE = (16, 256)
+CE_BWD_WARPS = 4
+CE_BWD_INT8_STORE = True
+
+_TL_FP8 = {}
+
+
+def _tl_dtype(fp8_dtype: torch.dtype):
+    if not _TL_FP8:
+        _TL_FP8.update({torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5,
+                        torch.float8_e4m3fnuz: tl.float8e4b8, torch.float8_e5m2fnuz: tl.float8e5b16})
+    return _TL_FP8[fp8_dtype]
+
+
+def _check(logits_MV: torch.Tensor, targets_M: torch.Tensor) -> None:
+    _q._require(logits_MV)
+    if logits_MV.dim() != 2 or logits_MV.stride(1) != 1:
+        raise ValueError(f"cross-entropy kernels need [M, V] logits with contiguous rows, got shape "
+                         f"{tuple(logits_MV.shape)} strides {logits_MV.stride()}")
+    if targets_M.shape != (logits_MV.shape[0],):
+        raise ValueError(f"targets shape {tuple(targets_M.shape)} does not match logits' rows {logits_MV.shape[0]}")
+
+
+def cross_entropy_fwd_triton(
+    logits_MV: torch.Tensor, targets_M: torch.Tensor, ignore_index: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> (lse_M, loss_M, gamax_M) fp32: see reference.cross_entropy_fwd_ref."""
+    _check(logits_MV, targets_M)
+    M, V = logits_MV.shape
+    lse, loss, gamax = (torch.empty(M, dtype=torch.float32, device=logits_MV.device) for _ in range(3))
+    if M == 0:
+        return lse, loss, gamax
+    BM, BV = CE_FWD_TILE
+    _q._launch(_ce_fwd_kernel)[(triton.cdiv(M, BM),)](
+        logits_MV, targets_M.contiguous(), lse, loss, gamax, M, V, logits_MV.stride(0), IGNORE_INDEX=ignore_index,
+        BM=BM, BV=BV, num_warps=CE_FWD_WARPS)
+    return lse, loss, gamax
+
+
+def cross_entropy_grad_cast_triton(
+    logits_MV: torch.Tensor, targets_M: torch.Tensor, lse_M: torch.Tensor, gamax: torch.Tensor, coef: torch.Tensor,
+    fp8_dtype: torch.dtype, ignore_index: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> (g_fp8_MV row-major, g_fp8_t_VM = its transpose, contiguous, scale 0-d fp32): see
+    reference.cross_entropy_grad_cast_ref. gamax: 0-d, the max of the forward's row maxima; coef: 0-d."""
+    _check(logits_MV, targets_M)
+    M, V = logits_MV.shape
+    dev = logits_MV.device
+    g = torch.empty((M, V), dtype=fp8_dtype, device=dev)
+    g_t = torch.empty((V, M), dtype=fp8_dtype, device=dev)
+    scale = torch.empty((), dtype=torch.float32, device=dev)
+    BM, BV = CE_BWD_TILE
+    grid = (max(1, triton.cdiv(M, BM)), max(1, triton.cdiv(V, BV)))
+    out, out_t = (g.view(torch.int8), g_t.view(torch.int8)) if CE_BWD_INT8_STORE else (g, g_t)
+    _q._launch(_ce_bwd_cast_kernel)[grid](
+        logits_MV, targets_M.contiguous(), lse_M, gamax.reshape(1).float(), coef.reshape(1).float(), out, out_t, scale,
+        M, V, logits_MV.stride(0), IGNORE_INDEX=ignore_index, BM=BM, BV=BV, OUT_DTYPE=_tl_dtype(fp8_dtype),
+        INT8_STORE=CE_BWD_INT8_STORE, num_warps=CE_BWD_WARPS, **_q._grid_consts(fp8_dtype))
+    return g, g_t, scale
