@@ -14,8 +14,8 @@ blocks too (FP8_KERNELS=always; by default the rowwise casts and the fp8 transpo
 Inductor write tensorwise's fp8 transposed copies (FP8_KERNELS=no_transposes, the session-3 default); "+cg" compiles the blocks with
 mode="reduce-overhead" (CUDA graphs); "+eagerloss" runs the cross-entropy eagerly (fp32 logits materialized);
 "+eagergrp" / "+tracedgrp" run the FP8 grouped GEMMs in fp8.grouped's "eager" / "traced" modes (default "opaque");
-"+fp8dg" runs all their grad-input GEMMs in fp8 with promoted accumulation and "+widthdg" in bf16 where the width is
-not a multiple of 256, else so (default: fp8.grouped's dgrad="auto", fp8 with fast accumulation); "+autogc" leaves Python's automatic garbage collection on during the timed steps (default: the
+"+fp8dg" runs all their grad-input GEMMs in fp8 with promoted accumulation, "+reusedg" on the forward's quantized
+weights (dgrad="fp8_reuse") and "+widthdg" in bf16 where the width is not a multiple of 256, else so (default: fp8.grouped's dgrad="auto", fp8 with fast accumulation); "+autogc" leaves Python's automatic garbage collection on during the timed steps (default: the
 worker's policy, orchestration/gc_policy.py; every row records its GC pauses under "gc"); "+minw<W>" keeps linears
 with K*N/(K+N) < W in bf16 (fp8.convert.min_width_module_filter); "+eagerbody" runs the grouped GEMM custom ops'
 bodies eagerly (FP8_GROUPED_BODY=eager; default: compiled on CUDA); "+head" converts the LM output head too (ours:
@@ -480,7 +480,7 @@ def bench_config(name: str, cfg: dict, args, device) -> dict:
 
             base_variant, *flags = variant.split("+")
             known = {"nomix", "kern", "ntk", "cg", "eagerloss", "eagergrp", "tracedgrp", "fp8dg", "widthdg", "autogc", "eagerbody", "head",
-                     "cdt", "tadam", "nofce"}
+                     "cdt", "tadam", "nofce", "reusedg"}
             width_flags = [f for f in flags if f.startswith("minw") and f[4:].isdigit()]
             unknown = set(flags) - known - set(width_flags)
             if unknown:
@@ -488,7 +488,7 @@ def bench_config(name: str, cfg: dict, args, device) -> dict:
             os.environ["FP8_GROUPED_MODE"] = ("eager" if "eagergrp" in flags else "traced" if "tracedgrp" in flags
                                               else "opaque")
             os.environ["FP8_GROUPED_DGRAD"] = ("fp8" if "fp8dg" in flags else "width" if "widthdg" in flags
-                                               else "auto")
+                                               else "fp8_reuse" if "reusedg" in flags else "auto")
             os.environ["FP8_GROUPED_BODY"] = "eager" if "eagerbody" in flags else "compiled"
             # As the worker's compile_blocks: CUDA graphs need eager op bodies (fp8.grouped.set_body_mode).
             import fp8.grouped

@@ -124,7 +124,8 @@ def _wgrad_hp(x_MK, gy_MN, offs_E, out_ENK: bool) -> torch.Tensor:
 
 
 def _grouped_forward(x_MK, w_EKN, offs_E, e4m3: torch.dtype, use_scaled: bool, pow2: bool, wgrad: str):
-    """-> (out_MN, stats, saved_x): saved_x is what backward needs of x (see _grouped_backward)."""
+    """-> (out_MN, stats, saved_x, sw_EN): saved_x is what backward needs of x (see _grouped_backward); sw_EN the
+    weight's forward scales (per expert and output column, along K), which dgrad="fp8_reuse" reuses."""
     x_MK = x_MK.contiguous()
     if wgrad == "global":
         # Both layouts from one fused cast; backward keeps the 1-byte transposed copy, not x.
@@ -138,22 +139,37 @@ def _grouped_forward(x_MK, w_EKN, offs_E, e4m3: torch.dtype, use_scaled: bool, p
     w_fp8, sw_E1N = quant.quantize_colwise_3d(w_EKN, e4m3, pow2)
     out_MN = _scaled_or_emulated_2d3d(x_fp8, sx_M1, w_fp8, sw_E1N, offs_E, use_scaled, fast_accum=True)
     stats = health_stats(x_MK, x_fp8, sx_M1, e4m3)
-    return out_MN.to(x_MK.dtype), stats, saved_x
+    return out_MN.to(x_MK.dtype), stats, saved_x, sw_E1N.reshape(sw_E1N.shape[0], -1)
 
 
 def _grouped_backward(gy_MN, w_EKN, offs_E, saved_x, e4m3: torch.dtype, use_scaled: bool, pow2: bool, wgrad: str,
-                      dgrad: str = "fp8"):
+                      dgrad: str = "fp8", sw_EN: torch.Tensor | None = None):
     """-> (gx_MK, gw_EKN) for the saved_x of _grouped_forward. Both always: expert weights always train.
-    dgrad: how the grad-input GEMM runs, "fp8" | "fp8_fast" (fast accumulation) | "hp" (the activations' precision);
-    see Fp8GroupedMM.dgrad_for."""
+    dgrad: how the grad-input GEMM runs, "fp8" | "fp8_fast" (fast accumulation) | "hp" (the activations' precision)
+    | "fp8_reuse" (needs sw_EN, the forward's weight scales); see Fp8GroupedMM.dgrad_for."""
     hp_dgrad = dgrad == "hp"
+    reuse = dgrad == "fp8_reuse"
     gy_MN = gy_MN.contiguous()
     if wgrad == "global":
         gy_fp8, sg_M1, gy_fp8_t_NM, sg_1N = quant.quantize_rowwise_and_colwise(gy_MN, e4m3, pow2)
-    elif not hp_dgrad:
+    elif not hp_dgrad and not reuse:
         gy_fp8, sg_M1 = quant.quantize_rowwise(gy_MN, e4m3, -1, pow2)
     if hp_dgrad:
         gx_MK = _grouped_hp(gy_MN, w_EKN.transpose(-2, -1), offs_E)
+    elif reuse:
+        # The forward's quantized weight, q[e, k, n] = sat(w[e, k, n] * sw[e, n]), recast from w by the saved scales
+        # (one read, no amax pass) into the [E, K, N] row-major layout this GEMM reads; its scales lie along N, the
+        # contraction dim here, so they move onto gy's columns (exact: powers of two), group by group:
+        #   gx[m, k] = sum_n (gy[m, n] / sw[e(m), n]) * q[e(m), k, n]
+        # and gy / sw is quantized per row as gy would be. Replaces the two-pass column cast of w.
+        q_EKN = quant.cast_rows_transposed_batched(w_EKN.transpose(-2, -1), sw_EN, e4m3)
+        num_groups = sw_EN.shape[0]
+        inv_sw_GN = torch.cat([sw_EN.reciprocal(), sw_EN.new_zeros(1, sw_EN.shape[1])])  # rows past offs[-1]: 0
+        gid_M = group_ids(offs_E, gy_MN.shape[0]).to(torch.int32).clamp_(max=num_groups)
+        gy_fp8, sg_M1 = quant.quantize_rowwise_group_scaled(gy_MN, inv_sw_GN, gid_M, e4m3, pow2)
+        ones_E1K = sw_EN.new_ones(num_groups, 1, q_EKN.shape[1])
+        gx_MK = _scaled_or_emulated_2d3d(gy_fp8, sg_M1, q_EKN.transpose(-2, -1), ones_E1K, offs_E, use_scaled,
+                                         fast_accum=True).to(gy_MN.dtype)
     else:
         # w per (expert, row k) along N, laid out [E, K, N] row-major: its transpose is the column-major
         # [E, N, K] right operand of gx = gy @ w^T.
@@ -182,8 +198,9 @@ class _Fp8GroupedMMFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_MK, w_EKN, offs_E, backend: Fp8Backend, use_scaled: bool, pow2: bool, wgrad_scaling: str,
                 dgrad: str):
-        out_MN, stats, saved_x = _grouped_forward(x_MK, w_EKN, offs_E, backend.e4m3, use_scaled, pow2, wgrad_scaling)
-        ctx.save_for_backward(w_EKN, offs_E, *saved_x)
+        out_MN, stats, saved_x, sw_EN = _grouped_forward(x_MK, w_EKN, offs_E, backend.e4m3, use_scaled, pow2,
+                                                         wgrad_scaling)
+        ctx.save_for_backward(w_EKN, offs_E, sw_EN, *saved_x)
         ctx.e4m3, ctx.use_scaled, ctx.pow2, ctx.wgrad = backend.e4m3, use_scaled, pow2, wgrad_scaling
         ctx.dgrad = dgrad
         ctx.mark_non_differentiable(stats)
@@ -191,9 +208,9 @@ class _Fp8GroupedMMFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, gy_MN, _grad_stats):
-        w_EKN, offs_E, *saved_x = ctx.saved_tensors
+        w_EKN, offs_E, sw_EN, *saved_x = ctx.saved_tensors
         gx_MK, gw_EKN = _grouped_backward(
-            gy_MN, w_EKN, offs_E, tuple(saved_x), ctx.e4m3, ctx.use_scaled, ctx.pow2, ctx.wgrad, ctx.dgrad
+            gy_MN, w_EKN, offs_E, tuple(saved_x), ctx.e4m3, ctx.use_scaled, ctx.pow2, ctx.wgrad, ctx.dgrad, sw_EN
         )
         return gx_MK, gw_EKN, None, None, None, None, None, None
 
@@ -270,15 +287,16 @@ def _run_body(fn, on_cuda: bool, *args):
 def _grouped_fwd_op(
     x_MK: torch.Tensor, w_EKN: torch.Tensor, offs_E: torch.Tensor, e4m3: torch.dtype, use_scaled: bool, pow2: bool,
     wgrad: str, dgrad: str,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """-> (out_MN, stats, x_fp8_t_KM, sx_1K); the last two are empty unless wgrad == "global" (else backward
-    re-reads x itself, which an op output may not alias)."""
-    out_MN, stats, saved_x = _run_body(_grouped_forward, x_MK.is_cuda, x_MK, w_EKN, offs_E, e4m3, use_scaled, pow2,
-                                       wgrad)
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> (out_MN, stats, x_fp8_t_KM, sx_1K, sw_EN); x_fp8_t_KM and sx_1K are empty unless wgrad == "global" (else
+    backward re-reads x itself, which an op output may not alias), sw_EN unless dgrad == "fp8_reuse"."""
+    out_MN, stats, saved_x, sw_EN = _run_body(_grouped_forward, x_MK.is_cuda, x_MK, w_EKN, offs_E, e4m3, use_scaled,
+                                              pow2, wgrad)
+    sw_keep = sw_EN.contiguous() if dgrad == "fp8_reuse" else x_MK.new_empty(0, dtype=torch.float32)
     if wgrad == "global":
         x_fp8_t_KM, sx_1K = saved_x
-        return out_MN, stats, x_fp8_t_KM.contiguous(), sx_1K.contiguous()
-    return out_MN, stats, x_MK.new_empty(0, dtype=e4m3), x_MK.new_empty(0, dtype=torch.float32)
+        return out_MN, stats, x_fp8_t_KM.contiguous(), sx_1K.contiguous(), sw_keep
+    return out_MN, stats, x_MK.new_empty(0, dtype=e4m3), x_MK.new_empty(0, dtype=torch.float32), sw_keep
 
 
 @_grouped_fwd_op.register_fake
@@ -287,9 +305,10 @@ def _(x_MK, w_EKN, offs_E, e4m3, use_scaled, pow2, wgrad, dgrad):
     N = w_EKN.shape[-1]
     out = x_MK.new_empty(M, N)
     stats = x_MK.new_empty(3, dtype=torch.float32)
+    sw_keep = x_MK.new_empty((w_EKN.shape[0], N) if dgrad == "fp8_reuse" else (0,), dtype=torch.float32)
     if wgrad == "global":
-        return out, stats, x_MK.new_empty(K, M, dtype=e4m3), x_MK.new_empty(1, K, dtype=torch.float32)
-    return out, stats, x_MK.new_empty(0, dtype=e4m3), x_MK.new_empty(0, dtype=torch.float32)
+        return out, stats, x_MK.new_empty(K, M, dtype=e4m3), x_MK.new_empty(1, K, dtype=torch.float32), sw_keep
+    return out, stats, x_MK.new_empty(0, dtype=e4m3), x_MK.new_empty(0, dtype=torch.float32), sw_keep
 
 
 def _gw_storage_shape(w_EKN: torch.Tensor) -> tuple[int, int, int]:
@@ -300,34 +319,34 @@ def _gw_storage_shape(w_EKN: torch.Tensor) -> tuple[int, int, int]:
 @torch.library.custom_op("elastic_fp8::grouped_mm_bwd", mutates_args=())
 def _grouped_bwd_op(
     gy_MN: torch.Tensor, w_EKN: torch.Tensor, offs_E: torch.Tensor, x_MK: torch.Tensor, x_fp8_t_KM: torch.Tensor,
-    sx_1K: torch.Tensor, e4m3: torch.dtype, use_scaled: bool, pow2: bool, wgrad: str, dgrad: str,
+    sx_1K: torch.Tensor, sw_EN: torch.Tensor, e4m3: torch.dtype, use_scaled: bool, pow2: bool, wgrad: str, dgrad: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (gx_MK, gw) with gw contiguous in the weight's storage layout ([E, N, K] for column-major w)."""
     saved_x = (x_fp8_t_KM, sx_1K) if wgrad == "global" else (x_MK,)
     gx_MK, gw_EKN = _run_body(_grouped_backward, gy_MN.is_cuda, gy_MN, w_EKN, offs_E, saved_x, e4m3, use_scaled,
-                              pow2, wgrad, dgrad)
+                              pow2, wgrad, dgrad, sw_EN if dgrad == "fp8_reuse" else None)
     gw = gw_EKN.transpose(-2, -1) if _is_column_major(w_EKN) else gw_EKN
     return gx_MK.contiguous(), gw.contiguous()
 
 
 @_grouped_bwd_op.register_fake
-def _(gy_MN, w_EKN, offs_E, x_MK, x_fp8_t_KM, sx_1K, e4m3, use_scaled, pow2, wgrad, dgrad):
+def _(gy_MN, w_EKN, offs_E, x_MK, x_fp8_t_KM, sx_1K, sw_EN, e4m3, use_scaled, pow2, wgrad, dgrad):
     return gy_MN.new_empty(gy_MN.shape[0], w_EKN.shape[1]), gy_MN.new_empty(_gw_storage_shape(w_EKN), dtype=w_EKN.dtype)
 
 
 def _grouped_op_setup(ctx, inputs, output):
     x_MK, w_EKN, offs_E, e4m3, use_scaled, pow2, wgrad, dgrad = inputs
-    _, _, x_fp8_t_KM, sx_1K = output
+    _, _, x_fp8_t_KM, sx_1K, sw_EN = output
     # "hp" and "per_expert" re-read x in backward; "global" keeps only the fp8 transposed copy and its scales.
     x_keep = x_MK if wgrad != "global" else x_MK.new_empty(0)
-    ctx.save_for_backward(w_EKN, offs_E, x_keep, x_fp8_t_KM, sx_1K)
+    ctx.save_for_backward(w_EKN, offs_E, x_keep, x_fp8_t_KM, sx_1K, sw_EN)
     ctx.args = (e4m3, use_scaled, pow2, wgrad, dgrad)
     ctx.w_column_major = _is_column_major(w_EKN)
 
 
-def _grouped_op_backward(ctx, gy_MN, _g_stats, _g_xt, _g_sx):
-    w_EKN, offs_E, x_keep, x_fp8_t_KM, sx_1K = ctx.saved_tensors
-    gx_MK, gw = _grouped_bwd_op(gy_MN, w_EKN, offs_E, x_keep, x_fp8_t_KM, sx_1K, *ctx.args)
+def _grouped_op_backward(ctx, gy_MN, _g_stats, _g_xt, _g_sx, _g_sw):
+    w_EKN, offs_E, x_keep, x_fp8_t_KM, sx_1K, sw_EN = ctx.saved_tensors
+    gx_MK, gw = _grouped_bwd_op(gy_MN, w_EKN, offs_E, x_keep, x_fp8_t_KM, sx_1K, sw_EN, *ctx.args)
     gw_EKN = gw.transpose(-2, -1) if ctx.w_column_major else gw
     return gx_MK, gw_EKN, None, None, None, None, None, None
 
@@ -350,13 +369,17 @@ _GROUPED_MODE_ENV = "FP8_GROUPED_MODE"
 #   "fp8"       fp8, accumulated with periodic promotion to fp32 (use_fast_accum=False).
 #   "fp8_fast"  fp8 with the tensor cores' fast accumulation (as the forward GEMM).
 #   "hp"        in the activations' precision (bf16 grouped GEMM): no backward weight cast and no row cast of gy.
+#   "fp8_reuse" fp8 (fast accumulation) on the forward's quantized weight: w recast by the forward's saved row scales
+#               into the grad-input layout (one read of w, no amax pass), those scales folded into gy's row cast
+#               (exact: powers of two). Replaces the two-pass column cast of w (~0.8 ms a layer of DeepSeek-MoE-16B
+#               on the H200, session 16's profile); the weight enters backward as forward quantized it.
 #   "width"     "hp" where gx's width K is not a multiple of 256, else "fp8": the default of sessions 4-12, when the
 #               promoted fp8 kernel ran DeepSeek-MoE's w2 grad-input (K = 1408) at 0.59x of bf16.
 #   "auto"      "fp8_fast" (the default). Why: alone on the H200 (session 13, BENCHMARKS.md) the promoted kernel ran
 #               w2's grad-input at 1.794 ms against 0.616 ms fast and 1.007 ms bf16 (w13: 1.281 / 1.215 / 1.849),
 #               and fast accumulation kept gx's SQNR against float64 within 0.5 dB of the promoted kernel's at both
 #               widths (tests/test_fp8_gpu.py, passed on the H200 in session 13).
-DGRAD_CHOICES = ("fp8", "fp8_fast", "hp", "width", "auto")
+DGRAD_CHOICES = ("fp8", "fp8_fast", "hp", "width", "auto", "fp8_reuse")
 _DGRAD_ENV = "FP8_GROUPED_DGRAD"
 
 
@@ -424,7 +447,7 @@ class Fp8GroupedMM:
     def call_opaque(self, x_MK: torch.Tensor, w_EKN: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
         """The custom-op form: the same numbers, one graph node per direction under torch.compile."""
         x_MK, w_EKN, backend, use_scaled, dgrad = self._prepare(x_MK, w_EKN, offs_E)
-        out_MN, stats, _, _ = _grouped_fwd_op(
+        out_MN, stats, _, _, _ = _grouped_fwd_op(
             x_MK, w_EKN, offs_E, backend.e4m3, use_scaled, self.pow2, self.wgrad_scaling, dgrad
         )
         self.last_stats = stats

@@ -62,7 +62,7 @@ def _import_kernels():
 _FAILED: set[str] = set()
 _KERNELS_UNDER_COMPILE = (
     "quantize_rowwise", "quantize_rowwise_and_colwise", "quantize_jagged_per_expert", "quantize_colwise_batched",
-    "transpose",
+    "transpose", "quantize_rowwise_group_scaled", "cast_rows_transposed_batched",
 )
 
 
@@ -177,6 +177,31 @@ def quantize_rowwise_of_column_major_3d(w_EKN: torch.Tensor, dtype: torch.dtype,
             return w_fp8_EKN, scale_EK.unsqueeze(-1)
     w_fp8, scale = quantize_rowwise(w_EKN, dtype, -1, pow2)
     return w_fp8.contiguous(), scale
+
+
+def quantize_rowwise_group_scaled(x_MN: torch.Tensor, mul_GN: torch.Tensor, gid_M: torch.Tensor, dtype: torch.dtype,
+                                  pow2: bool = True):
+    """Rowwise quantization of x * mul_GN[gid_M[m], :] -> (fp8 [M, N], scale_M1): one read of x with the kernels."""
+    k = _kernel_fn(x_MN, "quantize_rowwise_group_scaled")
+    if k is not None:
+        out = _call("quantize_rowwise_group_scaled", k, None, x_MN.contiguous(), mul_GN, gid_M, dtype, pow2=pow2)
+        if out is not None:
+            return out
+    from fp8.kernels.reference import quantize_rowwise_group_scaled_ref
+
+    return _ref(x_MN, quantize_rowwise_group_scaled_ref)(x_MN, mul_GN, gid_M, dtype, pow2)
+
+
+def cast_rows_transposed_batched(x_BRC: torch.Tensor, scale_BR: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[B, R, C] (any strides) cast by given per-(b, r) scales, written [B, C, R] contiguous."""
+    k = _kernel_fn(x_BRC, "cast_rows_transposed_batched")
+    if k is not None:
+        out = _call("cast_rows_transposed_batched", k, None, x_BRC, scale_BR, dtype)
+        if out is not None:
+            return out
+    from fp8.kernels.reference import cast_rows_transposed_batched_ref
+
+    return _ref(x_BRC, cast_rows_transposed_batched_ref)(x_BRC, scale_BR, dtype)
 
 
 def quantize_colwise_3d(w_EKN: torch.Tensor, dtype: torch.dtype, pow2: bool = True):

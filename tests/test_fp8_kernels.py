@@ -282,6 +282,39 @@ def _interp_colwise_batched_on_expert_storage(interp, monkeypatch, fp8_dtype):
             assert_scale_equal(s[e], s_col[0], f"{what} expert {e} scale vs 2D colwise")
 
 
+def _interp_rowwise_group_scaled(interp, monkeypatch):
+    """Rows scaled by a per-(group, column) power-of-two multiplier before the row cast (one tile, and two loops over N
+    with masked tails); a zero multiplier row for rows past the last group."""
+    g = torch.Generator().manual_seed(31)
+    mul = torch.cat([2.0 ** torch.randint(-6, 7, (3, 53), generator=g).float(), torch.zeros(1, 53)])
+    gid = torch.tensor([0] * 10 + [1] * 15 + [2] * 9 + [3] * 3, dtype=torch.int32)
+    x = make_x(37, 53, seed=32)
+    for looped in (False, True):
+        if looped:
+            monkeypatch.setattr(interp, "ROWWISE_MAX_TILE", 32)
+            monkeypatch.setattr(interp, "ROWWISE_MAX_ROW", 32)
+        got, s = fk.quantize_rowwise_group_scaled(x, mul, gid, torch.float8_e4m3fn, use_triton=True)
+        want, s_ref = fk.quantize_rowwise_group_scaled_ref(x, mul, gid, torch.float8_e4m3fn)
+        assert_scale_equal(s, s_ref, f"group-scaled scale looped={looped}")
+        assert_fp8_equal(got, want, f"group-scaled data looped={looped}")
+        assert got[-3:].float().abs().max() == 0  # the zero multiplier row
+
+
+def _interp_cast_rows_transposed_batched(interp, monkeypatch):
+    """Expert weights [E, N, K] cast by given row scales and written [E, K, N], read in place and as a strided view;
+    partial tiles; equal to the forward's rowwise cast transposed when given the forward's scales."""
+    monkeypatch.setattr(fq, "BATCHED_ROW_CAST_TILE", (16, 32))
+    w = torch.stack([make_x(37, 45, seed=40 + e) * 10.0 ** (e - 1) for e in range(3)])
+    for x, what in ((w, "contiguous"), (w.transpose(-2, -1).contiguous().transpose(-2, -1), "column-major")):
+        row_fp8, scale_M1 = fk.quantize_rowwise_ref(x.reshape(-1, 45), torch.float8_e4m3fn)
+        scale_BR = scale_M1.reshape(3, 37)
+        got = fk.cast_rows_transposed_batched(x, scale_BR, torch.float8_e4m3fn, use_triton=True)
+        want = fk.cast_rows_transposed_batched_ref(x, scale_BR, torch.float8_e4m3fn)
+        assert got.shape == (3, 45, 37) and got.is_contiguous()
+        assert_fp8_equal(got, want, f"{what} data")
+        assert_fp8_equal(got, row_fp8.reshape(3, 37, 45).transpose(-2, -1).contiguous(), f"{what} vs the row cast")
+
+
 @pytest.mark.parametrize("fp8_dtype", FP8)
 @pytest.mark.parametrize("offs_list", JAGGED_OFFS)
 def _interp_jagged(interp, fp8_dtype, offs_list):
@@ -437,6 +470,6 @@ def _interp_custom_ops_trace_under_torch_compile(interp):
 
 # ----------------------------------------------------------------------------- interpreter child process
 
-N_INTERP_CASES = 4 + 12 + 8 + 1 + 8 + 2 + 4 + 12 + 2 + 1 + 1 + 1 + 1  # test_interp_* items the child must pass
+N_INTERP_CASES = 4 + 12 + 8 + 1 + 8 + 2 + 4 + 12 + 2 + 1 + 1 + 1 + 1 + 2  # test_interp_* items the child must pass
 
 expose_or_run(globals(), __file__, N_INTERP_CASES, "test_triton_kernels_in_subprocess")

@@ -7,6 +7,9 @@ Public functions (torch tensors in and out, any device):
 - quantize_jagged_per_expert(x_hp_MK, offs_E, fp8_dtype, pow2=True, transpose_out=True) -> (x_fp8, scale_EK)
 - quantize_colwise_batched(x_hp_BRC, fp8_dtype, pow2=True) -> (x_fp8_t_BCR, scale_BC)
 - transpose(x_MN) -> x^T contiguous [N, M] (fp8 operands for torch._scaled_mm)
+- quantize_rowwise_group_scaled(x_hp_MN, mul_GN, gid_M, fp8_dtype, pow2=True) -> (y_fp8_MN, scale_M1) of
+  y = x * mul[gid[m], :]; cast_rows_transposed_batched(x_hp_BRC, scale_BR, fp8_dtype) -> x_fp8_t_BCR by given row
+  scales: the MoE grad-input GEMM that reuses the forward's quantized expert weights (fp8.grouped "fp8_reuse")
 - health_stats(x_hp_MK, x_fp8_MK, scale, fp8_dtype) -> float32 [saturated_frac, underflow_frac, amax] of one cast
 - cross_entropy_fwd(logits_MV, targets_M, ignore_index) -> (lse_M, loss_M, gamax_M) and
   cross_entropy_grad_cast(logits_MV, targets_M, lse_M, gamax, coef, fp8_dtype, ignore_index) -> (g_fp8_MV,
@@ -37,6 +40,7 @@ from .reference import (
     FP8_DTYPES,
     HEALTH_SAMPLE_ROWS,
     amax_to_scale,
+    cast_rows_transposed_batched_ref,
     check_fp8_dtype,
     cross_entropy_fwd_ref,
     cross_entropy_grad_cast_ref,
@@ -46,6 +50,7 @@ from .reference import (
     quantize_colwise_batched_ref,
     quantize_jagged_per_expert_ref,
     quantize_rowwise_and_colwise_ref,
+    quantize_rowwise_group_scaled_ref,
     quantize_rowwise_ref,
     quantize_tensorwise_ref,
     saturated_cast,
@@ -59,6 +64,8 @@ __all__ = [
     "HAS_TRITON",
     "HEALTH_SAMPLE_ROWS",
     "amax_to_scale",
+    "cast_rows_transposed_batched",
+    "cast_rows_transposed_batched_ref",
     "cross_entropy_fwd",
     "cross_entropy_fwd_ref",
     "cross_entropy_grad_cast",
@@ -74,6 +81,8 @@ __all__ = [
     "quantize_rowwise",
     "quantize_rowwise_and_colwise",
     "quantize_rowwise_and_colwise_ref",
+    "quantize_rowwise_group_scaled",
+    "quantize_rowwise_group_scaled_ref",
     "quantize_rowwise_ref",
     "quantize_tensorwise",
     "quantize_tensorwise_ref",
@@ -300,3 +309,35 @@ def cross_entropy_grad_cast(
         return _ce.cross_entropy_grad_cast_triton(logits_MV.contiguous(), targets_M, lse_M, gamax, coef, fp8_dtype,
                                                   ignore_index)
     return cross_entropy_grad_cast_ref(logits_MV, targets_M, lse_M, gamax, coef, fp8_dtype, ignore_index)
+
+
+def quantize_rowwise_group_scaled(
+    x_hp_MN: torch.Tensor, mul_GN: torch.Tensor, gid_M: torch.Tensor, fp8_dtype: torch.dtype, pow2: bool = True, *,
+    use_triton: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rowwise quantization of y = x * mul_GN[gid_M[m], :] in one read of x: (y_fp8_MN, scale_M1) (definition:
+    reference.quantize_rowwise_group_scaled_ref). gid_M: int32 group of each row, in [0, G)."""
+    check_fp8_dtype(fp8_dtype)
+    _check_2d(x_hp_MN, "quantize_rowwise_group_scaled")
+    if mul_GN.dim() != 2 or mul_GN.shape[1] != x_hp_MN.shape[1] or gid_M.shape != (x_hp_MN.shape[0],):
+        raise ValueError(f"quantize_rowwise_group_scaled: mul must be [G, {x_hp_MN.shape[1]}] and gid [{x_hp_MN.shape[0]}]"
+                         f", got {tuple(mul_GN.shape)} and {tuple(gid_M.shape)}")
+    if will_use_triton(x_hp_MN, use_triton):
+        return _run_triton(ops.quantize_rowwise_group_scaled_op, _q.quantize_rowwise_group_scaled_triton, x_hp_MN,
+                           mul_GN, gid_M, fp8_dtype, pow2)
+    return quantize_rowwise_group_scaled_ref(x_hp_MN, mul_GN, gid_M, fp8_dtype, pow2)
+
+
+def cast_rows_transposed_batched(
+    x_hp_BRC: torch.Tensor, scale_BR: torch.Tensor, fp8_dtype: torch.dtype, *, use_triton: bool | None = None
+) -> torch.Tensor:
+    """x_fp8_t_BCR [B, C, R] contiguous = sat(x[b, r, c] * scale_BR[b, r]) transposed per batch, by given scales (no
+    amax pass); x any strides (definition: reference.cast_rows_transposed_batched_ref)."""
+    check_fp8_dtype(fp8_dtype)
+    if x_hp_BRC.dim() != 3 or scale_BR.shape != x_hp_BRC.shape[:2]:
+        raise ValueError(f"cast_rows_transposed_batched: x must be [B, R, C] and scale [B, R], got "
+                         f"{tuple(x_hp_BRC.shape)} and {tuple(scale_BR.shape)}")
+    if will_use_triton(x_hp_BRC, use_triton):
+        return _run_triton(ops.cast_rows_transposed_batched_op, _q.cast_rows_transposed_batched_triton, x_hp_BRC,
+                           scale_BR, fp8_dtype)
+    return cast_rows_transposed_batched_ref(x_hp_BRC, scale_BR, fp8_dtype)

@@ -75,3 +75,19 @@ def transpose_op(x_MN: torch.Tensor) -> torch.Tensor:
     if _on_gpu(x_MN):
         return _q.transpose_triton(x_MN)
     return x_MN.t().contiguous()
+
+
+@torch.library.triton_op("elastic_fp8::quantize_rowwise_group_scaled", mutates_args=())
+def quantize_rowwise_group_scaled_op(
+    x_hp_MN: torch.Tensor, mul_GN: torch.Tensor, gid_M: torch.Tensor, fp8_dtype: torch.dtype, pow2: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if _on_gpu(x_hp_MN):
+        return _q.quantize_rowwise_group_scaled_triton(x_hp_MN, mul_GN, gid_M, fp8_dtype, pow2)
+    return _ref.quantize_rowwise_group_scaled_ref(x_hp_MN, mul_GN, gid_M, fp8_dtype, pow2)
+
+
+@torch.library.triton_op("elastic_fp8::cast_rows_transposed_batched", mutates_args=())
+def cast_rows_transposed_batched_op(x_hp_BRC: torch.Tensor, scale_BR: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    if _on_gpu(x_hp_BRC):
+        return _q.cast_rows_transposed_batched_triton(x_hp_BRC, scale_BR, fp8_dtype)
+    return _ref.cast_rows_transposed_batched_ref(x_hp_BRC, scale_BR, fp8_dtype)

@@ -238,3 +238,24 @@ def cross_entropy_grad_cast_ref(
     row_coef_M1 = torch.where(valid_M, coef * scale, 0.0)[:, None]
     g_fp8_MV = saturated_cast(g_MV, row_coef_M1, fp8_dtype)
     return g_fp8_MV, g_fp8_MV.t().contiguous(), scale
+
+
+def quantize_rowwise_group_scaled_ref(
+    x_hp_MN: torch.Tensor, mul_GN: torch.Tensor, gid_M: torch.Tensor, fp8_dtype: torch.dtype, pow2: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rowwise quantization of y = x * mul_GN[gid_M[m], :] (fp32 product): (y_fp8_MN, scale_M1).
+
+    For MoE grad-input GEMMs that reuse the forward's quantized weights: the weights' row scales (per expert and
+    output column, powers of two, so the product is exact) move onto the gradient's columns, group by group.
+    """
+    check_fp8_dtype(fp8_dtype)
+    _check_2d(x_hp_MN, "quantize_rowwise_group_scaled")
+    y_MN = x_hp_MN.float() * mul_GN.float()[gid_M.long()]
+    return quantize_rowwise_ref(y_MN, fp8_dtype, pow2)
+
+
+def cast_rows_transposed_batched_ref(x_hp_BRC: torch.Tensor, scale_BR: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """out_t [B, C, R] contiguous, out_t[b, c, r] = sat(x[b, r, c] * scale_BR[b, r]): the cast of an [E, N, K]-stored
+    expert weight by its forward row scales, laid out [E, K, N] for the grad-input GEMM."""
+    check_fp8_dtype(fp8_dtype)
+    return saturated_cast(x_hp_BRC, scale_BR.float()[:, :, None], fp8_dtype).transpose(-2, -1).contiguous()
