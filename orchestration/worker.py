@@ -86,6 +86,7 @@ def build_training_model(job: JobConfig, world_size: int, device: torch.device):
     # time (init_weights_by_unit): no full copy on the host (a 70B model is 280 GB in fp32; even 4 layers of the
     # 8B model took ~35 s to initialise on one CPU thread), the same weights at every world size.
     model = build_model(job.model.name, device="meta", overrides=dict(job.model.overrides))
+    require_vocab_covers_data(model, job.model.name)
     recipe = None
     if job.precision.name == "fp8":
         import fp8
@@ -121,6 +122,18 @@ def build_training_model(job: JobConfig, world_size: int, device: torch.device):
     if compile_enabled(job, device):
         compile_blocks(model, job.model.compile_mode)
     return model, recipe
+
+
+def require_vocab_covers_data(model: torch.nn.Module, model_name: str) -> None:
+    """The byte-level data's token ids (0..255) must be rows of the model's vocabulary: a smaller vocabulary would fail
+    at the first step (an index error in the embedding or the loss; on a GPU the fused FP8 head's loss kernel does not
+    check targets), so refuse it at start-up, naming the setting."""
+    from orchestration.data import VOCAB_SIZE
+
+    vocab = getattr(getattr(model, "args", None), "vocab_size", None)
+    if vocab is not None and vocab < VOCAB_SIZE:
+        raise ValueError(f"model {model_name} has vocab_size={vocab}, below the {VOCAB_SIZE} token ids of the "
+                         f"byte-level data; set model.overrides.vocab_size to at least {VOCAB_SIZE}")
 
 
 def require_fp8_output_head(model: torch.nn.Module, model_name: str) -> None:

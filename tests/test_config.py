@@ -123,6 +123,9 @@ def test_fp8_output_head_setting_reaches_the_conversion():
     with pytest.raises(ValueError, match=r"fp8_output_head=true.*model.overrides.vocab_size=272"):
         fp8_layers("precision.fp8_output_head=true", "+model.overrides.vocab_size=257")
     assert "output" not in fp8_layers("+model.overrides.vocab_size=257")  # without the setting: bf16 head, fine
+    # The byte-level data's ids 0..255 must fit the vocabulary (the fused FP8 head's GPU kernel does not check them).
+    with pytest.raises(ValueError, match=r"vocab_size=128, below the 256 token ids.*at least 256"):
+        fp8_layers("+model.overrides.vocab_size=128")
 
 
 def test_fp8_min_gemm_width_that_leaves_nothing_in_fp8_is_refused():

@@ -207,6 +207,52 @@ def test_model_lm_loss_fuses_the_fp8_head_and_falls_back_with_the_model(fused):
                                lm_loss(base(tokens), targets, compiled=False), rtol=0, atol=0)
 
 
+def _fsdp_rank(rank: int, world: int, init_file: str, result_file: str) -> None:
+    import fp8
+    from fp8.convert import make_module_filter
+    from models.loss import model_lm_loss
+    from models.registry import build_model
+    from orchestration.distributed import parallelize
+    from tests.spawned import rank_process_group
+
+    with rank_process_group("gloo", f"file://{init_file}", rank, world):
+        torch.manual_seed(0)
+        base = build_model("debug_dense", device="cpu", overrides={"n_layers": 2})
+        base.init_weights(seed=0)
+        ref = fp8.convert_to_fp8(base, "tensorwise", module_filter=make_module_filter(output_head=True))
+        sharded = parallelize(copy.deepcopy(ref), world, "fsdp", "float32", "float32")
+        # Every rank the same batch: FSDP's averaged gradient is then the one-process gradient.
+        g = torch.Generator().manual_seed(1)
+        tokens = torch.randint(0, base.args.vocab_size, (2, 16), generator=g)
+        targets = torch.randint(0, base.args.vocab_size, (2, 16), generator=g)
+        assert ref.output.fuses_loss() and sharded.output.fuses_loss()
+        loss_ref = model_lm_loss(ref, tokens, targets, compiled=False)
+        loss_ref.backward()
+        loss = model_lm_loss(sharded, tokens, targets, compiled=False)
+        loss.backward()
+        grads = {n: p.grad.full_tensor() for n, p in sharded.named_parameters() if p.grad is not None}
+        if rank == 0:
+            ref_grads = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+            torch.save({"loss": loss.item(), "loss_ref": loss_ref.item(), "keys": sorted(grads) == sorted(ref_grads),
+                        "max_rel_err": max(float((grads[n] - ref_grads[n]).abs().max() / ref_grads[n].abs().max())
+                                           for n in ref_grads),
+                        "head_grad_norm": float(ref_grads["output.weight"].norm())}, result_file)
+
+
+@pytest.mark.skipif(IN_CHILD, reason="parent-process test")
+@pytest.mark.slow
+def test_fused_head_under_fsdp2_on_two_ranks_matches_one_process(tmp_path):
+    """The fused FP8 head reached through the model's forward under FSDP2 (gloo, CPU, two ranks): the root unshards
+    the head's weight for it, and the loss and every gradient equal the one-process model's."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_fsdp_rank, args=(2, str(tmp_path / "init"), str(tmp_path / "out.pt")), nprocs=2, join=True)
+    out = torch.load(tmp_path / "out.pt")
+    assert out["keys"] and out["head_grad_norm"] > 0
+    assert out["loss"] == pytest.approx(out["loss_ref"], rel=1e-6)
+    assert out["max_rel_err"] < 1e-5, out
+
+
 # --------------------------------------------------------------------------------------------------------- on a GPU
 
 _needs_sm89 = pytest.mark.skipif(
