@@ -58,7 +58,9 @@ class _Fp8LinearCrossEntropyFn(torch.autograd.Function):
         logits_MV, targets_M, lse_M, gamax, counted, x_fp8, sx, w_fp8, sw = ctx.saved_tensors
         from fp8 import kernels as fp8_kernels
 
-        coef = grad_loss.float() / counted
+        # No counted row (every target ignored): the loss is NaN but its gradient is zero, as F.cross_entropy's
+        # (a NaN coef would poison every gradient of an accumulated step)
+        coef = torch.where(counted > 0, grad_loss.float() / counted.clamp_min(1), 0.0)
         g_fp8, g_fp8_t, sg = fp8_kernels.cross_entropy_grad_cast(logits_MV, targets_M, lse_M, gamax, coef,
                                                                  ctx.grad_dtype, IGNORE_INDEX)
         out_dtype = logits_MV.dtype
@@ -75,10 +77,15 @@ def fp8_linear_cross_entropy(head: Float8Linear, x: torch.Tensor, targets: torch
     fuse). Writes the head's health statistics as its forward does.
     """
     x, w = to_compute_dtype(x, head.weight)
+    targets = targets.reshape(-1)
+    # The loss kernel reads a target's logit only where the column matches: an id outside [0, V) would drop its term
+    # silently. Checked on the device (no host sync): a failure raises at the next synchronisation.
+    torch._assert_async(((targets >= 0) & (targets < head.out_features) | (targets == IGNORE_INDEX)).all(),
+                        "fp8_linear_cross_entropy: a target id lies outside [0, vocab_size) and is not ignore_index")
     backend = get_backend(x.device)
     use_scaled_mm = (not backend.emulate) if head.emulate is None else (not head.emulate)
     grad_dtype = backend.e5m2 if head.recipe.grad_output_e5m2 else backend.e4m3
-    loss, stats = _Fp8LinearCrossEntropyFn.apply(x.reshape(-1, head.in_features), w, targets.reshape(-1),
+    loss, stats = _Fp8LinearCrossEntropyFn.apply(x.reshape(-1, head.in_features), w, targets,
                                                  backend, use_scaled_mm, grad_dtype)
     with torch.no_grad():
         head.fp8_health_stats.copy_(stats)
@@ -105,16 +112,19 @@ class Float8LMHead(Float8Linear):
         return new
 
     def fuses_loss(self) -> bool:
-        """Whether forward(x, targets) runs now: FP8 on, tensorwise recipe, no bias, fused_loss on."""
-        return self.fused_loss and self.fp8_enabled and self.recipe.granularity == "tensorwise" and self.bias is None
+        """Whether forward(x, targets) runs now: FP8 on, tensorwise recipe with dynamic (not power-of-two) scales, no
+        bias, fused_loss on."""
+        return (self.fused_loss and self.fp8_enabled and self.recipe.granularity == "tensorwise"
+                and not self.recipe.pow2_scales and self.bias is None)
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         if targets is None:
             return super().forward(x)
         if not self.fuses_loss():
             raise ValueError(
-                f"Float8LMHead(targets=...) computes the fused FP8 loss, which needs fp8 on, the tensorwise recipe, no "
-                f"bias and fused_loss=True (now: fp8_enabled={self.fp8_enabled}, recipe={self.recipe.name}, "
+                f"Float8LMHead(targets=...) computes the fused FP8 loss, which needs fp8 on, the tensorwise recipe "
+                f"without power-of-two scales, no bias and fused_loss=True (now: fp8_enabled={self.fp8_enabled}, "
+                f"recipe={self.recipe.name}, pow2_scales={self.recipe.pow2_scales}, "
                 f"bias={self.bias is not None}, fused_loss={self.fused_loss}); call it without targets and apply the "
                 "loss to the logits (models.loss.model_lm_loss chooses for you)")
         return fp8_linear_cross_entropy(self, x, targets)

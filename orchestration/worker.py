@@ -285,7 +285,7 @@ class Trainer:
         self.guard = StepGuard(self)
         if job.faults.kind == "fp8_overflow":
             # Real numerics: an outlier enters the first FP8 layer, so the FP8 health statistics see it.
-            target = next((m for m in self.model.modules() if type(m).__name__ == "Float8Linear"), None)
+            target = next((m for m in self.model.modules() if isinstance(m, Float8Linear)), None)
             if target is None:
                 raise ValueError("faults=fp8_overflow needs an FP8 model: use precision=fp8")
             self.guard.faults.attach_activation_fault(target, self.rank, lambda: self.state.step)

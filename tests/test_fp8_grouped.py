@@ -298,8 +298,9 @@ def test_body_mode_switch_overrides_env_and_compile_blocks_sets_it(monkeypatch):
         grouped.set_body_mode(None)
 
 
+@pytest.mark.parametrize("wgrad", ["hp", "global", "per_expert"])
 @pytest.mark.parametrize("stored_enk", [True, False])
-def test_reuse_dgrad_is_the_fp8_dgrad_on_the_forwards_quantized_weight(stored_enk):
+def test_reuse_dgrad_is_the_fp8_dgrad_on_the_forwards_quantized_weight(stored_enk, wgrad):
     """dgrad="fp8_reuse": gx is computed from the weight exactly as forward quantized it (its row scales folded into
     gy's columns), so gx equals a float64 product of the dequantized forward weight and the quantized (gy / sw) to
     float32 rounding; its accuracy against float64 matches the two-pass column-cast dgrad's (within 0.5 dB); output and
@@ -319,7 +320,7 @@ def test_reuse_dgrad_is_the_fp8_dgrad_on_the_forwards_quantized_weight(stored_en
         leaf = (storage.clone() if stored_enk else storage.transpose(-2, -1).contiguous()).requires_grad_()
         w_EKN = leaf.transpose(-2, -1) if stored_enk else leaf
         xi = x.clone().requires_grad_()
-        op = Fp8GroupedMM(emulate=True, dgrad=dgrad)
+        op = Fp8GroupedMM(emulate=True, dgrad=dgrad, wgrad_scaling=wgrad)
         out = op(xi, w_EKN, offs)
         out.backward(gy)
         results[dgrad] = (out.detach(), xi.grad.clone(), leaf.grad.clone())

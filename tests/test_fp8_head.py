@@ -171,16 +171,39 @@ def test_fused_head_applies_only_where_it_can_and_says_why_not():
     _, _, rowwise = _heads()
     rowwise.recipe = __import__("fp8").RECIPES["rowwise"]
     assert not rowwise.fuses_loss()
+    _, _, pow2 = _heads()
+    pow2.recipe = __import__("fp8").Recipe("tensorwise_pow2", "tensorwise", pow2_scales=True, grad_output_e5m2=True,
+                                           grad_weight_hp=False)
+    assert not pow2.fuses_loss()  # the fused kernels use dynamic, not power-of-two, scales
     _, _, biased = _heads(bias=True)
     assert not biased.fuses_loss()
 
 
 @pytest.mark.skipif(IN_CHILD, reason="parent-process test")
+def test_fused_head_all_targets_ignored_and_bad_targets():
+    """Every target ignored: NaN loss and zero gradients, as F.cross_entropy (not NaN gradients, which would poison an
+    accumulated step); a target id outside [0, V) that is not ignore_index is refused."""
+    _, _, fused = _heads()
+    x = torch.randn(8, 64, requires_grad=True)
+    t = torch.full((8,), IGNORE)
+    loss = fused(x, targets=t)
+    loss.backward()
+    assert loss.isnan()
+    assert torch.equal(x.grad, torch.zeros_like(x)) and torch.equal(fused.weight.grad, torch.zeros_like(fused.weight))
+    for bad in (272, -1):
+        t = torch.randint(0, 272, (8,))
+        t[3] = bad
+        with pytest.raises(RuntimeError, match="outside"):
+            fused(torch.randn(8, 64), targets=t)
+
+
+@pytest.mark.skipif(IN_CHILD, reason="parent-process test")
 @pytest.mark.parametrize("fused", [True, False])
-def test_model_lm_loss_fuses_the_fp8_head_and_falls_back_with_the_model(fused):
+def test_model_lm_loss_fuses_the_fp8_head_and_falls_back_with_the_model(fused, monkeypatch):
     """models.loss.model_lm_loss on a converted debug model: the fused head gives the unfused loss and gradients
     (fused or not by the head's setting), and after set_precision("bf16") exactly the bf16 model's loss."""
     import fp8
+    import fp8.head
     from fp8.convert import make_module_filter
     from fp8.head import Float8LMHead
     from models.loss import lm_loss, model_lm_loss
@@ -194,17 +217,25 @@ def test_model_lm_loss_fuses_the_fp8_head_and_falls_back_with_the_model(fused):
     model.output.fused_loss = fused
     tokens = torch.randint(0, base.args.vocab_size, (2, 16))
     targets = torch.randint(0, base.args.vocab_size, (2, 16))
+    calls = []
+    real = fp8.head.fp8_linear_cross_entropy
+    monkeypatch.setattr(fp8.head, "fp8_linear_cross_entropy", lambda *a: calls.append(1) or real(*a))
     loss = model_lm_loss(model, tokens, targets, compiled=False)
+    assert len(calls) == (1 if fused else 0)  # the setting decides the path
     loss.backward()
     reference = lm_loss(model(tokens), targets, compiled=False)  # the unfused form, the same converted model
     torch.testing.assert_close(loss, reference, rtol=1e-5, atol=1e-5)
+    # the model's own forward with targets: the same loss whichever form it takes
+    torch.testing.assert_close(model(tokens, targets), reference, rtol=1e-5, atol=1e-5)
     head_grad = model.output.weight.grad.clone()
     model.zero_grad()
     reference.backward()
-    assert _sqnr_db(model.output.weight.grad, head_grad) > (25 if fused else 200)
+    assert _sqnr_db(model.output.weight.grad, head_grad) > 25
     fp8.set_precision(model, "bf16")
     torch.testing.assert_close(model_lm_loss(model, tokens, targets, compiled=False),
                                lm_loss(base(tokens), targets, compiled=False), rtol=0, atol=0)
+    torch.testing.assert_close(model(tokens, targets), lm_loss(base(tokens), targets, compiled=False), rtol=0, atol=0)
+    assert torch.equal(base(tokens, targets), lm_loss(base(tokens), targets, compiled=False))  # an nn.Linear head
 
 
 def _fsdp_rank(rank: int, world: int, init_file: str, result_file: str) -> None:

@@ -193,17 +193,11 @@ if HAS_TRITON:
                         FP8_MAX: tl.constexpr, EPS_: tl.constexpr, POW2: tl.constexpr,
                         BM: tl.constexpr, BN: tl.constexpr, ONE_TILE: tl.constexpr,
                         EXACT_ROUND: tl.constexpr, MBITS: tl.constexpr, MIN_NORMAL: tl.constexpr,
-                        SUB_MAGIC: tl.constexpr, NAN_BITS: tl.constexpr,
-                        mul_ptr, gid_ptr, HAS_MUL: tl.constexpr):
-        # HAS_MUL: quantize y = x * mul[gid[m], n] instead of x (mul [G, N] fp32 contiguous, gid [M] int32): the
-        # grouped grad-input's gradient with the weights' forward row scales folded in (fp8.grouped "fp8_reuse").
+                        SUB_MAGIC: tl.constexpr, NAN_BITS: tl.constexpr):
         pid = tl.program_id(0)
         offs_m = pid * BM + tl.arange(0, BM)
         mask_m = offs_m < M
         x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
-        if HAS_MUL:
-            gid = tl.load(gid_ptr + offs_m, mask=mask_m, other=0)
-            mul_rows = mul_ptr + gid.to(tl.int64)[:, None] * N
         out_rows = out_ptr + offs_m.to(tl.int64)[:, None] * N
         out_dtype = out_ptr.dtype.element_ty
         if ONE_TILE:
@@ -211,8 +205,6 @@ if HAS_TRITON:
             offs_n = tl.arange(0, BN)
             mask = mask_m[:, None] & (offs_n < N)[None, :]
             x = tl.load(x_rows + offs_n[None, :] * stride_xn, mask=mask, other=0.0).to(tl.float32)
-            if HAS_MUL:
-                x = x * tl.load(mul_rows + offs_n[None, :], mask=mask, other=0.0)
             scale = _scale_from_amax(_abs_max(x, 1), FP8_MAX, EPS_, POW2)
             y = _to_fp8(x * scale[:, None], out_dtype, FP8_MAX, 
                         EXACT_ROUND, MBITS, MIN_NORMAL, SUB_MAGIC, NAN_BITS)
@@ -223,16 +215,58 @@ if HAS_TRITON:
                 offs_n = n0 + tl.arange(0, BN)
                 mask = mask_m[:, None] & (offs_n < N)[None, :]
                 x = tl.load(x_rows + offs_n[None, :] * stride_xn, mask=mask, other=0.0).to(tl.float32)
-                if HAS_MUL:
-                    x = x * tl.load(mul_rows + offs_n[None, :], mask=mask, other=0.0)
                 amax = _max_nan(amax, _abs_max(x, 1))
             scale = _scale_from_amax(amax, FP8_MAX, EPS_, POW2)
             for n0 in range(0, N, BN):
                 offs_n = n0 + tl.arange(0, BN)
                 mask = mask_m[:, None] & (offs_n < N)[None, :]
                 x = tl.load(x_rows + offs_n[None, :] * stride_xn, mask=mask, other=0.0).to(tl.float32)
-                if HAS_MUL:
-                    x = x * tl.load(mul_rows + offs_n[None, :], mask=mask, other=0.0)
+                y = _to_fp8(x * scale[:, None], out_dtype, FP8_MAX, 
+                        EXACT_ROUND, MBITS, MIN_NORMAL, SUB_MAGIC, NAN_BITS)
+                tl.store(out_rows + offs_n[None, :], y, mask=mask)
+        tl.store(scale_ptr + offs_m, scale, mask=mask_m)
+
+    @triton.jit
+    def _rowwise_group_scaled_kernel(x_ptr, out_ptr, scale_ptr, mul_ptr, gid_ptr, M, N, stride_xm, stride_xn,
+                                     FP8_MAX: tl.constexpr, EPS_: tl.constexpr, POW2: tl.constexpr,
+                                     BM: tl.constexpr, BN: tl.constexpr, ONE_TILE: tl.constexpr,
+                                     EXACT_ROUND: tl.constexpr, MBITS: tl.constexpr, MIN_NORMAL: tl.constexpr,
+                                     SUB_MAGIC: tl.constexpr, NAN_BITS: tl.constexpr):
+        # _rowwise_kernel on y = x * mul[gid[m], n] (mul [G, N] fp32 contiguous, gid [M] int32): the grouped
+        # grad-input's gradient with the weights' forward row scales folded in (fp8.grouped "fp8_reuse"). A kernel of
+        # its own so that the shipped row cast keeps its GPU-verified signature.
+        pid = tl.program_id(0)
+        offs_m = pid * BM + tl.arange(0, BM)
+        mask_m = offs_m < M
+        x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
+        gid = tl.load(gid_ptr + offs_m, mask=mask_m, other=0)
+        mul_rows = mul_ptr + gid.to(tl.int64)[:, None] * N
+        out_rows = out_ptr + offs_m.to(tl.int64)[:, None] * N
+        out_dtype = out_ptr.dtype.element_ty
+        if ONE_TILE:
+            # The whole row block stays in registers: exactly one read of x.
+            offs_n = tl.arange(0, BN)
+            mask = mask_m[:, None] & (offs_n < N)[None, :]
+            x = tl.load(x_rows + offs_n[None, :] * stride_xn, mask=mask, other=0.0).to(tl.float32)
+            x = x * tl.load(mul_rows + offs_n[None, :], mask=mask, other=0.0)
+            scale = _scale_from_amax(_abs_max(x, 1), FP8_MAX, EPS_, POW2)
+            y = _to_fp8(x * scale[:, None], out_dtype, FP8_MAX, 
+                        EXACT_ROUND, MBITS, MIN_NORMAL, SUB_MAGIC, NAN_BITS)
+            tl.store(out_rows + offs_n[None, :], y, mask=mask)
+        else:
+            amax = tl.zeros([BM], dtype=tl.float32)
+            for n0 in range(0, N, BN):
+                offs_n = n0 + tl.arange(0, BN)
+                mask = mask_m[:, None] & (offs_n < N)[None, :]
+                x = tl.load(x_rows + offs_n[None, :] * stride_xn, mask=mask, other=0.0).to(tl.float32)
+                x = x * tl.load(mul_rows + offs_n[None, :], mask=mask, other=0.0)
+                amax = _max_nan(amax, _abs_max(x, 1))
+            scale = _scale_from_amax(amax, FP8_MAX, EPS_, POW2)
+            for n0 in range(0, N, BN):
+                offs_n = n0 + tl.arange(0, BN)
+                mask = mask_m[:, None] & (offs_n < N)[None, :]
+                x = tl.load(x_rows + offs_n[None, :] * stride_xn, mask=mask, other=0.0).to(tl.float32)
+                x = x * tl.load(mul_rows + offs_n[None, :], mask=mask, other=0.0)
                 y = _to_fp8(x * scale[:, None], out_dtype, FP8_MAX, 
                         EXACT_ROUND, MBITS, MIN_NORMAL, SUB_MAGIC, NAN_BITS)
                 tl.store(out_rows + offs_n[None, :], y, mask=mask)
@@ -612,8 +646,7 @@ def quantize_rowwise_triton(
     BM, BN, one_tile = rowwise_tile(N)
     grid = (triton.cdiv(M, BM),)
     _launch(_rowwise_kernel)[grid](x_hp_MN, out_MN, scale_M1, M, N, x_hp_MN.stride(0), x_hp_MN.stride(1), POW2=pow2,
-                          BM=BM, BN=BN, ONE_TILE=one_tile, num_warps=ROWWISE_WARPS, mul_ptr=scale_M1,
-                          gid_ptr=scale_M1, HAS_MUL=False, **_grid_consts(fp8_dtype))
+                          BM=BM, BN=BN, ONE_TILE=one_tile, num_warps=ROWWISE_WARPS, **_grid_consts(fp8_dtype))
     return out_MN, scale_M1
 
 
@@ -628,10 +661,10 @@ def quantize_rowwise_group_scaled_triton(
     if M == 0:
         return out_MN, scale_M1
     BM, BN, one_tile = rowwise_tile(N)
-    _launch(_rowwise_kernel)[(triton.cdiv(M, BM),)](
-        x_hp_MN, out_MN, scale_M1, M, N, x_hp_MN.stride(0), x_hp_MN.stride(1), POW2=pow2, BM=BM, BN=BN,
-        ONE_TILE=one_tile, num_warps=ROWWISE_WARPS, mul_ptr=mul_GN.float().contiguous(),
-        gid_ptr=gid_M.to(torch.int32).contiguous(), HAS_MUL=True, **_grid_consts(fp8_dtype))
+    _launch(_rowwise_group_scaled_kernel)[(triton.cdiv(M, BM),)](
+        x_hp_MN, out_MN, scale_M1, mul_GN.float().contiguous(), gid_M.to(torch.int32).contiguous(), M, N,
+        x_hp_MN.stride(0), x_hp_MN.stride(1), POW2=pow2, BM=BM, BN=BN, ONE_TILE=one_tile, num_warps=ROWWISE_WARPS,
+        **_grid_consts(fp8_dtype))
     return out_MN, scale_M1
 
 
