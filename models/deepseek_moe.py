@@ -40,6 +40,7 @@ from models.llama3 import (
     rope_cos_sin,
     rope_frequencies,
 )
+from models.loss import head_output
 
 SCORE_FUNCS = ("softmax", "sigmoid")
 AUX_LOSS_SCOPES = ("seq", "batch")
@@ -550,19 +551,9 @@ class DeepSeekMoE(nn.Module):
         return self.norm(h_BTD)
 
     def forward(self, tokens_BT: torch.Tensor, targets_BT: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits [B, T, V]; with targets, the mean token cross-entropy instead: fused into an FP8 head that can
-        (fp8.head.Float8LMHead.fuses_loss), else of the logits (models.loss.model_lm_loss picks the form, with the
-        compiled loss). Through forward, not hidden_states plus the head, so that wrappers' hooks (FSDP2's root
-        unshard) run."""
-        h_BTD = self.hidden_states(tokens_BT)
-        if targets_BT is None:
-            return self.output(h_BTD)
-        fuses = getattr(self.output, "fuses_loss", None)
-        if fuses is not None and fuses():
-            return self.output(h_BTD, targets=targets_BT)
-        from models.loss import token_cross_entropy
-
-        return token_cross_entropy(self.output(h_BTD), targets_BT)
+        """Logits [B, T, V]; with targets, the mean token cross-entropy (models.loss.head_output). Through forward,
+        not hidden_states plus the head, so that wrappers' hooks (FSDP2's root unshard) run."""
+        return head_output(self.output, self.hidden_states(tokens_BT), targets_BT)
 
     def aux_loss(self) -> torch.Tensor:
         """Load-balancing loss of the last forward, already times aux_loss_alpha (0 when off or no grad)."""

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.init import init_model_by_units
+from models.loss import head_output
 
 
 @dataclass
@@ -265,19 +266,9 @@ class Llama3(nn.Module):
         return self.norm(h_BTD)
 
     def forward(self, tokens_BT: torch.Tensor, targets_BT: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits [B, T, V]; with targets, the mean token cross-entropy instead: fused into an FP8 head that can
-        (fp8.head.Float8LMHead.fuses_loss), else of the logits (models.loss.model_lm_loss picks the form, with the
-        compiled loss). Through forward, not hidden_states plus the head, so that wrappers' hooks (FSDP2's root
-        unshard) run."""
-        h_BTD = self.hidden_states(tokens_BT)
-        if targets_BT is None:
-            return self.output(h_BTD)
-        fuses = getattr(self.output, "fuses_loss", None)
-        if fuses is not None and fuses():
-            return self.output(h_BTD, targets=targets_BT)
-        from models.loss import token_cross_entropy
-
-        return token_cross_entropy(self.output(h_BTD), targets_BT)
+        """Logits [B, T, V]; with targets, the mean token cross-entropy (models.loss.head_output). Through forward,
+        not hidden_states plus the head, so that wrappers' hooks (FSDP2's root unshard) run."""
+        return head_output(self.output, self.hidden_states(tokens_BT), targets_BT)
 
     def aux_loss(self) -> torch.Tensor:
         return torch.zeros((), device=self.norm.weight.device)
