@@ -6,12 +6,11 @@
 #     the fused head's GPU tests (the device-side target check added after session 16's timings);
 # (2) moe_grouped.py: DeepSeek-MoE-16B routed experts, ours (hp wgrad) with dgrad fp8_reuse vs auto, and bf16;
 # (3) train_step.py MoE 4 layers: bf16, ours tensorwise + fused FP8 head, the same with "+reusedg" (our AdamW on all).
-#   bash benchmarks/scripts/session16_f.sh   ($OUT set by the device tool; carry .whl for torchao's import in
-#   train_step.py's torchao rows - not used here - and hydra for nothing: only torch is needed)
+#   bash benchmarks/scripts/session16_f.sh   ($OUT set by the device tool; nothing to carry: no torchao rows)
 export PYTHONUNBUFFERED=1
 mkdir -p $OUT/grouped $OUT/moe
-timeout 120 python3 -m pytest -q --tb=short -k "fast_accum or gpu" tests/test_fp8_gpu.py tests/test_fp8_head.py \
-  -p no:cacheprovider 2>&1 | tail -4
+timeout 60 python3 -m pytest -q --tb=short -k fast_accum tests/test_fp8_gpu.py -p no:cacheprovider 2>&1 | tail -3
+timeout 60 python3 -m pytest -q --tb=short -k test_gpu tests/test_fp8_head.py -p no:cacheprovider 2>&1 | tail -3
 timeout 150 python3 benchmarks/moe_grouped.py --out $OUT/grouped --skip-numerics --budget-s 110 \
   --cases ours_hp_r_compiled ours_hp_compiled bf16_compiled 2>&1 | grep -E "^\{|Error" | cut -c1-250
 timeout 200 python3 benchmarks/train_step.py --out $OUT/moe --configs moe \
