@@ -189,24 +189,23 @@ if HAS_TRITON:
     # ---------------------------------------------------------------- rowwise
 
     @triton.jit
-    def _rowwise_kernel(x_ptr, out_ptr, scale_ptr, M, N, stride_xm, stride_xn,
-                        FP8_MAX: tl.constexpr, EPS_: tl.constexpr, POW2: tl.constexpr,
-                        BM: tl.constexpr, BN: tl.constexpr, ONE_TILE: tl.constexpr,
-                        EXACT_ROUND: tl.constexpr, MBITS: tl.constexpr, MIN_NORMAL: tl.constexpr,
-                        SUB_MAGIC: tl.constexpr, NAN_BITS: tl.constexpr):
-        pid = tl.program_id(0)
-        offs_m = pid * BM + tl.arange(0, BM)
-        mask_m = offs_m < M
-        x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
-        out_rows = out_ptr + offs_m.to(tl.int64)[:, None] * N
-        out_dtype = out_ptr.dtype.element_ty
+    def _rowwise_rows(x_rows, out_rows, scale_ptr, offs_m, mask_m, mul_rows, N, stride_xn,
+                      HAS_MUL: tl.constexpr, FP8_MAX: tl.constexpr, EPS_: tl.constexpr, POW2: tl.constexpr,
+                      BM: tl.constexpr, BN: tl.constexpr, ONE_TILE: tl.constexpr,
+                      EXACT_ROUND: tl.constexpr, MBITS: tl.constexpr, MIN_NORMAL: tl.constexpr,
+                      SUB_MAGIC: tl.constexpr, NAN_BITS: tl.constexpr):
+        # The row cast of one block of rows. HAS_MUL: of y = x * mul_rows[:, n] instead of x (compile-time: without it
+        # mul_rows is never read and the code is the plain row cast's).
+        out_dtype = out_rows.dtype.element_ty
         if ONE_TILE:
             # The whole row block stays in registers: exactly one read of x.
             offs_n = tl.arange(0, BN)
             mask = mask_m[:, None] & (offs_n < N)[None, :]
             x = tl.load(x_rows + offs_n[None, :] * stride_xn, mask=mask, other=0.0).to(tl.float32)
+            if HAS_MUL:
+                x = x * tl.load(mul_rows + offs_n[None, :], mask=mask, other=0.0)
             scale = _scale_from_amax(_abs_max(x, 1), FP8_MAX, EPS_, POW2)
-            y = _to_fp8(x * scale[:, None], out_dtype, FP8_MAX, 
+            y = _to_fp8(x * scale[:, None], out_dtype, FP8_MAX,
                         EXACT_ROUND, MBITS, MIN_NORMAL, SUB_MAGIC, NAN_BITS)
             tl.store(out_rows + offs_n[None, :], y, mask=mask)
         else:
@@ -215,16 +214,32 @@ if HAS_TRITON:
                 offs_n = n0 + tl.arange(0, BN)
                 mask = mask_m[:, None] & (offs_n < N)[None, :]
                 x = tl.load(x_rows + offs_n[None, :] * stride_xn, mask=mask, other=0.0).to(tl.float32)
+                if HAS_MUL:
+                    x = x * tl.load(mul_rows + offs_n[None, :], mask=mask, other=0.0)
                 amax = _max_nan(amax, _abs_max(x, 1))
             scale = _scale_from_amax(amax, FP8_MAX, EPS_, POW2)
             for n0 in range(0, N, BN):
                 offs_n = n0 + tl.arange(0, BN)
                 mask = mask_m[:, None] & (offs_n < N)[None, :]
                 x = tl.load(x_rows + offs_n[None, :] * stride_xn, mask=mask, other=0.0).to(tl.float32)
-                y = _to_fp8(x * scale[:, None], out_dtype, FP8_MAX, 
-                        EXACT_ROUND, MBITS, MIN_NORMAL, SUB_MAGIC, NAN_BITS)
+                if HAS_MUL:
+                    x = x * tl.load(mul_rows + offs_n[None, :], mask=mask, other=0.0)
+                y = _to_fp8(x * scale[:, None], out_dtype, FP8_MAX,
+                            EXACT_ROUND, MBITS, MIN_NORMAL, SUB_MAGIC, NAN_BITS)
                 tl.store(out_rows + offs_n[None, :], y, mask=mask)
         tl.store(scale_ptr + offs_m, scale, mask=mask_m)
+
+    @triton.jit
+    def _rowwise_kernel(x_ptr, out_ptr, scale_ptr, M, N, stride_xm, stride_xn,
+                        FP8_MAX: tl.constexpr, EPS_: tl.constexpr, POW2: tl.constexpr,
+                        BM: tl.constexpr, BN: tl.constexpr, ONE_TILE: tl.constexpr,
+                        EXACT_ROUND: tl.constexpr, MBITS: tl.constexpr, MIN_NORMAL: tl.constexpr,
+                        SUB_MAGIC: tl.constexpr, NAN_BITS: tl.constexpr):
+        offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
+        x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
+        _rowwise_rows(x_rows, out_ptr + offs_m.to(tl.int64)[:, None] * N, scale_ptr, offs_m, offs_m < M, x_rows, N,
+                      stride_xn, False, FP8_MAX, EPS_, POW2, BM, BN, ONE_TILE,
+                      EXACT_ROUND, MBITS, MIN_NORMAL, SUB_MAGIC, NAN_BITS)
 
     @triton.jit
     def _rowwise_group_scaled_kernel(x_ptr, out_ptr, scale_ptr, mul_ptr, gid_ptr, M, N, stride_xm, stride_xn,
@@ -232,45 +247,15 @@ if HAS_TRITON:
                                      BM: tl.constexpr, BN: tl.constexpr, ONE_TILE: tl.constexpr,
                                      EXACT_ROUND: tl.constexpr, MBITS: tl.constexpr, MIN_NORMAL: tl.constexpr,
                                      SUB_MAGIC: tl.constexpr, NAN_BITS: tl.constexpr):
-        # _rowwise_kernel on y = x * mul[gid[m], n] (mul [G, N] fp32 contiguous, gid [M] int32): the grouped
-        # grad-input's gradient with the weights' forward row scales folded in (fp8.grouped "fp8_reuse"). A kernel of
-        # its own so that the shipped row cast keeps its GPU-verified signature.
-        pid = tl.program_id(0)
-        offs_m = pid * BM + tl.arange(0, BM)
+        # The row cast of y = x * mul[gid[m], n] (mul [G, N] fp32 contiguous, gid [M] int32): the grouped grad-input's
+        # gradient with the weights' forward row scales folded in (fp8.grouped "fp8_reuse"). Its own kernel, so the
+        # plain row cast keeps its signature; both run _rowwise_rows.
+        offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
         mask_m = offs_m < M
-        x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
         gid = tl.load(gid_ptr + offs_m, mask=mask_m, other=0)
-        mul_rows = mul_ptr + gid.to(tl.int64)[:, None] * N
-        out_rows = out_ptr + offs_m.to(tl.int64)[:, None] * N
-        out_dtype = out_ptr.dtype.element_ty
-        if ONE_TILE:
-            # The whole row block stays in registers: exactly one read of x.
-            offs_n = tl.arange(0, BN)
-            mask = mask_m[:, None] & (offs_n < N)[None, :]
-            x = tl.load(x_rows + offs_n[None, :] * stride_xn, mask=mask, other=0.0).to(tl.float32)
-            x = x * tl.load(mul_rows + offs_n[None, :], mask=mask, other=0.0)
-            scale = _scale_from_amax(_abs_max(x, 1), FP8_MAX, EPS_, POW2)
-            y = _to_fp8(x * scale[:, None], out_dtype, FP8_MAX, 
-                        EXACT_ROUND, MBITS, MIN_NORMAL, SUB_MAGIC, NAN_BITS)
-            tl.store(out_rows + offs_n[None, :], y, mask=mask)
-        else:
-            amax = tl.zeros([BM], dtype=tl.float32)
-            for n0 in range(0, N, BN):
-                offs_n = n0 + tl.arange(0, BN)
-                mask = mask_m[:, None] & (offs_n < N)[None, :]
-                x = tl.load(x_rows + offs_n[None, :] * stride_xn, mask=mask, other=0.0).to(tl.float32)
-                x = x * tl.load(mul_rows + offs_n[None, :], mask=mask, other=0.0)
-                amax = _max_nan(amax, _abs_max(x, 1))
-            scale = _scale_from_amax(amax, FP8_MAX, EPS_, POW2)
-            for n0 in range(0, N, BN):
-                offs_n = n0 + tl.arange(0, BN)
-                mask = mask_m[:, None] & (offs_n < N)[None, :]
-                x = tl.load(x_rows + offs_n[None, :] * stride_xn, mask=mask, other=0.0).to(tl.float32)
-                x = x * tl.load(mul_rows + offs_n[None, :], mask=mask, other=0.0)
-                y = _to_fp8(x * scale[:, None], out_dtype, FP8_MAX, 
-                        EXACT_ROUND, MBITS, MIN_NORMAL, SUB_MAGIC, NAN_BITS)
-                tl.store(out_rows + offs_n[None, :], y, mask=mask)
-        tl.store(scale_ptr + offs_m, scale, mask=mask_m)
+        _rowwise_rows(x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm, out_ptr + offs_m.to(tl.int64)[:, None] * N,
+                      scale_ptr, offs_m, mask_m, mul_ptr + gid.to(tl.int64)[:, None] * N, N, stride_xn, True,
+                      FP8_MAX, EPS_, POW2, BM, BN, ONE_TILE, EXACT_ROUND, MBITS, MIN_NORMAL, SUB_MAGIC, NAN_BITS)
 
     # ---------------------------------------------------------------- rowwise + colwise (transposed)
 
