@@ -54,7 +54,7 @@ torch._dynamo.config.recompile_limit = 1024
 torch._dynamo.config.accumulated_recompile_limit = 4096
 
 from benchmarks.common import cuda_event_ms, env_info, write_json
-from models.loss import model_lm_loss
+from models.loss import head_fuses_loss, model_lm_loss
 from optim import clip_and_step
 from orchestration.distributed import global_grad_norm, local_grad_norm
 from orchestration.gc_policy import ManagedGc
@@ -104,8 +104,7 @@ def build(model_name: str, overrides: dict, variant: str, device: torch.device, 
     if compile_blocks:
         for block in model.layers.values():
             block.compile(dynamic=False, mode=compile_mode)  # static shapes: see the note on CONFIGS
-        fuses_loss = getattr(model.output, "fuses_loss", None)
-        if output_head and not (fuses_loss is not None and fuses_loss()):
+        if output_head and not head_fuses_loss(model.output):
             # an FP8 head compiles too (its casts fuse), as orchestration.worker.compile_blocks does; one that fuses
             # the loss runs its own kernels
             model.output.compile(dynamic=False, mode=compile_mode)

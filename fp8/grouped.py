@@ -324,7 +324,7 @@ def _grouped_bwd_op(
     """-> (gx_MK, gw) with gw contiguous in the weight's storage layout ([E, N, K] for column-major w)."""
     saved_x = (x_fp8_t_KM, sx_1K) if wgrad == "global" else (x_MK,)
     gx_MK, gw_EKN = _run_body(_grouped_backward, gy_MN.is_cuda, gy_MN, w_EKN, offs_E, saved_x, e4m3, use_scaled,
-                              pow2, wgrad, dgrad, sw_EN if dgrad == "fp8_reuse" else None)
+                              pow2, wgrad, dgrad, sw_EN)
     gw = gw_EKN.transpose(-2, -1) if _is_column_major(w_EKN) else gw_EKN
     return gx_MK.contiguous(), gw.contiguous()
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from fp8 import quant
-from fp8.backend import Fp8Backend, get_backend
+from fp8.backend import Fp8Backend
 from fp8.linear import Float8Linear, health_stats, scaled_mm, to_compute_dtype
 
 IGNORE_INDEX = -100  # F.cross_entropy's default: such targets count neither in the loss nor in its mean
@@ -82,14 +82,11 @@ def fp8_linear_cross_entropy(head: Float8Linear, x: torch.Tensor, targets: torch
     # silently. Checked on the device (no host sync): a failure raises at the next synchronisation.
     torch._assert_async(((targets >= 0) & (targets < head.out_features) | (targets == IGNORE_INDEX)).all(),
                         "fp8_linear_cross_entropy: a target id lies outside [0, vocab_size) and is not ignore_index")
-    backend = get_backend(x.device)
-    use_scaled_mm = (not backend.emulate) if head.emulate is None else (not head.emulate)
+    backend, use_scaled_mm = head.fp8_backend(x.device)
     grad_dtype = backend.e5m2 if head.recipe.grad_output_e5m2 else backend.e4m3
     loss, stats = _Fp8LinearCrossEntropyFn.apply(x.reshape(-1, head.in_features), w, targets,
                                                  backend, use_scaled_mm, grad_dtype)
-    with torch.no_grad():
-        head.fp8_health_stats.copy_(stats)
-    head.fp8_health_valid = True
+    head.record_health(stats)
     return loss
 
 
@@ -104,12 +101,6 @@ class Float8LMHead(Float8Linear):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.fused_loss: bool = True
-
-    @classmethod
-    def from_float(cls, mod, recipe="tensorwise") -> Float8LMHead:
-        new = super().from_float(mod, recipe)
-        new.fused_loss = True
-        return new
 
     def fuses_loss(self) -> bool:
         """Whether forward(x, targets) runs now: FP8 on, tensorwise recipe with dynamic (not power-of-two) scales, no

@@ -180,18 +180,26 @@ class Float8Linear(nn.Linear):
         mode = self.recipe.name if self.fp8_enabled else "high precision"
         return f"{super().extra_repr()}, fp8={mode}"
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.fp8_enabled:
-            return F.linear(x, self.weight, self.bias)
-        x, w = to_compute_dtype(x, self.weight)
-        backend = get_backend(x.device)
-        use_scaled_mm = (not backend.emulate) if self.emulate is None else (not self.emulate)
-        x_MK = x.reshape(-1, self.in_features)
-        y_MN, stats = _Fp8LinearFn.apply(x_MK, w, self.recipe, backend, use_scaled_mm)
+    def fp8_backend(self, device: torch.device) -> tuple[Fp8Backend, bool]:
+        """(the FP8 backend of `device`, whether the GEMMs run through torch._scaled_mm rather than emulated)."""
+        backend = get_backend(device)
+        return backend, (not backend.emulate) if self.emulate is None else (not self.emulate)
+
+    def record_health(self, stats: torch.Tensor) -> None:
+        """Keep the health statistics of the forward that just ran (fp8_health reads them)."""
         with torch.no_grad():
             self.fp8_health_stats.copy_(stats)
         if not self.fp8_health_valid:
             self.fp8_health_valid = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.fp8_enabled:
+            return F.linear(x, self.weight, self.bias)
+        x, w = to_compute_dtype(x, self.weight)
+        backend, use_scaled_mm = self.fp8_backend(x.device)
+        x_MK = x.reshape(-1, self.in_features)
+        y_MN, stats = _Fp8LinearFn.apply(x_MK, w, self.recipe, backend, use_scaled_mm)
+        self.record_health(stats)
         y = y_MN.reshape(*x.shape[:-1], self.out_features)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)

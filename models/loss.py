@@ -31,14 +31,19 @@ def lm_loss(logits_BSV: torch.Tensor, targets_BS: torch.Tensor, compiled: bool) 
     return fn(logits_BSV, targets_BS)
 
 
+def head_fuses_loss(head: torch.nn.Module | None) -> bool:
+    """Whether `head` computes the loss itself now (fp8.head.Float8LMHead.fuses_loss; False for any other head)."""
+    fuses = getattr(head, "fuses_loss", None)
+    return fuses is not None and fuses()
+
+
 def head_output(head: torch.nn.Module, h_BTD: torch.Tensor, targets_BT: torch.Tensor | None) -> torch.Tensor:
     """A language model's forward tail: the logits [B, T, V] without targets; with them the mean token cross-entropy,
     fused into an FP8 head that can (fp8.head.Float8LMHead.fuses_loss), else of the logits (eager loss;
     model_lm_loss picks the compiled one)."""
     if targets_BT is None:
         return head(h_BTD)
-    fuses = getattr(head, "fuses_loss", None)
-    if fuses is not None and fuses():
+    if head_fuses_loss(head):
         return head(h_BTD, targets=targets_BT)
     return token_cross_entropy(head(h_BTD), targets_BT)
 
@@ -50,9 +55,9 @@ def model_lm_loss(model: torch.nn.Module, tokens_BT: torch.Tensor, targets_BT: t
     Where the output head is an FP8 head that fuses the loss (fp8.head.Float8LMHead.fuses_loss: FP8 on, tensorwise,
     fused_loss on), the model's forward with targets has the head compute the loss from the final hidden states, so
     the logits' gradient is written once, in fp8, instead of as a bf16 tensor the head casts again (fp8/head.py).
-    Otherwise: the logits, then lm_loss. Both compute the same function; the head falls back to the second form with set_precision("bf16").
+    Otherwise: the logits, then lm_loss. Both compute the same function; the head falls back to the second form
+    with set_precision("bf16").
     """
-    fuses = getattr(getattr(model, "output", None), "fuses_loss", None)
-    if fuses is not None and fuses():
+    if head_fuses_loss(getattr(model, "output", None)):
         return model(tokens_BT, targets_BT)
     return lm_loss(model(tokens_BT), targets_BT, compiled)

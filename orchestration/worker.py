@@ -20,7 +20,7 @@ import torch
 
 from fp8 import grouped as fp8_grouped
 from fp8.linear import Float8Linear
-from models.loss import model_lm_loss
+from models.loss import head_fuses_loss, model_lm_loss
 from optim import ChunkedAdamW, clip_and_step
 from orchestration.config import JobConfig, from_dict
 from orchestration.data import ByteTextDataset, collect_text_files, python_stdlib_dir
@@ -242,8 +242,7 @@ def compile_blocks(model: torch.nn.Module, mode: str = "default") -> None:
         # fixed sequence length: no symbolic-shape kernels
         block.compile(dynamic=False, mode=None if mode == "default" else mode)
     head = getattr(model, "output", None)
-    fuses_loss = getattr(head, "fuses_loss", None)
-    if isinstance(head, Float8Linear) and not (fuses_loss is not None and fuses_loss()):
+    if isinstance(head, Float8Linear) and not head_fuses_loss(head):
         # An FP8 output head (precision.fp8_output_head) is compiled too, so Inductor fuses its casts; a bf16 head
         # is one matmul, which compiling would not change; a head that fuses the loss runs its own kernels
         # (fp8/head.py) and would only break the graph.
