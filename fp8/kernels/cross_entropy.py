@@ -72,7 +72,7 @@ if _q.HAS_TRITON:
     def _ce_bwd_cast_kernel(logits_ptr, targets_ptr, lse_ptr, gamax_ptr, coef_ptr, g_ptr, g_t_ptr, scale_ptr,
                             M, V, stride_lm,
                             IGNORE_INDEX: tl.constexpr, FP8_MAX: tl.constexpr, EPS_: tl.constexpr,
-                            BM: tl.constexpr, BV: tl.constexpr, OUT_DTYPE: tl.constexpr, INT8_STORE: tl.constexpr,
+                            BM: tl.constexpr, BV: tl.constexpr, OUT_DTYPE: tl.constexpr,
                             EXACT_ROUND: tl.constexpr, MBITS: tl.constexpr, MIN_NORMAL: tl.constexpr,
                             SUB_MAGIC: tl.constexpr, NAN_BITS: tl.constexpr):
         pid_m = tl.program_id(0)
@@ -94,8 +94,8 @@ if _q.HAS_TRITON:
         g = tl.where(offs_v[None, :] == t[:, None], p - 1.0, p)
         row_coef = tl.where(t != IGNORE_INDEX, coef * scale, 0.0)
         y = _to_fp8(g * row_coef[:, None], OUT_DTYPE, FP8_MAX, EXACT_ROUND, MBITS, MIN_NORMAL, SUB_MAGIC, NAN_BITS)
-        if INT8_STORE:  # the outputs are int8 views: move bytes (the transposed store's layout change is byte-wise)
-            y = y.to(tl.int8, bitcast=True)
+        # the outputs are int8 views: move bytes (the transposed store's layout change is byte-wise)
+        y = y.to(tl.int8, bitcast=True)
         tl.store(g_ptr + rows64[:, None] * V + offs_v[None, :], y, mask=mask)
         tl.store(g_t_ptr + offs_v.to(tl.int64)[:, None] * M + offs_m[None, :], tl.trans(y),
                  mask=mask_v[:, None] & mask_m[None, :])
@@ -110,7 +110,6 @@ CE_FWD_TILE = (1, 2048)  # (BM rows, BV columns) per program
 CE_FWD_WARPS = 4
 CE_BWD_TILE = (16, 256)
 CE_BWD_WARPS = 4
-CE_BWD_INT8_STORE = True
 
 _TL_FP8 = {}
 
@@ -161,9 +160,8 @@ def cross_entropy_grad_cast_triton(
     scale = torch.empty((), dtype=torch.float32, device=dev)
     BM, BV = CE_BWD_TILE
     grid = (max(1, triton.cdiv(M, BM)), max(1, triton.cdiv(V, BV)))
-    out, out_t = (g.view(torch.int8), g_t.view(torch.int8)) if CE_BWD_INT8_STORE else (g, g_t)
     _q._launch(_ce_bwd_cast_kernel)[grid](
-        logits_MV, targets_M.contiguous(), lse_M, gamax.reshape(1).float(), coef.reshape(1).float(), out, out_t, scale,
-        M, V, logits_MV.stride(0), IGNORE_INDEX=ignore_index, BM=BM, BV=BV, OUT_DTYPE=_tl_dtype(fp8_dtype),
-        INT8_STORE=CE_BWD_INT8_STORE, num_warps=CE_BWD_WARPS, **_q._grid_consts(fp8_dtype))
+        logits_MV, targets_M.contiguous(), lse_M, gamax.reshape(1).float(), coef.reshape(1).float(),
+        g.view(torch.int8), g_t.view(torch.int8), scale, M, V, logits_MV.stride(0), IGNORE_INDEX=ignore_index,
+        BM=BM, BV=BV, OUT_DTYPE=_tl_dtype(fp8_dtype), num_warps=CE_BWD_WARPS, **_q._grid_consts(fp8_dtype))
     return g, g_t, scale
