@@ -15,8 +15,9 @@ Inductor write tensorwise's fp8 transposed copies (FP8_KERNELS=no_transposes, th
 mode="reduce-overhead" (CUDA graphs); "+eagerloss" runs the cross-entropy eagerly (fp32 logits materialized);
 "+eagergrp" / "+tracedgrp" run the FP8 grouped GEMMs in fp8.grouped's "eager" / "traced" modes (default "opaque");
 "+fp8dg" runs all their grad-input GEMMs in fp8 with promoted accumulation, "+reusedg" on the forward's quantized
-weights (dgrad="fp8_reuse") and "+widthdg" in bf16 where the width is not a multiple of 256, else so (default: fp8.grouped's dgrad="auto", fp8 with fast accumulation); "+autogc" leaves Python's automatic garbage collection on during the timed steps (default: the
-worker's policy, orchestration/gc_policy.py; every row records its GC pauses under "gc"); "+minw<W>" keeps linears
+weights (dgrad="fp8_reuse") and "+widthdg" in bf16 where the width is not a multiple of 256, else so (default:
+fp8.grouped's dgrad="auto", fp8 with fast accumulation); "+autogc" leaves Python's automatic garbage collection on
+during the timed steps (default: the worker's policy, orchestration/gc_policy.py; every row records its GC pauses under "gc"); "+minw<W>" keeps linears
 with K*N/(K+N) < W in bf16 (fp8.convert.min_width_module_filter); "+eagerbody" runs the grouped GEMM custom ops'
 bodies eagerly (FP8_GROUPED_BODY=eager; default: compiled on CUDA); "+head" converts the LM output head too (ours:
 precision.fp8_output_head, fp8.convert.make_module_filter; torchao: the same filter without its head exclusion);
