@@ -6,7 +6,8 @@ Rows (ms, median of --reps, CUDA events; bytes = least traffic of each, GB/s aga
 - copy of the bf16 logits (read + write): the bandwidth yardstick;
 - Inductor's compiled cross-entropy, forward alone and forward + backward (what an unfused head runs);
 - the unfused FP8 head's gradient chain after the loss backward: tensorwise amax + cast to e5m2 + fp8 transpose;
-- ours: the forward kernel (rows per program, tile, warps) and the backward cast kernel (tiles and warps), each checked against the reference first.
+- ours: the forward kernel (rows per program, tile, warps) and the backward cast kernel (tiles and warps; the
+  transposed copy stored by the kernel or by a separate transpose pass), each checked against the reference first.
 DeepSeek-MoE-16B's head at 16384 tokens by default (vocab 102400). Writes ce_head.json to --out.
 """
 
@@ -71,8 +72,8 @@ def main() -> None:
 
     lse_r, _, gam_r = K.cross_entropy_fwd_ref(logits[:256], targets[:256])
     fwd_default = (ce.CE_FWD_TILE, ce.CE_FWD_WARPS)
-    for tile, warps in (((1, 2048), 4), ((2, 2048), 4), ((4, 1024), 4), ((4, 2048), 8), ((8, 1024), 8),
-                        ((8, 512), 4), ((16, 512), 8), ((4, 512), 4)):
+    for tile, warps in (((1, 2048), 4), ((1, 4096), 8), ((1, 1024), 4), ((1, 1024), 2), ((2, 2048), 8),
+                        ((2, 1024), 4), ((1, 8192), 8), ((4, 512), 4)):
         ce.CE_FWD_TILE, ce.CE_FWD_WARPS = tile, warps
         lse, _, gam = K.cross_entropy_fwd(logits, targets)
         ok = torch.allclose(lse[:256], lse_r, rtol=1e-5, atol=1e-4) and torch.allclose(gam[:256], gam_r, rtol=1e-3,
@@ -83,16 +84,24 @@ def main() -> None:
     coef = torch.tensor(1.0 / M, device="cuda")
     gamax = gam.amax()
     ref = K.cross_entropy_grad_cast_ref(logits[:512], targets[:512], lse[:512], gamax, coef, torch.float8_e5m2)
-    for tile, warps in (((64, 128), 4), ((32, 128), 4), ((32, 128), 2), ((64, 64), 4), ((32, 256), 4),
-                        ((16, 256), 4), ((64, 128), 8), ((32, 64), 2)):
-        ce.CE_BWD_TILE, ce.CE_BWD_WARPS = tile, warps
+    g8_full = K.cross_entropy_grad_cast(logits, targets, lse, gamax, coef, torch.float8_e5m2)[0]
+    row("fp8 transpose of the gradient alone", lambda: K.transpose(g8_full), nbytes_in)
+    bwd_default = (ce.CE_BWD_TILE, ce.CE_BWD_WARPS, ce.CE_BWD_FUSED_T)
+    # fused_t: the kernel stores the transposed tile too; else a separate transpose pass (counted in the time)
+    for fused_t, tile, warps in ((True, (16, 256), 4), (True, (32, 128), 4), (True, (16, 512), 4),
+                                 (True, (32, 256), 8), (True, (64, 64), 4),
+                                 (False, (16, 256), 4), (False, (8, 1024), 4), (False, (16, 1024), 8),
+                                 (False, (32, 512), 8), (False, (4, 2048), 8), (False, (64, 128), 4),
+                                 (False, (16, 512), 4)):
+        ce.CE_BWD_TILE, ce.CE_BWD_WARPS, ce.CE_BWD_FUSED_T = tile, warps, fused_t
         g8, g8t, _ = K.cross_entropy_grad_cast(logits[:512], targets[:512], lse[:512], gamax, coef, torch.float8_e5m2)
         # GPU exp vs torch's may differ in the last fp32 bit: an element one fp8 step off, rarely
         off = (g8.view(torch.int8) != ref[0].view(torch.int8)).float().mean().item()
         same_t = torch.equal(g8t.view(torch.int8), g8.t().contiguous().view(torch.int8))
-        row(f"ours backward tile={tile} warps={warps} off={off:.1e} t={same_t}",
+        row(f"ours backward fused_t={fused_t} tile={tile} warps={warps} off={off:.1e} t={same_t}",
             lambda: K.cross_entropy_grad_cast(logits, targets, lse, gamax, coef, torch.float8_e5m2),
             nbytes_in + nbytes_in)
+    ce.CE_BWD_TILE, ce.CE_BWD_WARPS, ce.CE_BWD_FUSED_T = bwd_default
     fwd = [r for r in rows if r["case"].startswith("ours forward") and "ok=True" in r["case"]]
     bwd = [r for r in rows if r["case"].startswith("ours backward") and "t=True" in r["case"]]
     best = {"forward": min(fwd, key=lambda r: r["ms"])["case"] if fwd else None,
@@ -118,8 +127,9 @@ def apply_best(path: str) -> dict:
         ce.CE_FWD_TILE, ce.CE_FWD_WARPS = (int(m[1]), int(m[2])), int(m[3])
         out["forward"] = best["forward"]
     if best.get("backward"):
-        m = re.search(r"tile=\((\d+), (\d+)\) warps=(\d+)", best["backward"])
-        ce.CE_BWD_TILE, ce.CE_BWD_WARPS = (int(m[1]), int(m[2])), int(m[3])
+        m = re.search(r"fused_t=(\w+) tile=\((\d+), (\d+)\) warps=(\d+)", best["backward"])
+        ce.CE_BWD_FUSED_T = m[1] == "True"
+        ce.CE_BWD_TILE, ce.CE_BWD_WARPS = (int(m[2]), int(m[3])), int(m[4])
         out["backward"] = best["backward"]
     return out
 

@@ -15,8 +15,9 @@ Inductor write tensorwise's fp8 transposed copies (FP8_KERNELS=no_transposes, th
 mode="reduce-overhead" (CUDA graphs); "+eagerloss" runs the cross-entropy eagerly (fp32 logits materialized);
 "+eagergrp" / "+tracedgrp" run the FP8 grouped GEMMs in fp8.grouped's "eager" / "traced" modes (default "opaque");
 "+fp8dg" runs all their grad-input GEMMs in fp8 with promoted accumulation, "+reusedg" on the forward's quantized
-weights (dgrad="fp8_reuse") and "+widthdg" in bf16 where the width is not a multiple of 256, else so (default:
-fp8.grouped's dgrad="auto", fp8 with fast accumulation); "+autogc" leaves Python's automatic garbage collection on
+weights (dgrad="fp8_reuse"), "+fastdg" on the weights cast again (fast accumulation, "fp8_fast") and "+widthdg" in
+bf16 where the width is not a multiple of 256, else so (default: fp8.grouped's dgrad="auto", fp8_reuse since session
+17); "+autogc" leaves Python's automatic garbage collection on
 during the timed steps (default: the worker's policy, orchestration/gc_policy.py; every row records its GC pauses under "gc"); "+minw<W>" keeps linears
 with K*N/(K+N) < W in bf16 (fp8.convert.min_width_module_filter); "+eagerbody" runs the grouped GEMM custom ops'
 bodies eagerly (FP8_GROUPED_BODY=eager; default: compiled on CUDA); "+head" converts the LM output head too (ours:
@@ -480,7 +481,7 @@ def bench_config(name: str, cfg: dict, args, device) -> dict:
 
             base_variant, *flags = variant.split("+")
             known = {"nomix", "kern", "ntk", "cg", "eagerloss", "eagergrp", "tracedgrp", "fp8dg", "widthdg", "autogc", "eagerbody", "head",
-                     "cdt", "tadam", "nofce", "reusedg"}
+                     "cdt", "tadam", "nofce", "reusedg", "fastdg"}
             width_flags = [f for f in flags if f.startswith("minw") and f[4:].isdigit()]
             unknown = set(flags) - known - set(width_flags)
             if unknown:
@@ -488,7 +489,8 @@ def bench_config(name: str, cfg: dict, args, device) -> dict:
             os.environ["FP8_GROUPED_MODE"] = ("eager" if "eagergrp" in flags else "traced" if "tracedgrp" in flags
                                               else "opaque")
             os.environ["FP8_GROUPED_DGRAD"] = ("fp8" if "fp8dg" in flags else "width" if "widthdg" in flags
-                                               else "fp8_reuse" if "reusedg" in flags else "auto")
+                                               else "fp8_reuse" if "reusedg" in flags
+                                               else "fp8_fast" if "fastdg" in flags else "auto")
             os.environ["FP8_GROUPED_BODY"] = "eager" if "eagerbody" in flags else "compiled"
             # As the worker's compile_blocks: CUDA graphs need eager op bodies (fp8.grouped.set_body_mode).
             import fp8.grouped
@@ -549,10 +551,14 @@ def bench_config(name: str, cfg: dict, args, device) -> dict:
         gc.collect()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-    base = next((r for r in rows if r["variant"] == "bf16" and "ms" in r), None)
+    # The baseline: the plain bf16 row, else the first bf16 row with suffixes ("bf16+tadam": the same optimizer as
+    # the fp8 rows it is compared with); speedup_base names it.
+    bf16_rows = [r for r in rows if r["variant"].split("+")[0] == "bf16" and "ms" in r]
+    base = next((r for r in bf16_rows if r["variant"] == "bf16"), bf16_rows[0] if bf16_rows else None)
     for r in rows:
         if base and "ms" in r:
             r["speedup_vs_bf16"] = base["ms"] / r["ms"]
+            r["speedup_base"] = base["variant"]
     return {"config": name, "model": cfg["model"], "overrides": cfg["overrides"], "batch": cfg["batch"],
             "seq": cfg["seq"], "tokens_per_step": tokens, "flops_per_token": plan.flops_per_token,
             "total_params": plan.total_params, "active_params": plan.active_params, "rows": rows}

@@ -375,10 +375,13 @@ _GROUPED_MODE_ENV = "FP8_GROUPED_MODE"
 #               on the H200, session 16's profile); the weight enters backward as forward quantized it.
 #   "width"     "hp" where gx's width K is not a multiple of 256, else "fp8": the default of sessions 4-12, when the
 #               promoted fp8 kernel ran DeepSeek-MoE's w2 grad-input (K = 1408) at 0.59x of bf16.
-#   "auto"      "fp8_fast" (the default). Why: alone on the H200 (session 13, BENCHMARKS.md) the promoted kernel ran
-#               w2's grad-input at 1.794 ms against 0.616 ms fast and 1.007 ms bf16 (w13: 1.281 / 1.215 / 1.849),
-#               and fast accumulation kept gx's SQNR against float64 within 0.5 dB of the promoted kernel's at both
-#               widths (tests/test_fp8_gpu.py, passed on the H200 in session 13).
+#   "auto"      "fp8_reuse" with power-of-two scales (the default recipe), else "fp8_fast". Why: alone on the H200
+#               (session 13, BENCHMARKS.md) the promoted kernel ran w2's grad-input at 1.794 ms against 0.616 ms fast
+#               and 1.007 ms bf16 (w13: 1.281 / 1.215 / 1.849), fast accumulation keeping gx's SQNR against float64
+#               within 0.5 dB of the promoted kernel's at both widths; and reusing the forward's quantized weight
+#               took DeepSeek-MoE-16B's routed experts from 8.87 to 8.24 ms (bf16 9.16) in one run (session 17,
+#               call A), its gx within 0.5 dB of fast's (tests/test_fp8_gpu.py on the H200). The folding of the
+#               saved scales into gy's row cast is exact only for power-of-two scales, hence the condition.
 DGRAD_CHOICES = ("fp8", "fp8_fast", "hp", "width", "auto", "fp8_reuse")
 _DGRAD_ENV = "FP8_GROUPED_DGRAD"
 
@@ -415,13 +418,15 @@ class Fp8GroupedMM:
         return mode
 
     def dgrad_for(self, w_EKN: torch.Tensor) -> str:
-        """How the grad-input GEMM of this weight runs: "fp8" | "fp8_fast" | "hp" (see DGRAD_CHOICES)."""
+        """How the grad-input GEMM of this weight runs: "fp8" | "fp8_fast" | "fp8_reuse" | "hp" (see DGRAD_CHOICES)."""
         dgrad = os.environ.get(_DGRAD_ENV, self.dgrad)
         if dgrad not in DGRAD_CHOICES:
             raise ValueError(f"{_DGRAD_ENV} must be one of {DGRAD_CHOICES}, got {dgrad!r}")
         if dgrad == "width":
             return "hp" if w_EKN.shape[-2] % 256 != 0 else "fp8"
-        return "fp8_fast" if dgrad == "auto" else dgrad
+        if dgrad == "auto":
+            return "fp8_reuse" if self.pow2 else "fp8_fast"
+        return dgrad
 
     def hp_dgrad(self, w_EKN: torch.Tensor) -> bool:
         """Whether the grad-input GEMM of this weight runs in high precision (see DGRAD_CHOICES)."""

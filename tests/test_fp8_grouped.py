@@ -198,8 +198,8 @@ def test_grouped_mode_is_validated(monkeypatch):
 @pytest.mark.parametrize("stored_enk", [False, True])
 def test_hp_dgrad_gives_the_high_precision_grad_input(stored_enk):
     """dgrad="hp": gx is the bf16 grouped GEMM of gy and w (exactly the per-group bf16 product), the output and the
-    weight gradient are unchanged; "width" picks hp only for widths that are not multiples of 256, "auto" is fp8 with
-    fast accumulation everywhere."""
+    weight gradient are unchanged; "width" picks hp only for widths that are not multiples of 256, "auto" is fp8 on the
+    forward's quantized weight everywhere with power-of-two scales, fp8 with fast accumulation without."""
     x, w, gy, offs = make(torch.bfloat16, seed=7)
     outs = {}
     for dgrad in ("fp8", "hp"):
@@ -221,7 +221,9 @@ def test_hp_dgrad_gives_the_high_precision_grad_input(stored_enk):
     assert err_hp < err_fp8 / 4
     op = Fp8GroupedMM(emulate=True)
     assert op.dgrad == "auto"
-    assert [op.dgrad_for(torch.empty(4, k, 8)) for k in (2048, 1408)] == ["fp8_fast", "fp8_fast"]
+    assert [op.dgrad_for(torch.empty(4, k, 8)) for k in (2048, 1408)] == ["fp8_reuse", "fp8_reuse"]
+    not_pow2 = Fp8GroupedMM(emulate=True, pow2=False)
+    assert [not_pow2.dgrad_for(torch.empty(4, k, 8)) for k in (2048, 1408)] == ["fp8_fast", "fp8_fast"]
     width = Fp8GroupedMM(emulate=True, dgrad="width")
     assert not width.hp_dgrad(torch.empty(4, 2048, 8)) and width.hp_dgrad(torch.empty(4, 1408, 8))
     assert [width.dgrad_for(torch.empty(4, k, 8)) for k in (2048, 1408)] == ["fp8", "hp"]

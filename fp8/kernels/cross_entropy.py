@@ -35,46 +35,70 @@ if _q.HAS_TRITON:
 
     @triton.jit
     def _ce_fwd_kernel(logits_ptr, targets_ptr, lse_ptr, loss_ptr, gamax_ptr, M, V, stride_lm,
-                       IGNORE_INDEX: tl.constexpr, BM: tl.constexpr, BV: tl.constexpr):
+                       IGNORE_INDEX: tl.constexpr, BM: tl.constexpr, BV: tl.constexpr, EVEN: tl.constexpr):
         # BM rows per program, streamed in [BM, BV] tiles with a running max / sum-exp per row (online softmax).
-        # Several rows per program make the per-tile reductions along V short (within a warp when a warp holds a
-        # row) instead of one block-wide reduction per tile.
+        # Per element only what lse needs (a max and a sum-exp: two reductions a tile). The target's logit is one
+        # load per row, and the max over non-target columns differs from the tile's max only in the tile that holds
+        # a row's target, so the masked max runs there only (a branch taken in about BM of V / BV tiles).
+        # EVEN: BM divides M and BV divides V, so no masks (they keep loads and stores from vectorizing fully).
         NEG_INF: tl.constexpr = float("-inf")
+        LOG2E: tl.constexpr = 1.4426950408889634
         offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
         mask_m = offs_m < M
-        t = tl.load(targets_ptr + offs_m, mask=mask_m, other=IGNORE_INDEX).to(tl.int64)
+        if EVEN:
+            t = tl.load(targets_ptr + offs_m).to(tl.int64)
+        else:
+            t = tl.load(targets_ptr + offs_m, mask=mask_m, other=IGNORE_INDEX).to(tl.int64)
+        valid = t != IGNORE_INDEX
         rows = logits_ptr + offs_m.to(tl.int64)[:, None] * stride_lm
+        # the target's logit (ignored rows read column 0, then discard it)
+        x_t = tl.load(rows + tl.where(valid, t, 0)[:, None], mask=mask_m[:, None], other=0.0).to(tl.float32)
+        x_t = tl.sum(x_t, 1)
         m = tl.full([BM], NEG_INF, tl.float32)  # running max over all columns (for lse)
         m_other = tl.full([BM], NEG_INF, tl.float32)  # running max over the non-target columns
         s = tl.zeros([BM], dtype=tl.float32)  # running sum of exp(x - m)
-        x_t = tl.zeros([BM], dtype=tl.float32)  # the target's logit
         for v0 in range(0, V, BV):
             offs_v = v0 + tl.arange(0, BV)
-            mask = mask_m[:, None] & (offs_v < V)[None, :]
-            x = tl.load(rows + offs_v[None, :], mask=mask, other=NEG_INF).to(tl.float32)
-            is_t = offs_v[None, :] == t[:, None]
-            m_new = tl.maximum(m, tl.max(x, 1))
-            # rows past M (all -inf) keep s = 0: exp(-inf - -inf) would be NaN
-            alpha = tl.where(m_new == NEG_INF, 0.0, tl.exp(m - m_new))
-            s = s * alpha + tl.sum(tl.where(mask, tl.exp(x - m_new[:, None]), 0.0), 1)
+            if EVEN:
+                x = tl.load(rows + offs_v[None, :]).to(tl.float32)
+            else:
+                mask = mask_m[:, None] & (offs_v < V)[None, :]
+                x = tl.load(rows + offs_v[None, :], mask=mask, other=NEG_INF).to(tl.float32)
+            tile_max = tl.max(x, 1)
+            m_new = tl.maximum(m, tile_max)
+            # rows past M (all -inf) keep s = 0: exp(-inf - -inf) would be NaN; exp2 of a scaled difference is
+            # what tl.exp computes, with the scaling folded into one multiply-add per element
+            m_new_2 = m_new * LOG2E
+            alpha = tl.where(m_new == NEG_INF, 0.0, tl.exp2(m * LOG2E - m_new_2))
+            e = tl.exp2(x * LOG2E - m_new_2[:, None])
+            if not EVEN:
+                e = tl.where(mask, e, 0.0)
+            s = s * alpha + tl.sum(e, 1)
             m = m_new
-            m_other = tl.maximum(m_other, tl.max(tl.where(is_t, NEG_INF, x), 1))
-            x_t += tl.sum(tl.where(is_t & mask, x, 0.0), 1)
+            hit = (t >= v0) & (t < v0 + BV)
+            if tl.max(hit.to(tl.int32), 0) > 0:
+                other = tl.max(tl.where(offs_v[None, :] == t[:, None], NEG_INF, x), 1)
+                m_other = tl.maximum(m_other, tl.where(hit, other, tile_max))
+            else:
+                m_other = tl.maximum(m_other, tile_max)
         lse = m + tl.log(s)
-        valid = t != IGNORE_INDEX
         tl.store(lse_ptr + offs_m, lse, mask=mask_m)
         tl.store(loss_ptr + offs_m, tl.where(valid, lse - x_t, 0.0), mask=mask_m)
         # The same expressions the backward kernel evaluates for these two elements (same fp32 operations).
-        g_max = tl.maximum(tl.exp(m_other - lse), 1.0 - tl.exp(x_t - lse))
+        lse_2 = lse * LOG2E
+        g_max = tl.maximum(tl.exp2(m_other * LOG2E - lse_2), 1.0 - tl.exp2(x_t * LOG2E - lse_2))
         tl.store(gamax_ptr + offs_m, tl.where(valid, g_max, 0.0), mask=mask_m)
 
     @triton.jit
     def _ce_bwd_cast_kernel(logits_ptr, targets_ptr, lse_ptr, gamax_ptr, coef_ptr, g_ptr, g_t_ptr, scale_ptr,
                             M, V, stride_lm,
                             IGNORE_INDEX: tl.constexpr, FP8_MAX: tl.constexpr, EPS_: tl.constexpr,
-                            BM: tl.constexpr, BV: tl.constexpr, OUT_DTYPE: tl.constexpr,
+                            BM: tl.constexpr, BV: tl.constexpr, OUT_DTYPE: tl.constexpr, EVEN: tl.constexpr,
+                            WRITE_T: tl.constexpr,
                             EXACT_ROUND: tl.constexpr, MBITS: tl.constexpr, MIN_NORMAL: tl.constexpr,
                             SUB_MAGIC: tl.constexpr, NAN_BITS: tl.constexpr):
+        # WRITE_T: also store the tile transposed into g_t (else the caller transposes g in a separate pass).
+        LOG2E: tl.constexpr = 1.4426950408889634
         pid_m = tl.program_id(0)
         pid_v = tl.program_id(1)
         coef = tl.load(coef_ptr).to(tl.float32)
@@ -87,18 +111,31 @@ if _q.HAS_TRITON:
         mask_v = offs_v < V
         mask = mask_m[:, None] & mask_v[None, :]
         rows64 = offs_m.to(tl.int64)
-        x = tl.load(logits_ptr + rows64[:, None] * stride_lm + offs_v[None, :], mask=mask, other=0.0).to(tl.float32)
-        lse = tl.load(lse_ptr + offs_m, mask=mask_m, other=0.0)
-        t = tl.load(targets_ptr + offs_m, mask=mask_m, other=IGNORE_INDEX).to(tl.int64)
-        p = tl.exp(x - lse[:, None])
+        if EVEN:
+            x = tl.load(logits_ptr + rows64[:, None] * stride_lm + offs_v[None, :]).to(tl.float32)
+            lse = tl.load(lse_ptr + offs_m)
+            t = tl.load(targets_ptr + offs_m).to(tl.int64)
+        else:
+            x = tl.load(logits_ptr + rows64[:, None] * stride_lm + offs_v[None, :], mask=mask,
+                        other=0.0).to(tl.float32)
+            lse = tl.load(lse_ptr + offs_m, mask=mask_m, other=0.0)
+            t = tl.load(targets_ptr + offs_m, mask=mask_m, other=IGNORE_INDEX).to(tl.int64)
+        lse_2 = lse * LOG2E
+        p = tl.exp2(x * LOG2E - lse_2[:, None])
         g = tl.where(offs_v[None, :] == t[:, None], p - 1.0, p)
         row_coef = tl.where(t != IGNORE_INDEX, coef * scale, 0.0)
         y = _to_fp8(g * row_coef[:, None], OUT_DTYPE, FP8_MAX, EXACT_ROUND, MBITS, MIN_NORMAL, SUB_MAGIC, NAN_BITS)
         # the outputs are int8 views: move bytes (the transposed store's layout change is byte-wise)
         y = y.to(tl.int8, bitcast=True)
-        tl.store(g_ptr + rows64[:, None] * V + offs_v[None, :], y, mask=mask)
-        tl.store(g_t_ptr + offs_v.to(tl.int64)[:, None] * M + offs_m[None, :], tl.trans(y),
-                 mask=mask_v[:, None] & mask_m[None, :])
+        if EVEN:
+            tl.store(g_ptr + rows64[:, None] * V + offs_v[None, :], y)
+            if WRITE_T:
+                tl.store(g_t_ptr + offs_v.to(tl.int64)[:, None] * M + offs_m[None, :], tl.trans(y))
+        else:
+            tl.store(g_ptr + rows64[:, None] * V + offs_v[None, :], y, mask=mask)
+            if WRITE_T:
+                tl.store(g_t_ptr + offs_v.to(tl.int64)[:, None] * M + offs_m[None, :], tl.trans(y),
+                         mask=mask_v[:, None] & mask_m[None, :])
 
 
 # Tiles, from two sweeps on the H200 (benchmarks/ce_head.py, 16384 x 102400 bf16 logits; results/session16/call_c,
@@ -110,6 +147,9 @@ CE_FWD_TILE = (1, 2048)  # (BM rows, BV columns) per program
 CE_FWD_WARPS = 4
 CE_BWD_TILE = (16, 256)
 CE_BWD_WARPS = 4
+# Whether the backward kernel also stores the transposed tile (True) or the transpose is a separate pass over the
+# fp8 gradient (fp8.kernels.quantize.transpose_triton, 128 x 128 byte tiles; one more read and write of 1 byte).
+CE_BWD_FUSED_T = True
 
 _TL_FP8 = {}
 
@@ -142,7 +182,7 @@ def cross_entropy_fwd_triton(
     BM, BV = CE_FWD_TILE
     _q._launch(_ce_fwd_kernel)[(triton.cdiv(M, BM),)](
         logits_MV, targets_M.contiguous(), lse, loss, gamax, M, V, logits_MV.stride(0), IGNORE_INDEX=ignore_index,
-        BM=BM, BV=BV, num_warps=CE_FWD_WARPS)
+        BM=BM, BV=BV, EVEN=(M % BM == 0 and V % BV == 0), num_warps=CE_FWD_WARPS)
     return lse, loss, gamax
 
 
@@ -155,13 +195,17 @@ def cross_entropy_grad_cast_triton(
     _check(logits_MV, targets_M)
     M, V = logits_MV.shape
     dev = logits_MV.device
+    fused_t = CE_BWD_FUSED_T
     g = torch.empty((M, V), dtype=fp8_dtype, device=dev)
-    g_t = torch.empty((V, M), dtype=fp8_dtype, device=dev)
+    g_t = torch.empty((V, M) if fused_t else (0,), dtype=fp8_dtype, device=dev)
     scale = torch.empty((), dtype=torch.float32, device=dev)
     BM, BV = CE_BWD_TILE
     grid = (max(1, triton.cdiv(M, BM)), max(1, triton.cdiv(V, BV)))
     _q._launch(_ce_bwd_cast_kernel)[grid](
         logits_MV, targets_M.contiguous(), lse_M, gamax.reshape(1).float(), coef.reshape(1).float(),
         g.view(torch.int8), g_t.view(torch.int8), scale, M, V, logits_MV.stride(0), IGNORE_INDEX=ignore_index,
-        BM=BM, BV=BV, OUT_DTYPE=_tl_dtype(fp8_dtype), num_warps=CE_BWD_WARPS, **_q._grid_consts(fp8_dtype))
+        BM=BM, BV=BV, OUT_DTYPE=_tl_dtype(fp8_dtype), EVEN=(M % BM == 0 and V % BV == 0), WRITE_T=fused_t,
+        num_warps=CE_BWD_WARPS, **_q._grid_consts(fp8_dtype))
+    if not fused_t:
+        g_t = _q.transpose_triton(g)
     return g, g_t, scale
