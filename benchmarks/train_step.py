@@ -5,7 +5,8 @@
 One step = forward, cross-entropy (compiled, models/loss.py), backward, grad-norm clip, divergence check (ours:
 fp8 health + StepMonitor + agreement + policy, exactly what the worker loop runs), AdamW step, zero_grad. No Ray
 (not on the GPU image). Both sides compiled per transformer block (torch.compile, as torchtitan does). Timed with
-CUDA events over `--steps` steps after warm-up; the median per-step time gives tokens/s and MFU (model FLOPs / datasheet peak of the
+CUDA events at the boundaries of `--steps` back-to-back steps after warm-up (since session 17; before, each step
+alone); the median per-step time gives tokens/s and MFU (model FLOPs / datasheet peak of the
 precision in use). Also a short real-data run (bytes of the Python standard library) comparing the FP8 loss with
 BF16's at the same step. Writes train_step.json to --out. --profile adds a torch.profiler table per variant
 (GPU time by kernel category and the top kernels). Suffixes on a variant, combinable ("ours:tensorwise+kern+cg"):
@@ -278,16 +279,19 @@ def time_steps(step, batches, warmup: int, steps: int, gc_timer: GcTimer | None 
     for i in range(warmup):
         step(*batches[i % len(batches)])
     torch.cuda.synchronize()
-    times = []
+    # Steps back to back, as a training loop runs them: an event at each step boundary and one host wait at the end.
+    # (Until session 17 every step was timed alone, the host waiting for its end before launching the next: the GPU
+    # then idled at each step's start while the host launched its first kernels, ~3 ms a step on both sides, which a
+    # loop does not pay: the next forward is launched while the optimizer runs.) The guard's host read of the
+    # verdict inside each step still drains the queue there, as in the worker.
+    boundaries = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
     with gc_timer or contextlib.nullcontext():
+        boundaries[0].record()
         for i in range(steps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
             step(*batches[i % len(batches)])
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-    return times
+            boundaries[i + 1].record()
+        boundaries[-1].synchronize()
+    return [boundaries[i].elapsed_time(boundaries[i + 1]) for i in range(steps)]
 
 
 # Kernel-name patterns -> category, first match wins (cuBLASLt/CUTLASS GEMMs have many spellings).
@@ -527,7 +531,7 @@ def bench_config(name: str, cfg: dict, args, device) -> dict:
             ms = statistics.median(times)
             precision = "bf16" if impl == "bf16" else "fp8"
             peak = peak_flops_per_s(torch.cuda.get_device_name(device), "bf16")
-            row.update(ms=ms, ms_min=min(times), tokens_per_s=tokens / (ms / 1e3),
+            row.update(ms=ms, ms_min=min(times), ms_mean=statistics.mean(times), tokens_per_s=tokens / (ms / 1e3),
                        mfu_bf16_peak=compute_mfu(plan.flops_per_token, tokens / (ms / 1e3), peak),
                        precision=precision, max_mem_gib=torch.cuda.max_memory_allocated(device) / 2**30,
                        setup_s=round(time.time() - t0, 1))

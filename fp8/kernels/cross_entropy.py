@@ -10,9 +10,10 @@ a transpose reads and writes the fp8 copy. Fused:
   target) and the row's largest |p - onehot| = max(max over non-targets of p, 1 - p_target). The tensor's gradient
   amax is therefore known after the forward, with no pass over g.
 - `_ce_bwd_cast_kernel`, one program per [BM, BV] tile: recomputes p from the saved logits and lse, forms g, scales it
-  by fp8_max / amax (computed in-kernel from the forward's row maxima times |coef|) and stores the fp8 tile twice,
-  row-major and transposed. Traffic: one read of the bf16 logits and two 1-byte writes, where the unfused path moves
-  ~5.5x that.
+  by fp8_max / amax (computed in-kernel from the forward's row maxima times |coef|) and stores the fp8 tile row-major,
+  and transposed too where CE_BWD_FUSED_T (else one transpose pass over the fp8 gradient makes that copy: faster on
+  the H200, see the tiles below). Traffic: one read of the bf16 logits and two 1-byte writes (plus a 1-byte read and
+  write for the separate transpose), where the unfused path moves ~5.5x that.
 
 Numerics: g is formed in fp32 from bf16 logits (as F.cross_entropy on upcast logits) and quantized from fp32 (the
 unfused path rounds it to bf16 first); the scale is the dynamic tensorwise scale of g's exact amax. The references
@@ -66,11 +67,11 @@ if _q.HAS_TRITON:
                 x = tl.load(rows + offs_v[None, :], mask=mask, other=NEG_INF).to(tl.float32)
             tile_max = tl.max(x, 1)
             m_new = tl.maximum(m, tile_max)
-            # rows past M (all -inf) keep s = 0: exp(-inf - -inf) would be NaN; exp2 of a scaled difference is
-            # what tl.exp computes, with the scaling folded into one multiply-add per element
-            m_new_2 = m_new * LOG2E
-            alpha = tl.where(m_new == NEG_INF, 0.0, tl.exp2(m * LOG2E - m_new_2))
-            e = tl.exp2(x * LOG2E - m_new_2[:, None])
+            # rows past M (all -inf) keep s = 0: exp(-inf - -inf) would be NaN. exp(d) = exp2(d * log2(e)), the
+            # difference formed first: x * log2(e) - m * log2(e) in one multiply-add loses |x| * 2**-24 of the
+            # exponent (a 40-unit logit: p off by ~2e-6 relative, which p - 1 of a well-predicted target magnifies).
+            alpha = tl.where(m_new == NEG_INF, 0.0, tl.exp2((m - m_new) * LOG2E))
+            e = tl.exp2((x - m_new[:, None]) * LOG2E)
             if not EVEN:
                 e = tl.where(mask, e, 0.0)
             s = s * alpha + tl.sum(e, 1)
@@ -85,8 +86,7 @@ if _q.HAS_TRITON:
         tl.store(lse_ptr + offs_m, lse, mask=mask_m)
         tl.store(loss_ptr + offs_m, tl.where(valid, lse - x_t, 0.0), mask=mask_m)
         # The same expressions the backward kernel evaluates for these two elements (same fp32 operations).
-        lse_2 = lse * LOG2E
-        g_max = tl.maximum(tl.exp2(m_other * LOG2E - lse_2), 1.0 - tl.exp2(x_t * LOG2E - lse_2))
+        g_max = tl.maximum(tl.exp2((m_other - lse) * LOG2E), 1.0 - tl.exp2((x_t - lse) * LOG2E))
         tl.store(gamax_ptr + offs_m, tl.where(valid, g_max, 0.0), mask=mask_m)
 
     @triton.jit
@@ -120,8 +120,7 @@ if _q.HAS_TRITON:
                         other=0.0).to(tl.float32)
             lse = tl.load(lse_ptr + offs_m, mask=mask_m, other=0.0)
             t = tl.load(targets_ptr + offs_m, mask=mask_m, other=IGNORE_INDEX).to(tl.int64)
-        lse_2 = lse * LOG2E
-        p = tl.exp2(x * LOG2E - lse_2[:, None])
+        p = tl.exp2((x - lse[:, None]) * LOG2E)  # as the forward's g_max (see there why not a multiply-add)
         g = tl.where(offs_v[None, :] == t[:, None], p - 1.0, p)
         row_coef = tl.where(t != IGNORE_INDEX, coef * scale, 0.0)
         y = _to_fp8(g * row_coef[:, None], OUT_DTYPE, FP8_MAX, EXACT_ROUND, MBITS, MIN_NORMAL, SUB_MAGIC, NAN_BITS)
@@ -138,18 +137,19 @@ if _q.HAS_TRITON:
                          mask=mask_v[:, None] & mask_m[None, :])
 
 
-# Tiles, from two sweeps on the H200 (benchmarks/ce_head.py, 16384 x 102400 bf16 logits; results/session16/call_c,
-# call_d): forward one row per program in 2048-column tiles, 4 warps, 2.31 ms (several rows per program, 512-2048
-# columns, 4-8 warps: 2.32-3.03 ms; a per-lane running state with the reductions after the loop: 2.50-5.12 ms);
-# backward 16 x 256 tiles, 4 warps, int8 stores, 3.67 ms (64 x 128: 4.04-4.22, 128 x 128 with 8 warps: 5.46; fp8 vs
-# int8 stores within 3%). Both stay below copy bandwidth (4.3 TB/s): 1.45 and 1.83 TB/s against their least traffic.
-CE_FWD_TILE = (1, 2048)  # (BM rows, BV columns) per program
-CE_FWD_WARPS = 4
-CE_BWD_TILE = (16, 256)
+# Tiles, from sweeps on the H200 (benchmarks/ce_head.py, 16384 x 102400 bf16 logits; results/session17/call_b).
+# Forward: one row per program, 1024-column tiles, 2 warps: 1.03 ms, 3.26 TB/s of its least traffic (1 x 2048 with 4
+# warps 1.05; 2 or 4 rows per program 1.22-1.49). The session-16 kernel (four reductions a tile: max, sum-exp, the
+# non-target max, the target's logit) took 2.31 ms at its best tile. Backward: 16 x 512 tiles, 4 warps, the
+# transposed copy by a separate transpose pass: 2.41 ms in all (2.43-2.79 for other tiles); storing the transposed
+# tile from the kernel was slower at every tile tried (2.50-3.41; the session-16 kernel, masked, 3.67).
+CE_FWD_TILE = (1, 1024)  # (BM rows, BV columns) per program
+CE_FWD_WARPS = 2
+CE_BWD_TILE = (16, 512)
 CE_BWD_WARPS = 4
 # Whether the backward kernel also stores the transposed tile (True) or the transpose is a separate pass over the
 # fp8 gradient (fp8.kernels.quantize.transpose_triton, 128 x 128 byte tiles; one more read and write of 1 byte).
-CE_BWD_FUSED_T = True
+CE_BWD_FUSED_T = False
 
 _TL_FP8 = {}
 
