@@ -255,6 +255,10 @@ class ChunkedAdamW(torch.optim.AdamW):
     def _params_supported(params: list[torch.Tensor]) -> bool:
         for p in params:
             lp = _local(p)
+            # A wrapper tensor subclass (torchao's FP8 expert weights, say) has no storage of its own at data_ptr():
+            # the kernel would read and write through a bogus address (an illegal memory access on the H200).
+            if type(lp) not in (torch.Tensor, torch.nn.Parameter):
+                return False
             on_device = lp.is_cuda and torch.version.hip is None
             if not (on_device or (interpreting() and lp.device.type == "cpu")):
                 return False
@@ -280,7 +284,7 @@ class ChunkedAdamW(torch.optim.AdamW):
         grad_dtype = bucket.dtypes[1]
         grads = [_local(p.grad) for p in bucket.params]
         for g, n in zip(grads, bucket.numels):
-            if g.dtype is not grad_dtype or g.layout is not torch.strided or g.numel() != n or not g.is_contiguous():
+            if type(g) is not torch.Tensor or g.dtype is not grad_dtype or g.layout is not torch.strided or g.numel() != n or not g.is_contiguous():
                 return None
         addrs = list(map(torch.Tensor.data_ptr, grads))
         return addrs, not any(a % 16 for a in addrs)
