@@ -137,15 +137,16 @@ if _q.HAS_TRITON:
                          mask=mask_v[:, None] & mask_m[None, :])
 
 
-# Tiles, from sweeps on the H200 (benchmarks/ce_head.py, 16384 x 102400 bf16 logits; results/session17/call_b).
-# Forward: one row per program, 1024-column tiles, 2 warps: 1.03 ms, 3.26 TB/s of its least traffic (1 x 2048 with 4
-# warps 1.05; 2 or 4 rows per program 1.22-1.49). The session-16 kernel (four reductions a tile: max, sum-exp, the
-# non-target max, the target's logit) took 2.31 ms at its best tile. Backward: 16 x 512 tiles, 4 warps, the
-# transposed copy by a separate transpose pass: 2.41 ms in all (2.43-2.79 for other tiles); storing the transposed
-# tile from the kernel was slower at every tile tried (2.50-3.41; the session-16 kernel, masked, 3.67).
+# Tiles, from two sweeps on the H200 (benchmarks/ce_head.py, 16384 x 102400 bf16 logits; results/session17/call_b,
+# call_c). Forward: one row per program, 1024-column tiles, 2 warps: 1.03 / 1.01 ms, 3.3 TB/s of its least traffic
+# (1 x 2048 with 4 warps 1.05 / 1.01; 2 or 4 rows per program 1.22-1.49). The session-16 kernel (four reductions a
+# tile: max, sum-exp, the non-target max, the target's logit) took 2.31 ms at its best tile. Backward: 8 x 1024
+# tiles, 4 warps, the transposed copy by a separate transpose pass: 2.44 / 2.38 ms in all (16 x 512: 2.41 / 2.70, the
+# tile call C-D's training steps ran with; others 2.45-2.79); storing the transposed tile from the kernel was slower
+# at every tile tried (2.50-3.41; the session-16 kernel, masked, 3.67).
 CE_FWD_TILE = (1, 1024)  # (BM rows, BV columns) per program
 CE_FWD_WARPS = 2
-CE_BWD_TILE = (16, 512)
+CE_BWD_TILE = (8, 1024)
 CE_BWD_WARPS = 4
 # Whether the backward kernel also stores the transposed tile (True) or the transpose is a separate pass over the
 # fp8 gradient (fp8.kernels.quantize.transpose_triton, 128 x 128 byte tiles; one more read and write of 1 byte).
