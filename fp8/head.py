@@ -78,8 +78,9 @@ def fp8_linear_cross_entropy(head: Float8Linear, x: torch.Tensor, targets: torch
     """
     x, w = to_compute_dtype(x, head.weight)
     targets = targets.reshape(-1)
-    # The loss kernel reads a target's logit only where the column matches: an id outside [0, V) would drop its term
-    # silently. Checked on the device (no host sync): a failure raises at the next synchronisation.
+    # The loss kernel does not check targets: an id outside [0, V) would be a wrong loss (it reads a clamped column)
+    # and a gradient without its -1. Checked on the device (no host sync): a failure raises at the next
+    # synchronisation.
     torch._assert_async(((targets >= 0) & (targets < head.out_features) | (targets == IGNORE_INDEX)).all(),
                         "fp8_linear_cross_entropy: a target id lies outside [0, vocab_size) and is not ignore_index")
     backend, use_scaled_mm = head.fp8_backend(x.device)

@@ -94,6 +94,38 @@ def _check_kernels_against_references(device: str) -> None:
         assert int(g_k[2].view(torch.int8).abs().max()) == 0  # ignored row: zeros
         # the gradient's amax maps onto the format's max: the scale comes from the exact amax
         assert float(g_k.float().abs().max()) == torch.finfo(dt).max
+    _check_kernel_edge_cases(device)
+
+
+def _check_kernel_edge_cases(device: str) -> None:
+    from fp8 import kernels as K
+    from fp8.kernels import cross_entropy as ce
+
+    # A row whose first column tile is all -inf (masked vocabulary padding): exp(-inf - -inf) must not make lse NaN.
+    logits, targets = _logits_and_targets(5, 300, seed=11, device=device)
+    logits[0, :100] = float("-inf")
+    targets[0] = 150
+    shipped = ce.CE_FWD_TILE
+    try:
+        ce.CE_FWD_TILE = (1, 64)
+        lse_k, loss_k, gam_k = K.cross_entropy_fwd(logits, targets, IGNORE, use_triton=True)
+    finally:
+        ce.CE_FWD_TILE = shipped
+    lse_r, loss_r, gam_r = K.cross_entropy_fwd_ref(logits, targets, IGNORE)
+    torch.testing.assert_close(lse_k, lse_r, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(loss_k, loss_r, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(gam_k, gam_r, rtol=1e-4, atol=1e-6)
+    # No rows, with a vocabulary every tile divides (the unmasked path must not run on an empty tensor).
+    empty = torch.empty(0, 2048, dtype=torch.bfloat16, device=device)
+    no_targets = torch.empty(0, dtype=torch.long, device=device)
+    lse_e, _, _ = K.cross_entropy_fwd(empty, no_targets, IGNORE, use_triton=True)
+    g_e, gt_e, _ = K.cross_entropy_grad_cast(empty, no_targets, lse_e, torch.tensor(1.0, device=device),
+                                             torch.tensor(1.0, device=device), torch.float8_e4m3fn, IGNORE,
+                                             use_triton=True)
+    assert lse_e.shape == (0,) and g_e.shape == (0, 2048) and gt_e.shape == (2048, 0)
+    with pytest.raises(ValueError, match="empty vocabulary"):
+        K.cross_entropy_fwd(torch.empty(4, 0, dtype=torch.bfloat16, device=device),
+                            torch.zeros(4, dtype=torch.long, device=device), IGNORE, use_triton=True)
 
 
 def _interp_kernels_match_references():
@@ -326,6 +358,29 @@ def test_gpu_fused_head_matches_unfused_head_and_float64():
     t[::97] = IGNORE
     loss_b, loss_a, _ = _fused_vs_unfused(lin, unfused, fused, x, t, min_db=20)
     assert abs(float(loss_b) - float(loss_a)) < 1e-3 * abs(float(loss_a))
+
+
+def test_ce_head_apply_best_reads_this_and_session16_sweeps(tmp_path):
+    """benchmarks/ce_head.py's apply_best (train_step.py --ce-config) sets the tiles from a sweep file of this
+    format and from session 16's (no fused_t: its kernel stored the transposed copy)."""
+    import json
+
+    from benchmarks.ce_head import apply_best
+    from fp8.kernels import cross_entropy as ce
+
+    saved = (ce.CE_FWD_TILE, ce.CE_FWD_WARPS, ce.CE_BWD_TILE, ce.CE_BWD_WARPS, ce.CE_BWD_FUSED_T)
+    try:
+        for backward, fused_t in (("ours backward fused_t=False tile=(8, 1024) warps=4 off=1e-07 t=True", False),
+                                  ("ours backward int8=True tile=(16, 256) warps=4 off=1.7e-07 t=True", True)):
+            path = tmp_path / "ce_head.json"
+            path.write_text(json.dumps({"best": {"forward": "ours forward tile=(2, 512) warps=8 ok=True",
+                                                 "backward": backward}}))
+            apply_best(str(path))
+            assert (ce.CE_FWD_TILE, ce.CE_FWD_WARPS) == ((2, 512), 8)
+            assert ce.CE_BWD_FUSED_T is fused_t
+            assert ce.CE_BWD_TILE == ((8, 1024) if not fused_t else (16, 256)) and ce.CE_BWD_WARPS == 4
+    finally:
+        ce.CE_FWD_TILE, ce.CE_FWD_WARPS, ce.CE_BWD_TILE, ce.CE_BWD_WARPS, ce.CE_BWD_FUSED_T = saved
 
 
 N_INTERP_CASES = 2

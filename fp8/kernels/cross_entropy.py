@@ -52,8 +52,10 @@ if _q.HAS_TRITON:
             t = tl.load(targets_ptr + offs_m, mask=mask_m, other=IGNORE_INDEX).to(tl.int64)
         valid = t != IGNORE_INDEX
         rows = logits_ptr + offs_m.to(tl.int64)[:, None] * stride_lm
-        # the target's logit (ignored rows read column 0, then discard it)
-        x_t = tl.load(rows + tl.where(valid, t, 0)[:, None], mask=mask_m[:, None], other=0.0).to(tl.float32)
+        # the target's logit (ignored rows read column 0, then discard it; an id outside [0, V) - which the head
+        # refuses on the device before this runs - reads a column of its own row, never out of bounds)
+        t_col = tl.minimum(tl.maximum(tl.where(valid, t, 0), 0), V - 1)
+        x_t = tl.load(rows + t_col[:, None], mask=mask_m[:, None], other=0.0).to(tl.float32)
         x_t = tl.sum(x_t, 1)
         m = tl.full([BM], NEG_INF, tl.float32)  # running max over all columns (for lse)
         m_other = tl.full([BM], NEG_INF, tl.float32)  # running max over the non-target columns
@@ -71,7 +73,9 @@ if _q.HAS_TRITON:
             # difference formed first: x * log2(e) - m * log2(e) in one multiply-add loses |x| * 2**-24 of the
             # exponent (a 40-unit logit: p off by ~2e-6 relative, which p - 1 of a well-predicted target magnifies).
             alpha = tl.where(m_new == NEG_INF, 0.0, tl.exp2((m - m_new) * LOG2E))
-            e = tl.exp2((x - m_new[:, None]) * LOG2E)
+            # a row whose columns so far are all -inf (masked vocabulary padding, rows past M): its terms are 0
+            m_safe = tl.where(m_new == NEG_INF, 0.0, m_new)
+            e = tl.exp2((x - m_safe[:, None]) * LOG2E)
             if not EVEN:
                 e = tl.where(mask, e, 0.0)
             s = s * alpha + tl.sum(e, 1)
@@ -177,6 +181,8 @@ def cross_entropy_fwd_triton(
     """-> (lse_M, loss_M, gamax_M) fp32: see reference.cross_entropy_fwd_ref."""
     _check(logits_MV, targets_M)
     M, V = logits_MV.shape
+    if V == 0:
+        raise ValueError("cross-entropy over an empty vocabulary (logits of shape [M, 0])")
     lse, loss, gamax = (torch.empty(M, dtype=torch.float32, device=logits_MV.device) for _ in range(3))
     if M == 0:
         return lse, loss, gamax
@@ -195,6 +201,8 @@ def cross_entropy_grad_cast_triton(
     reference.cross_entropy_grad_cast_ref. gamax: 0-d, the max of the forward's row maxima; coef: 0-d."""
     _check(logits_MV, targets_M)
     M, V = logits_MV.shape
+    if V == 0:
+        raise ValueError("cross-entropy over an empty vocabulary (logits of shape [M, 0])")
     dev = logits_MV.device
     fused_t = CE_BWD_FUSED_T
     g = torch.empty((M, V), dtype=fp8_dtype, device=dev)
@@ -205,7 +213,8 @@ def cross_entropy_grad_cast_triton(
     _q._launch(_ce_bwd_cast_kernel)[grid](
         logits_MV, targets_M.contiguous(), lse_M, gamax.reshape(1).float(), coef.reshape(1).float(),
         g.view(torch.int8), g_t.view(torch.int8), scale, M, V, logits_MV.stride(0), IGNORE_INDEX=ignore_index,
-        BM=BM, BV=BV, OUT_DTYPE=_tl_dtype(fp8_dtype), EVEN=(M % BM == 0 and V % BV == 0), WRITE_T=fused_t,
+        # no rows: the one program launched (it writes the scale) must take the masked path
+        BM=BM, BV=BV, OUT_DTYPE=_tl_dtype(fp8_dtype), EVEN=(M > 0 and M % BM == 0 and V % BV == 0), WRITE_T=fused_t,
         num_warps=CE_BWD_WARPS, **_q._grid_consts(fp8_dtype))
     if not fused_t:
         g_t = _q.transpose_triton(g)
