@@ -298,6 +298,10 @@ def _interp_rowwise_group_scaled(interp, monkeypatch):
         assert_scale_equal(s, s_ref, f"group-scaled scale looped={looped}")
         assert_fp8_equal(got, want, f"group-scaled data looped={looped}")
         assert got[-3:].float().abs().max() == 0  # the zero multiplier row
+        # bf16 multipliers (read as they are by the kernel): powers of two, so the same bytes and scales
+        got16, s16 = fk.quantize_rowwise_group_scaled(x, mul.bfloat16(), gid, torch.float8_e4m3fn, use_triton=True)
+        assert_scale_equal(s16, s_ref, f"group-scaled scale, bf16 multipliers, looped={looped}")
+        assert_fp8_equal(got16, want, f"group-scaled data, bf16 multipliers, looped={looped}")
 
 
 def _interp_cast_rows_transposed_batched(interp, monkeypatch):

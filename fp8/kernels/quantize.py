@@ -647,7 +647,9 @@ def quantize_rowwise_group_scaled_triton(
         return out_MN, scale_M1
     BM, BN, one_tile = rowwise_tile(N)
     _launch(_rowwise_group_scaled_kernel)[(triton.cdiv(M, BM),)](
-        x_hp_MN, out_MN, scale_M1, mul_GN.float().contiguous(), gid_M.to(torch.int32).contiguous(), M, N,
+        # bf16 multipliers are read as they are (exact for the powers of two fp8.grouped passes; half the bytes)
+        x_hp_MN, out_MN, scale_M1, (mul_GN if mul_GN.dtype == torch.bfloat16 else mul_GN.float()).contiguous(),
+        gid_M.to(torch.int32).contiguous(), M, N,
         x_hp_MN.stride(0), x_hp_MN.stride(1), POW2=pow2, BM=BM, BN=BN, ONE_TILE=one_tile, num_warps=ROWWISE_WARPS,
         **_grid_consts(fp8_dtype))
     return out_MN, scale_M1

@@ -1,0 +1,92 @@
+"""The kernels of fp8.grouped's dgrad="fp8_reuse" alone, with tile sweeps: never tuned since they were written
+(session 16). Session 17's MoE profile: the gradient's group-scaled row cast 0.30 ms a call (the plain row cast of
+the same tensors ~0.17) and the weights' recast into the grad-input layout 0.19 ms a call.
+
+    PYTHONUNBUFFERED=1 python3 benchmarks/reuse_kernels.py --out $OUT
+
+Shapes: DeepSeek-MoE-16B routed experts at 16384 tokens x top-6 (98304 rows, 64 experts): the gradients of w13's
+output (98304 x 2816) and of w2's (98304 x 2048); the weights w13 [64, 2816, 2048] and w2 [64, 2048, 1408] as stored
+([E, N, K]). Rows (ms, median of CUDA-event timings; GB/s against each op's least traffic):
+- copy of the gradient (bandwidth yardstick); the plain row cast (quantize_rowwise) of it;
+- the group-scaled row cast with fp32 multipliers (what fp8.grouped passes) and with bf16 ones (exact for powers of
+  two: must give the same bytes), over rowwise tile budgets and warps;
+- the recast (cast_rows_transposed_batched) over tiles and warps, checked equal to the shipped tile's output.
+Writes reuse_kernels.json to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch
+
+from benchmarks.common import cuda_event_ms, env_info, write_json
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--reps", type=int, default=9)
+    args = ap.parse_args()
+    from fp8.kernels import quantize as q
+
+    e4m3 = torch.float8_e4m3fn
+    E, M = 64, 98304
+    g = torch.Generator(device="cuda").manual_seed(0)
+    # expert groups of slightly uneven sizes (multiples of 16, as the model pads them), sorted by expert
+    sizes = torch.full((E,), M // E, dtype=torch.int64)
+    sizes[: E // 2] += 16
+    sizes[E // 2:] -= 16
+    gid = torch.repeat_interleave(torch.arange(E, device="cuda", dtype=torch.int32), sizes.cuda())
+    rows = []
+
+    def row(name, fn, traffic_bytes):
+        fn()
+        torch.cuda.synchronize()
+        ms = cuda_event_ms(fn, args.reps)
+        r = {"case": name, "ms": round(ms, 4), "GBps": round(traffic_bytes / ms / 1e6, 1)}
+        rows.append(r)
+        print(f"{name:72s} {ms:8.4f} ms {r['GBps']:8.1f} GB/s", flush=True)
+
+    shipped = (q.ROWWISE_MAX_TILE, q.ROWWISE_MAX_ROW, q.ROWWISE_WARPS)
+    for N in (2816, 2048):
+        gy = torch.randn(M, N, device="cuda", generator=g).bfloat16()
+        # powers of two, as the forward's row scales' reciprocals are
+        mul32 = torch.exp2(torch.randint(-6, 7, (E, N), device="cuda", generator=g).float())
+        mul16 = mul32.bfloat16()
+        nbytes = gy.numel() * 2
+        row(f"copy gy {M}x{N}", lambda gy=gy: gy.clone(), 2 * nbytes)
+        row(f"row cast gy {M}x{N} (shipped tiles)", lambda gy=gy: q.quantize_rowwise_triton(gy, e4m3), nbytes * 3 // 2)
+        ref = q.quantize_rowwise_group_scaled_triton(gy, mul32, gid, e4m3)
+        for max_tile, warps in ((8192, 8), (4096, 4), (4096, 8), (16384, 8), (16384, 16), (2048, 4)):
+            q.ROWWISE_MAX_TILE, q.ROWWISE_WARPS = max_tile, warps
+            for name, mul in (("fp32", mul32), ("bf16", mul16)):
+                out = q.quantize_rowwise_group_scaled_triton(gy, mul, gid, e4m3)
+                same = torch.equal(out[0].view(torch.int8), ref[0].view(torch.int8)) and torch.equal(out[1], ref[1])
+                row(f"group-scaled {N} mul={name} max_tile={max_tile} warps={warps} same={same}",
+                    lambda gy=gy, mul=mul: q.quantize_rowwise_group_scaled_triton(gy, mul, gid, e4m3), nbytes * 3 // 2)
+        q.ROWWISE_MAX_TILE, q.ROWWISE_MAX_ROW, q.ROWWISE_WARPS = shipped
+
+    tile_shipped, warps_shipped = q.BATCHED_ROW_CAST_TILE, q.TRANSPOSE_WARPS
+    for N, K in ((2816, 2048), (2048, 1408)):
+        w_ENK = (torch.randn(E, N, K, device="cuda", generator=g) * 0.02).bfloat16()
+        scale = torch.exp2(torch.randint(4, 12, (E, N), device="cuda", generator=g).float())
+        ref = q.cast_rows_transposed_batched_triton(w_ENK, scale, e4m3)
+        for tile, warps in (((64, 128), 4), ((32, 128), 4), ((64, 64), 4), ((128, 64), 4), ((64, 256), 8),
+                            ((128, 128), 8), ((32, 256), 4)):
+            q.BATCHED_ROW_CAST_TILE, q.TRANSPOSE_WARPS = tile, warps
+            out = q.cast_rows_transposed_batched_triton(w_ENK, scale, e4m3)
+            same = torch.equal(out.view(torch.int8), ref.view(torch.int8))
+            row(f"recast w [{E},{N},{K}] tile={tile} warps={warps} same={same}",
+                lambda w_ENK=w_ENK, scale=scale: q.cast_rows_transposed_batched_triton(w_ENK, scale, e4m3), w_ENK.numel() * 3)
+        q.BATCHED_ROW_CAST_TILE, q.TRANSPOSE_WARPS = tile_shipped, warps_shipped
+    write_json(os.path.join(args.out, "reuse_kernels.json"),
+               {"command": "python3 " + " ".join(sys.argv), "env": env_info(), "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
