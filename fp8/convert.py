@@ -129,6 +129,7 @@ def convert_to_fp8(
     recipe: str | Recipe = "tensorwise",
     module_filter: Callable[[str, nn.Module], bool] | None = None,
     moe_wgrad: str = "hp",
+    moe_dgrad: str = "auto",
 ) -> nn.Module:
     """Swap eligible layers of `model` to FP8 in place and return it.
 
@@ -136,6 +137,8 @@ def convert_to_fp8(
     grouped GEMMs, with the weight gradient in high precision under rowwise_gw_hp, see fp8/grouped.py).
     module_filter(name, module) -> bool: which modules to convert; default `default_module_filter`.
     moe_wgrad: the experts' weight-gradient GEMM, "hp" | "global" | "per_expert" (fp8.grouped.WGRAD_SCALINGS).
+    moe_dgrad: the experts' grad-input GEMM, fp8.grouped.DGRAD_CHOICES ("auto": fp8 on the forward's quantized
+    weights).
     Converting twice is an error (ValueError) so a recipe change cannot half-apply.
     """
     rec = get_recipe(recipe)
@@ -153,7 +156,7 @@ def convert_to_fp8(
             setattr(module, _HP_OP, module.grouped_mm)
             # Experts are always rowwise grouped; rowwise_gw_hp keeps their weight gradient in high precision too.
             wgrad = "hp" if rec.name == "rowwise_gw_hp" else moe_wgrad
-            setattr(module, _FP8_OP, Fp8GroupedMM(wgrad_scaling=wgrad))
+            setattr(module, _FP8_OP, Fp8GroupedMM(wgrad_scaling=wgrad, dgrad=moe_dgrad))
             setattr(module, _RECIPE_ATTR, rec.name)
             if hasattr(module, "token_group_align"):
                 setattr(module, _HP_ALIGN, module.token_group_align)

@@ -29,6 +29,7 @@ ENV_PRESET_NAMES = ("none", "nccl_h100", "nccl_h200", "rccl_mi300x", "rccl_mi350
 
 
 MOE_WGRADS = ("hp", "global", "per_expert")  # fp8.grouped.WGRAD_SCALINGS, without importing torch here
+MOE_DGRADS = ("auto", "fp8_reuse", "fp8_fast", "fp8", "hp", "width")  # fp8.grouped.DGRAD_CHOICES, likewise
 # torch.compile modes for the blocks; "reduce-overhead" = CUDA graphs (see ModelConfig.compile_mode).
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")
 
@@ -60,6 +61,10 @@ class PrecisionConfig:
     # MoE expert weight-gradient GEMM: hp (bf16 grouped GEMM: faster than the fp8 one on H200 at
     # DeepSeek-MoE shapes, see BENCHMARKS.md), global or per_expert (fp8 with those column scales).
     moe_wgrad: str = "hp"
+    # MoE expert grad-input GEMM (fp8.grouped.DGRAD_CHOICES): auto = fp8 on the forward's quantized weights with
+    # power-of-two scales (fp8_reuse: the fastest measured, BENCHMARKS.md session 17), else fp8 with fast
+    # accumulation; fp8_fast / fp8 (promoted accumulation) / hp (bf16) / width / fp8_reuse to choose one.
+    moe_dgrad: str = "auto"
     # Linears whose K * N / (K + N) is below this stay in bf16 (fp8.convert.gemm_width: FP8's GEMM gain grows with
     # M * K * N, the cost of its casts with M * (K + N)). 0 converts every eligible linear. See README for the
     # widths measured to break even on the H200.
@@ -246,6 +251,8 @@ def validate(job: JobConfig) -> None:
              "precision.fp8_output_head or use precision=fp8")
     _require(job.precision.moe_wgrad in MOE_WGRADS, "precision.moe_wgrad",
              f"'{job.precision.moe_wgrad}' is not one of {MOE_WGRADS}")
+    _require(job.precision.moe_dgrad in MOE_DGRADS, "precision.moe_dgrad",
+             f"'{job.precision.moe_dgrad}' is not one of {MOE_DGRADS}")
     for key in ("compute_dtype", "fsdp_param_dtype", "fsdp_reduce_dtype"):
         value = getattr(job.precision, key)
         _require(value in DTYPES, f"precision.{key}", f"'{value}' is not one of {DTYPES}")

@@ -33,6 +33,7 @@ def test_default_config_composes_and_validates():
     (["model.name=gpt5"], "model.name", "known: "),
     (["precision.recipe=blockwise"], "precision.recipe", "tensorwise"),
     (["precision.moe_wgrad=fp4"], "precision.moe_wgrad", "per_expert"),
+    (["precision.moe_dgrad=bf8"], "precision.moe_dgrad", "fp8_reuse"),
     (["precision.fp8_min_gemm_width=-1"], "precision.fp8_min_gemm_width", "must be >= 0"),
     (["cluster.device=tpu"], "cluster.device", "cpu"),
     (["train.warmup_steps=1000"], "train.warmup_steps", "must be in"),

@@ -89,6 +89,23 @@ def test_default_filter_converts_the_right_modules():
     assert type(model.output) is nn.Linear and type(model.tok_embeddings) is nn.Embedding
 
 
+def test_experts_take_the_weight_and_input_gradient_choices():
+    """convert_to_fp8's moe_wgrad / moe_dgrad (precision.moe_wgrad / moe_dgrad) reach every grouped op; rowwise_gw_hp
+    keeps the weight gradient in high precision whatever moe_wgrad says; a wrong choice is refused."""
+    model = fp8.convert_to_fp8(build(), "rowwise")
+    ops = [model.layers[i].experts.grouped_mm for i in "01"]
+    assert all((op.wgrad_scaling, op.dgrad) == ("hp", "auto") for op in ops)
+    assert ops[0].dgrad_for(torch.empty(E, DIM, 32)) == "fp8_reuse"  # auto, with the default power-of-two scales
+    model = fp8.convert_to_fp8(build(), "rowwise", moe_wgrad="global", moe_dgrad="fp8_fast")
+    assert all((model.layers[i].experts.grouped_mm.wgrad_scaling, model.layers[i].experts.grouped_mm.dgrad)
+               == ("global", "fp8_fast") for i in "01")
+    model = fp8.convert_to_fp8(build(), "rowwise_gw_hp", moe_wgrad="global", moe_dgrad="hp")
+    assert all((model.layers[i].experts.grouped_mm.wgrad_scaling, model.layers[i].experts.grouped_mm.dgrad)
+               == ("hp", "hp") for i in "01")
+    with pytest.raises(ValueError, match="dgrad"):
+        fp8.convert_to_fp8(build(), "rowwise", moe_dgrad="bf8")
+
+
 def test_default_filter_skips_unaligned_experts():
     experts = TinyExperts()
     assert fp8.default_module_filter("layers.0.moe.experts", experts)
