@@ -555,11 +555,17 @@ def bench_config(name: str, cfg: dict, args, device) -> dict:
         gc.collect()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-    # The baseline: the plain bf16 row, else the first bf16 row with suffixes ("bf16+tadam": the same optimizer as
-    # the fp8 rows it is compared with); speedup_base names it.
+    # Each row's baseline: the bf16 row with the same optimizer ("+tadam" or not), else the plain bf16 row, else the
+    # first bf16 row; speedup_base names it.
     bf16_rows = [r for r in rows if r["variant"].split("+")[0] == "bf16" and "ms" in r]
-    base = next((r for r in bf16_rows if r["variant"] == "bf16"), bf16_rows[0] if bf16_rows else None)
+
+    def uses_tadam(row: dict) -> bool:
+        return "tadam" in row["variant"].split("+")[1:]
+
     for r in rows:
+        same_optimizer = [b for b in bf16_rows if uses_tadam(b) == uses_tadam(r)]
+        base = (same_optimizer[0] if same_optimizer
+                else next((b for b in bf16_rows if b["variant"] == "bf16"), bf16_rows[0] if bf16_rows else None))
         if base and "ms" in r:
             r["speedup_vs_bf16"] = base["ms"] / r["ms"]
             r["speedup_base"] = base["variant"]
