@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
 
-from benchmarks.common import cuda_event_ms, env_info, write_json
+from benchmarks.common import bandwidth_row, env_info, write_json
 
 
 def main() -> None:
@@ -43,12 +43,7 @@ def main() -> None:
     rows = []
 
     def row(name, fn, traffic_bytes):
-        fn()
-        torch.cuda.synchronize()
-        ms = cuda_event_ms(fn, args.reps)
-        r = {"case": name, "ms": round(ms, 4), "GBps": round(traffic_bytes / ms / 1e6, 1)}
-        rows.append(r)
-        print(f"{name:58s} {ms:8.3f} ms {r['GBps']:8.1f} GB/s", flush=True)
+        bandwidth_row(rows, name, fn, traffic_bytes, args.reps)
 
     row("copy bf16 logits", lambda: logits.clone(), 2 * nbytes_in)
     compiled_ce = torch.compile(token_cross_entropy, dynamic=False)

@@ -33,6 +33,18 @@ def bench_ms(fn, warmup_ms: float = 50.0, rep_ms: float = 200.0) -> float:
     return statistics.median(times)
 
 
+def bandwidth_row(rows: list, name: str, fn, traffic_bytes: int, reps: int, width: int = 58) -> dict:
+    """One row of a kernel-alone table: fn warmed up once, then the median of `reps` CUDA-event timings, with GB/s
+    against `traffic_bytes` (the op's least traffic); appended to `rows` and printed."""
+    fn()
+    torch.cuda.synchronize()
+    ms = cuda_event_ms(fn, reps)
+    row = {"case": name, "ms": round(ms, 4), "GBps": round(traffic_bytes / ms / 1e6, 1)}
+    rows.append(row)
+    print(f"{name:{width}s} {ms:8.4f} ms {row['GBps']:8.1f} GB/s", flush=True)
+    return row
+
+
 def cuda_event_ms(fn, reps: int) -> float:
     """Median milliseconds of `reps` calls of fn(), each timed alone between two CUDA events (no warm-up)."""
     times = []

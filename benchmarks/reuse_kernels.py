@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
 
-from benchmarks.common import cuda_event_ms, env_info, write_json
+from benchmarks.common import bandwidth_row, env_info, write_json
 
 
 def main() -> None:
@@ -45,12 +45,7 @@ def main() -> None:
     rows = []
 
     def row(name, fn, traffic_bytes):
-        fn()
-        torch.cuda.synchronize()
-        ms = cuda_event_ms(fn, args.reps)
-        r = {"case": name, "ms": round(ms, 4), "GBps": round(traffic_bytes / ms / 1e6, 1)}
-        rows.append(r)
-        print(f"{name:72s} {ms:8.4f} ms {r['GBps']:8.1f} GB/s", flush=True)
+        bandwidth_row(rows, name, fn, traffic_bytes, args.reps, width=72)
 
     shipped = (q.ROWWISE_MAX_TILE, q.ROWWISE_MAX_ROW, q.ROWWISE_WARPS)
     for N in (2816, 2048):
