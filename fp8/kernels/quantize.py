@@ -352,6 +352,20 @@ if HAS_TRITON:
                       sem="relaxed")
 
     @triton.jit
+    def _cast_tile_store_t(x_ptr, out_t_ptr, b, offs_r, offs_c, mask_r, mask_c, scale_RC, R, C,
+                           stride_xb, stride_xr, stride_xc, FP8_MAX: tl.constexpr,
+                           EXACT_ROUND: tl.constexpr, MBITS: tl.constexpr, MIN_NORMAL: tl.constexpr,
+                           SUB_MAGIC: tl.constexpr, NAN_BITS: tl.constexpr):
+        # Tile [BR, BC] of batch b of x (any strides) times scale_RC (broadcast along rows or columns), cast and
+        # stored transposed into the contiguous [B, C, R] output (runs of BR bytes).
+        x = tl.load(x_ptr + b * stride_xb + offs_r.to(tl.int64)[:, None] * stride_xr + offs_c[None, :] * stride_xc,
+                    mask=mask_r[:, None] & mask_c[None, :], other=0.0).to(tl.float32)
+        y = _to_fp8(x * scale_RC, out_t_ptr.dtype.element_ty, FP8_MAX,
+                    EXACT_ROUND, MBITS, MIN_NORMAL, SUB_MAGIC, NAN_BITS)
+        out_t = out_t_ptr + b * C * R + offs_c.to(tl.int64)[:, None] * R + offs_r[None, :]
+        tl.store(out_t, tl.trans(y), mask=mask_c[:, None] & mask_r[None, :])
+
+    @triton.jit
     def _batched_col_cast_t_kernel(x_ptr, col_amax_ptr, out_t_ptr, scale_ptr, R, C, stride_xb, stride_xr, stride_xc,
                                    FP8_MAX: tl.constexpr, EPS_: tl.constexpr, POW2: tl.constexpr,
                                    BR: tl.constexpr, BC: tl.constexpr,
@@ -369,12 +383,9 @@ if HAS_TRITON:
                                  POW2)
         if pid_r == 0:
             tl.store(scale_ptr + b * C + offs_c, scale, mask=mask_c)
-        x = tl.load(x_ptr + b * stride_xb + offs_r.to(tl.int64)[:, None] * stride_xr + offs_c[None, :] * stride_xc,
-                    mask=mask_r[:, None] & mask_c[None, :], other=0.0).to(tl.float32)
-        y = _to_fp8(x * scale[None, :], out_t_ptr.dtype.element_ty, FP8_MAX,
-                    EXACT_ROUND, MBITS, MIN_NORMAL, SUB_MAGIC, NAN_BITS)
-        out_t = out_t_ptr + b * C * R + offs_c.to(tl.int64)[:, None] * R + offs_r[None, :]
-        tl.store(out_t, tl.trans(y), mask=mask_c[:, None] & mask_r[None, :])
+        _cast_tile_store_t(x_ptr, out_t_ptr, b, offs_r, offs_c, mask_r, mask_c, scale[None, :], R, C,
+                           stride_xb, stride_xr, stride_xc, FP8_MAX, EXACT_ROUND, MBITS, MIN_NORMAL, SUB_MAGIC,
+                           NAN_BITS)
 
     @triton.jit
     def _batched_row_scaled_cast_t_kernel(x_ptr, scale_ptr, out_t_ptr, R, C, stride_xb, stride_xr, stride_xc,
@@ -391,12 +402,9 @@ if HAS_TRITON:
         mask_r = offs_r < R
         mask_c = offs_c < C
         scale = tl.load(scale_ptr + b * R + offs_r, mask=mask_r, other=0.0)
-        x = tl.load(x_ptr + b * stride_xb + offs_r.to(tl.int64)[:, None] * stride_xr + offs_c[None, :] * stride_xc,
-                    mask=mask_r[:, None] & mask_c[None, :], other=0.0).to(tl.float32)
-        y = _to_fp8(x * scale[:, None], out_t_ptr.dtype.element_ty, FP8_MAX,
-                    EXACT_ROUND, MBITS, MIN_NORMAL, SUB_MAGIC, NAN_BITS)
-        out_t = out_t_ptr + b * C * R + offs_c.to(tl.int64)[:, None] * R + offs_r[None, :]
-        tl.store(out_t, tl.trans(y), mask=mask_c[:, None] & mask_r[None, :])
+        _cast_tile_store_t(x_ptr, out_t_ptr, b, offs_r, offs_c, mask_r, mask_c, scale[:, None], R, C,
+                           stride_xb, stride_xr, stride_xc, FP8_MAX, EXACT_ROUND, MBITS, MIN_NORMAL, SUB_MAGIC,
+                           NAN_BITS)
 
     # ---------------------------------------------------------------- jagged per-expert column scales
 
