@@ -69,8 +69,7 @@ def grouped_fn(impl: str):
         from fp8 import Fp8GroupedMM
 
         base = impl.rsplit("_", 1)[0]
-        scaling = {"ours_pe": "per_expert", "ours_hp": "hp", "ours_hp_w": "hp", "ours_hp_r": "hp",
-                   "ours_hp_f": "hp"}.get(base, "global")
+        scaling = "per_expert" if base == "ours_pe" else "hp" if base.startswith("ours_hp") else "global"
         # ours_hp_w: the grad-input GEMMs as sessions 4-12 ran them (dgrad="width"); ours_hp_r: on the forward's
         # quantized weight (dgrad="fp8_reuse", what "auto" means since session 17); ours_hp_f: the weight cast
         # again, fast accumulation ("fp8_fast", sessions 13-16's default); the others the default "auto".

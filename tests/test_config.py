@@ -373,3 +373,13 @@ def test_a_resume_without_train_lr_keeps_the_saved_runs_lr(tmp_path):
     fresh = job()
     open_run_dir(fresh, "another")
     assert fresh.train.lr == 3e-4
+
+
+def test_moe_gradient_choices_mirror_fp8_grouped():
+    """orchestration.config lists the experts' gradient choices without importing torch; they must stay the ones
+    fp8.grouped accepts (a choice missing there would pass validation and fail when the model is built)."""
+    from fp8.grouped import DGRAD_CHOICES, WGRAD_SCALINGS
+    from orchestration.config import MOE_DGRADS, MOE_WGRADS
+
+    assert sorted(MOE_WGRADS) == sorted(WGRAD_SCALINGS)
+    assert sorted(MOE_DGRADS) == sorted(DGRAD_CHOICES)
