@@ -26,7 +26,9 @@ precision.fp8_output_head, fp8.convert.make_module_filter; torchao: the same fil
 "+cdt" turns on Inductor's coordinate-descent tuning of its Triton kernels' block sizes (slower compiles); "+tadam"
 steps with optim.ChunkedAdamW (one Triton launch, the clip folded in) instead of torch's fused AdamW after a clip pass;
 "+nofce" keeps an FP8 "+head" unfused from the loss (default: the loss fused into the tensorwise head, fp8/head.py,
-as precision.fp8_head_fused_loss does).
+as precision.fp8_head_fused_loss does); "+nogate" steps the optimizer after the guard's host read (default, as the
+worker since session 18: "+tadam" launches the step gated on the device before that read,
+orchestration.agreement.agree_and_decide).
 Every row also times the AdamW step alone and checks the gradients' layout
 (`optimizer_probe`), which localises optimizer-time differences between variants.
 
@@ -155,8 +157,10 @@ class Guard:
         self.monitor = StepMonitor(MonitorConfig())
         self.policy = DivergencePolicy(MonitorConfig(), precision="fp8" if fp8_model else "bf16")
 
-    def check(self, model, loss, grad_norm, step):
-        from orchestration.agreement import agree
+    def check(self, model, loss, grad_norm, step, gated_update=None):
+        """-> (decision, whether gated_update applied the step's update): orchestration.agreement.agree_and_decide,
+        as the worker's StepGuard calls it."""
+        from orchestration.agreement import agree_and_decide
 
         health = None
         if self.fp8_model:
@@ -164,8 +168,8 @@ class Guard:
 
             health = fp8.fp8_health(model)
         verdict = self.monitor.local_verdict(loss, grad_norm, health)
-        report = self.monitor.evaluate(agree(verdict), step)
-        return self.policy.decide(report, step)
+        decision, _, applied = agree_and_decide(self.monitor, self.policy, verdict, step, gated_update=gated_update)
+        return decision, applied
 
 
 # record_function labels of the step's phases: host_profile attributes GPU idle time to the phase whose host code
@@ -173,7 +177,8 @@ class Guard:
 STEP_PHASES = ("step.forward", "step.backward", "step.clip", "step.guard", "step.optimizer")
 
 
-def make_step(model, optimizer, guard: Guard | None, compiled_loss: bool, cuda_graphs: bool = False):
+def make_step(model, optimizer, guard: Guard | None, compiled_loss: bool, cuda_graphs: bool = False,
+              gated: bool = True):
     from torch.profiler import record_function
 
     state = {"step": 0}
@@ -190,16 +195,25 @@ def make_step(model, optimizer, guard: Guard | None, compiled_loss: bool, cuda_g
         with record_function("step.clip"):
             # As the worker (Trainer._run_steps): one pass for the norm here, the clip with it after the guard.
             grad_norm = global_grad_norm(local_grad_norm(model, inputs.device), world_size=1, sharding="fsdp")
-        applies_update = True
+
+        def apply_update(gate=None):
+            # As the worker's Trainer.apply_update: optim.ChunkedAdamW ("+tadam") scales in its launch; with a gate
+            # it is launched before the guard's host read and takes effect only if the guard keeps the step.
+            if not clip_and_step(optimizer, model.parameters(), grad_norm, 1.0, gate):
+                return False
+            if update_router_bias is not None:  # the worker's per-kept-step MoE balancing (update_router_bias)
+                update_router_bias(gate=gate)
+            return True
+
+        applies_update, applied = True, False
         if guard is not None:
             with record_function("step.guard"):
-                applies_update = guard.check(model, loss.detach(), grad_norm, state["step"]).applies_update
+                decision, applied = guard.check(model, loss.detach(), grad_norm, state["step"],
+                                                gated_update=apply_update if gated else None)
+                applies_update = decision.applies_update
         with record_function("step.optimizer"):
-            if applies_update:
-                # After the guard's host read, as the worker does (optim.ChunkedAdamW, "+tadam", scales in its launch).
-                clip_and_step(optimizer, model.parameters(), grad_norm, 1.0)
-                if update_router_bias is not None:  # the worker's per-kept-step MoE balancing (update_router_bias)
-                    update_router_bias()
+            if applies_update and not applied:
+                apply_update()
             optimizer.zero_grad(set_to_none=True)
         state["step"] += 1
         return loss.detach()
@@ -518,7 +532,8 @@ def bench_config(name: str, cfg: dict, args, device) -> dict:
             impl = base_variant.split(":")[0]
             guard = Guard(fp8_model=impl == "ours") if impl == "ours" else None
             compiled_loss = COMPILED and "eagerloss" not in flags
-            step = make_step(model, optimizer, guard, compiled_loss, cuda_graphs="cg" in flags)
+            step = make_step(model, optimizer, guard, compiled_loss, cuda_graphs="cg" in flags,
+                             gated="nogate" not in flags)
             batches = random_batches(vocab, cfg["batch"], cfg["seq"], device)
             gc_timer = GcTimer()
             # The worker's GC policy (orchestration/gc_policy.py, train.gc_every_steps): automatic collection off

@@ -165,6 +165,8 @@ def _grouped_backward(gy_MN, w_EKN, offs_E, saved_x, e4m3: torch.dtype, use_scal
         q_EKN = quant.cast_rows_transposed_batched(w_EKN.transpose(-2, -1), sw_EN, e4m3)
         num_groups = sw_EN.shape[0]
         inv_sw_GN = torch.cat([sw_EN.reciprocal(), sw_EN.new_zeros(1, sw_EN.shape[1])])  # rows past offs[-1]: 0
+        if pow2:  # powers of two are exact in bf16 (fp32's exponent range): half the bytes the cast kernel reads
+            inv_sw_GN = inv_sw_GN.to(torch.bfloat16)
         gid_M = group_ids(offs_E, gy_MN.shape[0]).to(torch.int32).clamp_(max=num_groups)
         gy_fp8, sg_M1 = quant.quantize_rowwise_group_scaled(gy_MN, inv_sw_GN, gid_M, e4m3, pow2)
         ones_E1K = sw_EN.new_ones(num_groups, 1, q_EKN.shape[1])

@@ -420,9 +420,11 @@ class MoE(nn.Module):
         return (y_SAD.float() * weight_SA[..., None]).sum(1).to(x_SD.dtype)
 
     @torch.no_grad()
-    def update_bias(self, counts_E: torch.Tensor) -> None:
-        """DeepSeek-V3: raise the bias of under-loaded experts, lower over-loaded ones, by a fixed step."""
-        self.expert_bias += self.args.bias_update_speed * torch.sign(counts_E.mean() - counts_E)
+    def update_bias(self, counts_E: torch.Tensor, gate: torch.Tensor | None = None) -> None:
+        """DeepSeek-V3: raise the bias of under-loaded experts, lower over-loaded ones, by a fixed step (times the
+        0-d `gate`, 0 or 1, when given)."""
+        step_E = self.args.bias_update_speed * torch.sign(counts_E.mean() - counts_E)
+        self.expert_bias += step_E if gate is None else step_E * gate.to(step_E.dtype)
 
     def init_weights(self, init_std: float, out_std: float) -> None:
         nn.init.trunc_normal_(self.gate.weight, mean=0.0, std=init_std)
@@ -564,10 +566,13 @@ class DeepSeekMoE(nn.Module):
         return total
 
     @torch.no_grad()
-    def update_load_balance_bias(self, reduce_fn: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+    def update_load_balance_bias(self, reduce_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                                 gate: torch.Tensor | None = None) -> None:
         """Aux-loss-free balancing step from the counts accumulated since the last call; then resets the counts.
         reduce_fn (optional) sums the stacked counts [n_moe_layers, E] over data-parallel ranks (e.g. an
-        all_reduce) so every rank applies the same update. No-op unless args.aux_free_bias (counts still reset)."""
+        all_reduce) so every rank applies the same update. No-op unless args.aux_free_bias (counts still reset).
+        gate (optional 0-d device tensor, 0 or 1): the update and the reset take effect only where it is 1 (a step
+        the divergence guard will reject keeps its counts for the next kept step, as if this were not called)."""
         layers = self.moe_layers()
         if not layers:
             return
@@ -576,9 +581,12 @@ class DeepSeekMoE(nn.Module):
             if reduce_fn is not None:
                 counts_LE = reduce_fn(counts_LE)
             for moe, counts_E in zip(layers, counts_LE):
-                moe.update_bias(counts_E)
+                moe.update_bias(counts_E, gate)
         for moe in layers:
-            moe.tokens_per_expert.zero_()
+            if gate is None:
+                moe.tokens_per_expert.zero_()
+            else:
+                moe.tokens_per_expert.mul_(1 - gate.to(moe.tokens_per_expert.dtype))
 
     @torch.no_grad()
     def init_weights(self, seed: int | None = None) -> None:

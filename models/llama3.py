@@ -273,7 +273,7 @@ class Llama3(nn.Module):
     def aux_loss(self) -> torch.Tensor:
         return torch.zeros((), device=self.norm.weight.device)
 
-    def update_load_balance_bias(self, reduce_fn=None) -> None:
+    def update_load_balance_bias(self, reduce_fn=None, gate=None) -> None:
         """Dense model: nothing to balance."""
 
     @torch.no_grad()

@@ -90,10 +90,10 @@ if HAS_TRITON:
 
     @triton.jit
     def _adamw_chunks_kernel(addr_ptr, grad_addr_ptr, numel_ptr, chunk_tensor_ptr, chunk_index_ptr, norm_ptr,
-                             lr, beta1, beta2, eps, weight_decay, max_norm,
+                             gate_ptr, lr, beta1, beta2, eps, weight_decay, max_norm,
                              P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, S_DTYPE: tl.constexpr,
-                             CLIP: tl.constexpr, BLOCK: tl.constexpr, ALIGNED_STATES: tl.constexpr,
-                             ALIGNED_GRADS: tl.constexpr):
+                             CLIP: tl.constexpr, GATED: tl.constexpr, BLOCK: tl.constexpr,
+                             ALIGNED_STATES: tl.constexpr, ALIGNED_GRADS: tl.constexpr):
         chunk = tl.program_id(0)
         t = tl.load(chunk_tensor_ptr + chunk).to(tl.int64)
         # The chunk's first element as index * BLOCK: the compiler then knows it is a multiple of BLOCK and, with the
@@ -116,6 +116,10 @@ if HAS_TRITON:
             g_ptr = tl.multiple_of(g_ptr, 16)
         step_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
         n = tl.load(numel_ptr + t)
+        if GATED:
+            # A gate of 0 (the guard will reject this step): every access masked off, nothing written. As a mask,
+            # not an early return: a 0-gate step is rare, and this keeps the kernel's one code path.
+            n = tl.where(tl.load(gate_ptr) != 0.0, n, 0)
 
         step = tl.load(step_ptr) + 1.0
         bias1 = 1.0 - tl.exp2(step * tl.log2(beta1))
@@ -197,22 +201,34 @@ class ChunkedAdamW(torch.optim.AdamW):
         if hasattr(self, "_buckets"):
             self._buckets.clear()
 
-    def clip_and_step(self, grad_norm: torch.Tensor, max_norm: float) -> None:
+    def clip_and_step(self, grad_norm: torch.Tensor, max_norm: float, gate: torch.Tensor | None = None) -> bool:
+        """gate: a 0-d device tensor; the update (step counts included) takes effect only where it is 1. Only the
+        kernel can take a gated step: returns False, having done nothing, if this step would go through torch's
+        AdamW (the caller then steps after reading its decision). Returns True when the step was launched."""
         self._clip = (grad_norm, float(max_norm))
         try:
-            self.step()
+            if gate is None:
+                self.step()
+                return True
+            return self._kernel_step(gate)
         finally:
             self._clip = None
 
     @torch.no_grad()
+    def _kernel_step(self, gate: torch.Tensor | None) -> bool:
+        launches = self._plan_kernel_step()
+        if launches is None:
+            return False
+        for group, bucket, grad_addrs, grads_aligned in launches:
+            device = bucket.addr.device
+            with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+                self._launch(bucket, group, grad_addrs, grads_aligned, gate)
+        self.kernel_steps += 1  # launches: a step gated off counts too
+        return True
+
+    @torch.no_grad()
     def step(self, closure=None):
-        launches = self._plan_kernel_step() if closure is None else None
-        if launches is not None:
-            for group, bucket, grad_addrs, grads_aligned in launches:
-                device = bucket.addr.device
-                with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-                    self._launch(bucket, group, grad_addrs, grads_aligned)
-            self.kernel_steps += 1
+        if closure is None and self._kernel_step(None):
             return None
         if self._clip is not None:
             grad_norm, max_norm = self._clip
@@ -290,12 +306,16 @@ class ChunkedAdamW(torch.optim.AdamW):
         return addrs, not any(a % 16 for a in addrs)
 
     # -- the step ----------------------------------------------------------------------------------------------
-    def _launch(self, bucket: _Bucket, group: dict, grad_addrs: list[int], grads_aligned: bool) -> None:
-        """Send the gradients' addresses if they moved, run the kernel, count the step (on the current stream)."""
+    def _launch(self, bucket: _Bucket, group: dict, grad_addrs: list[int], grads_aligned: bool,
+                gate: torch.Tensor | None) -> None:
+        """Send the gradients' addresses if they moved, run the kernel, count the step (on the current stream); a
+        0-d `gate` tensor: all of it only where the gate is 1."""
         beta1, beta2 = group["betas"]
         self._send_grad_addresses(bucket, grad_addrs)
+        # The step counts advance by the gate (0 or 1): a tensor added on the device, no host read.
+        step_increment = 1.0 if gate is None else gate.detach().reshape(()).to(torch.float32)
         if bucket.chunk_tensor.numel() == 0:  # only empty parameters: nothing to update but the step counts
-            torch._foreach_add_(bucket.steps, 1.0)
+            torch._foreach_add_(bucket.steps, step_increment)
             return
         p_dtype, g_dtype, s_dtype, _ = bucket.dtypes
         if self._clip is not None:
@@ -304,11 +324,12 @@ class ChunkedAdamW(torch.optim.AdamW):
             norm, max_norm = bucket.numel, 0.0  # unread (CLIP=False)
         self.last_compiled = _adamw_chunks_kernel[(bucket.chunk_tensor.numel(),)](
             bucket.addr, bucket.grad_addr, bucket.numel, bucket.chunk_tensor, bucket.chunk_index, norm,
+            bucket.numel if gate is None else step_increment.reshape(1),  # (unread when not GATED)
             float(group["lr"]), float(beta1), float(beta2), float(group["eps"]), float(group["weight_decay"]),
             float(max_norm), P_DTYPE=_TL_DTYPES[p_dtype], G_DTYPE=_TL_DTYPES[g_dtype], S_DTYPE=_TL_DTYPES[s_dtype],
-            CLIP=self._clip is not None, BLOCK=BLOCK, ALIGNED_STATES=HINT_POINTERS,
+            CLIP=self._clip is not None, GATED=gate is not None, BLOCK=BLOCK, ALIGNED_STATES=HINT_POINTERS,
             ALIGNED_GRADS=HINT_POINTERS and grads_aligned, num_warps=NUM_WARPS)
-        torch._foreach_add_(bucket.steps, 1.0)
+        torch._foreach_add_(bucket.steps, step_increment)
 
     def _init_states(self, group: dict, params: list[torch.Tensor]) -> None:
         """Torch's own lazy state initialisation (so the state dict is torch's), for parameters without state; a step
@@ -381,11 +402,16 @@ class ChunkedAdamW(torch.optim.AdamW):
         bucket.grad_addr_host = addrs
 
 
-def clip_and_step(optimizer: torch.optim.Optimizer, params, grad_norm: torch.Tensor, max_norm: float) -> None:
+def clip_and_step(optimizer: torch.optim.Optimizer, params, grad_norm: torch.Tensor, max_norm: float,
+                  gate: torch.Tensor | None = None) -> bool:
     """Scale the gradients by min(1, max_norm / (grad_norm + 1e-6)) and step: inside ChunkedAdamW's launch, or as
-    clip_grads_with_norm_ then step() for any other optimizer (the worker's and train_step.py's one path)."""
+    clip_grads_with_norm_ then step() for any other optimizer (the worker's and train_step.py's one path).
+    gate (0-d device tensor): a step that takes effect only where it is 1, which only ChunkedAdamW's kernel can
+    take; returns False (nothing done) where it cannot, True when the step was launched."""
     if isinstance(optimizer, ChunkedAdamW):
-        optimizer.clip_and_step(grad_norm, max_norm)
-    else:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, grad_norm)
-        optimizer.step()
+        return optimizer.clip_and_step(grad_norm, max_norm, gate)
+    if gate is not None:
+        return False
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, grad_norm)
+    optimizer.step()
+    return True

@@ -1,6 +1,7 @@
 """One collective per step that merges every rank's verdict, so all ranks take the same decision.
 
-`agree(verdict_D)` runs a single all_reduce(MAX) and a single device-to-host read. Each slot of the result
+`agree(verdict_D)` runs a single all_reduce(MAX) and a single device-to-host read (agree_on_device, then the read;
+agree_and_decide puts a gated optimizer launch between the two). Each slot of the result
 holds the maximum over ranks AND the rank that holds it, packed into one int64 per slot:
 
     key = (order_preserving_uint32(float32 value) << RANK_BITS) | (RANK_MASK - rank)
@@ -19,7 +20,7 @@ Legend: D = number of verdict slots.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -67,8 +68,8 @@ def decode_keys(keys_D: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return bits_D.to(torch.int32).view(torch.float32), ranks_D
 
 
-def agree(verdict_D: torch.Tensor, group: dist.ProcessGroup | None = None) -> AgreedVerdict:
-    """Merge the verdicts of all ranks of `group`: one all_reduce(MAX) and one host read.
+def agree_on_device(verdict_D: torch.Tensor, group: dist.ProcessGroup | None = None) -> AgreementOnDevice:
+    """The collective half of agree(): the agreed values and their ranks, still on the device (no host read).
 
     Identity (world size 1, rank 0) when torch.distributed is not initialised. The tensor must live on the
     device the backend expects (CUDA for NCCL, CPU for gloo); StepMonitor.local_verdict builds it on the loss's
@@ -83,10 +84,86 @@ def agree(verdict_D: torch.Tensor, group: dist.ProcessGroup | None = None) -> Ag
     if distributed:
         dist.all_reduce(keys_D, op=dist.ReduceOp.MAX, group=group)
     values_D, ranks_D = decode_keys(keys_D)
-    # One host read for both halves: float32 values are exact in float64, ranks < 2**20 too.
-    host_2D = torch.stack([values_D.to(torch.float64), ranks_D.to(torch.float64)]).cpu()
-    values, ranks = host_2D.tolist()
-    return AgreedVerdict(values=tuple(values), ranks=tuple(int(r) for r in ranks), world_size=world)
+    return AgreementOnDevice(values_D=values_D, ranks_D=ranks_D, world_size=world)
+
+
+@dataclass(frozen=True)
+class AgreementOnDevice:
+    values_D: torch.Tensor  # float32, NaN-free (encode_keys maps NaN to +inf)
+    ranks_D: torch.Tensor  # int64
+    world_size: int
+
+    def start_read(self, gate: torch.Tensor | None = None) -> PendingAgreement:
+        """Start the one host read (of the values, their ranks and an optional 0-d update gate), without waiting."""
+        return PendingAgreement(self, gate)
+
+
+class PendingAgreement:
+    """The agreed verdict on its way to the host: a non-blocking copy into pinned memory, so that work queued
+    after it (the gated optimizer step) does not delay `result()`, which waits for that copy alone."""
+
+    def __init__(self, agreement: AgreementOnDevice, gate: torch.Tensor | None):
+        parts = [agreement.values_D.to(torch.float64), agreement.ranks_D.to(torch.float64)]
+        if gate is not None:
+            parts.append(gate.detach().reshape(1).to(torch.float64))
+        # One copy for all of it: float32 values are exact in float64, ranks < 2**20 and the 0/1 gate too.
+        packed = torch.cat(parts)
+        self._n = agreement.values_D.numel()
+        self._world = agreement.world_size
+        self._has_gate = gate is not None
+        self._done: torch.cuda.Event | None = None
+        if packed.is_cuda:
+            self._host = torch.empty(packed.shape, dtype=torch.float64, pin_memory=True)
+            self._host.copy_(packed, non_blocking=True)
+            self._done = torch.cuda.Event()
+            self._done.record()
+        else:
+            self._host = packed
+
+    def result(self) -> tuple[AgreedVerdict, float | None]:
+        """(the agreed verdict, the gate's value or None): blocks until the copy has landed."""
+        if self._done is not None:
+            self._done.synchronize()
+        flat = self._host.tolist()
+        n = self._n
+        agreed = AgreedVerdict(values=tuple(flat[:n]), ranks=tuple(int(r) for r in flat[n:2 * n]),
+                               world_size=self._world)
+        return agreed, (flat[2 * n] if self._has_gate else None)
+
+
+def agree(verdict_D: torch.Tensor, group: dist.ProcessGroup | None = None) -> AgreedVerdict:
+    """Merge the verdicts of all ranks of `group`: one all_reduce(MAX) and one host read (see agree_on_device)."""
+    return agree_on_device(verdict_D, group).start_read().result()[0]
+
+
+def agree_and_decide(monitor: StepMonitor, policy: DivergencePolicy, verdict_D: torch.Tensor, step: int,
+                     group: dist.ProcessGroup | None = None,
+                     gated_update: Callable[[torch.Tensor], bool] | None = None) -> tuple[Decision, MonitorReport, bool]:
+    """Agreement -> evaluation -> policy for one step: (decision, report, whether the update was applied here).
+
+    gated_update(gate): optional; launches the step's update so that it takes effect only where the 0-d device
+    tensor `gate` is 1 (optim.ChunkedAdamW.clip_and_step(..., gate=)), returning False if it cannot (the caller
+    then applies the update itself after the decision, as without it). The gate is what the policy will decide
+    about applying the update, computed on the device from the agreed values before the host has read them
+    (StepMonitor.update_gate: the same thresholds, compared in the same float64, as evaluate()). It is launched
+    before the host read and the read does not wait for it, so the GPU runs the optimizer while the host evaluates
+    (without it the GPU idled from the read until the host had decided and launched the optimizer: ~1.4 ms a step
+    in session 17's MoE host profile). A gate that disagrees with the decision is a bug: RuntimeError.
+    """
+    on_device = agree_on_device(verdict_D, group)
+    gate = None
+    if gated_update is not None and not policy.stopped:
+        gate = monitor.update_gate(on_device.values_D, consider_fp8=policy.acts_on_fp8_findings)
+    pending = on_device.start_read(gate)
+    launched = gate is not None and gated_update(gate)
+    agreed, gate_value = pending.result()
+    report = monitor.evaluate(agreed, step)
+    decision = policy.decide(report, step)
+    if launched and (gate_value == 1.0) != decision.applies_update:
+        raise RuntimeError(f"step {step}: the device gate ({gate_value}) launched with the update disagrees with the "
+                           f"policy's decision {decision!r} (applies_update={decision.applies_update}); the "
+                           "weights may have been updated by a step the policy rejected")
+    return decision, report, launched and decision.applies_update
 
 
 class DivergenceGuard:
@@ -100,6 +177,7 @@ class DivergenceGuard:
         self.monitor = monitor
         self.policy = policy
         self.group = group
+        self.update_applied = False
 
     def check(
         self,
@@ -109,7 +187,10 @@ class DivergenceGuard:
         fp8_health: Mapping[str, torch.Tensor] | None = None,
         shadow: tuple[torch.Tensor, torch.Tensor] | None = None,
         layer_health: Mapping[str, torch.Tensor] | None = None,
+        gated_update: Callable[[torch.Tensor], bool] | None = None,
     ) -> tuple[Decision, MonitorReport]:
+        """gated_update: see agree_and_decide; `self.update_applied` says whether it applied this step's update."""
         verdict_D = self.monitor.local_verdict(loss, grad_norm, fp8_health, shadow, layer_health)
-        report = self.monitor.evaluate(agree(verdict_D, self.group), step)
-        return self.policy.decide(report, step), report
+        decision, report, self.update_applied = agree_and_decide(self.monitor, self.policy, verdict_D, step,
+                                                                 self.group, gated_update)
+        return decision, report

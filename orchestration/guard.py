@@ -9,11 +9,12 @@ evidence (on every rank, so a test can see that all ranks acted at the same step
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from orchestration.agreement import agree
+from orchestration.agreement import agree_and_decide
 from orchestration.elastic import merge_ranges
 from orchestration.faults import FaultInjector
 from orchestration.monitor import StepMonitor
@@ -53,6 +54,7 @@ class StepGuard:
         self.wandb = None
         self.ray_metrics = None
         self.check_seconds = 0.0
+        self.update_applied = False  # by the last check(), through its gated_update
         if trainer.rank == 0:
             self._start_loggers()
 
@@ -75,8 +77,14 @@ class StepGuard:
         self.apply_policy_precision()
         return loss_fp8, loss_bf16
 
-    def check(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> str:
-        """Returns 'proceed' | 'skip' | 'rolled_back' | 'stop'. Identical on every rank (one agreed verdict)."""
+    def check(self, loss: torch.Tensor, grad_norm: torch.Tensor,
+              gated_update: Callable[[torch.Tensor], bool] | None = None) -> str:
+        """Returns 'proceed' | 'skip' | 'rolled_back' | 'stop'. Identical on every rank (one agreed verdict).
+
+        gated_update: see orchestration.agreement.agree_and_decide (the step's update launched before the host
+        read, taking effect only if the decision will apply it). `self.update_applied` then says whether it did:
+        on 'proceed' the caller applies the update itself only if it did not."""
+        self.update_applied = False
         if not self.enabled:
             return "proceed"
         t0 = time.perf_counter()
@@ -92,8 +100,8 @@ class StepGuard:
                                 for name in self.layer_names}
         shadow = self.shadow_losses()
         verdict = self.monitor.local_verdict(loss, grad_norm, health, shadow, layer_health)
-        report = self.monitor.evaluate(agree(verdict), step)
-        decision = self.policy.decide(report, step)
+        decision, _, self.update_applied = agree_and_decide(self.monitor, self.policy, verdict, step,
+                                                            gated_update=gated_update)
         self.check_seconds += time.perf_counter() - t0
         if decision.kind == "proceed":
             return "proceed"

@@ -164,6 +164,9 @@ SLOT_SHADOW = 7
 BASE_SLOTS = ("nonfinite_loss", "nonfinite_grad", "loss", "grad_norm",
               "fp8_saturated_frac", "fp8_underflow_frac", "fp8_amax", "shadow_rel_diff")
 LAYER_SLOT_PREFIX = "fp8_layer:"
+BASE_DETECTORS = ("nonfinite_loss", "nonfinite_grad", "loss_spike", "grad_norm_spike",
+                  "fp8_saturation", "fp8_underflow", "fp8_amax_growth", "shadow_mismatch")
+"""The detector of each base slot (BASE_SLOTS order)."""
 
 # Detector names (the `detector` field of events) and the kind the policy escalates on.
 DETECTOR_KIND = {
@@ -295,6 +298,8 @@ class StepMonitor:
         self.config = config
         self.layer_names = tuple(layer_names)
         self.slot_names = BASE_SLOTS + tuple(LAYER_SLOT_PREFIX + name for name in self.layer_names)
+        # The detector each slot trips (Finding.detector), in slot order.
+        self.slot_detectors = BASE_DETECTORS + tuple(LAYER_SLOT_PREFIX + name for name in self.layer_names)
         self.loss_baseline = RobustEMA(config.ema_beta, config.winsor_z)
         self.log_grad_baseline = RobustEMA(config.ema_beta, config.winsor_z)
         self.log_amax_baseline = RobustEMA(config.ema_beta, config.winsor_z)
@@ -302,6 +307,31 @@ class StepMonitor:
     @property
     def num_slots(self) -> int:
         return len(self.slot_names)
+
+    def trip_thresholds(self) -> tuple[float, ...]:
+        """Per slot, the value above which evaluate() reports a finding this step (inf: it cannot trip). Known
+        before the step's values arrive: the baselines behind the spike thresholds change only in evaluate()."""
+        cfg = self.config
+        base = (0.0, 0.0, _none_to_inf(self._loss_threshold()), _none_to_inf(self._grad_threshold()),
+                cfg.fp8_saturated_frac_max, cfg.fp8_underflow_frac_max, _none_to_inf(self._amax_threshold()),
+                cfg.shadow_rel_tol)
+        return base + (cfg.fp8_saturated_frac_max,) * len(self.layer_names)
+
+    def update_gate(self, values_D: torch.Tensor, consider_fp8: bool) -> torch.Tensor:
+        """0-d float32 on values_D's device: 1.0 if evaluate() will find nothing the policy acts on in these agreed
+        values (so its decision applies the update), else 0.0. No host sync: the thresholds go to the device in
+        one non-blocking copy and are compared in float64 against the float32 values, the comparison evaluate()
+        makes on the host (Python floats), so the two cannot disagree. consider_fp8=False: FP8-kind findings do not
+        count (DivergencePolicy.acts_on_fp8_findings: the model runs BF16)."""
+        inf = float("inf")
+        thresholds = [t if consider_fp8 or detector_kind(d) != "fp8" else inf
+                      for d, t in zip(self.slot_detectors, self.trip_thresholds())]
+        thr_D = torch.tensor(thresholds, dtype=torch.float64)
+        if values_D.is_cuda:
+            thr_D = thr_D.pin_memory()
+        thr_D = thr_D.to(values_D.device, non_blocking=True)
+        # ~(v > t), not v <= t: a NaN value never trips on the host either (values_D holds none after agree()).
+        return (~(values_D.to(torch.float64) > thr_D).any()).to(torch.float32)
 
     def shadow_due(self, step: int, fp8_active: bool = True) -> bool:
         """Whether the worker loop should recompute one micro-batch in BF16 at this step."""
@@ -369,48 +399,21 @@ class StepMonitor:
     # -------------------------------------------------------------------------------------------------- host side
     def evaluate(self, agreed: AgreedVerdict, step: int) -> MonitorReport:
         """Apply thresholds to the agreed statistics, then update the baselines if the step was clean."""
-        cfg = self.config
         values, ranks = agreed.values, agreed.ranks
         if len(values) != self.num_slots:
             raise ValueError(f"agreed verdict has {len(values)} slots, this monitor expects {self.num_slots}: "
                              "every rank must build its StepMonitor with the same layer_names")
         findings: list[Finding] = []
-
-        def trip(detector: str, slot: int, value: float, threshold: float) -> None:
-            findings.append(Finding(detector, int(ranks[slot]), float(value), float(threshold), step))
-
-        for slot, name in ((SLOT_NONFINITE_LOSS, "nonfinite_loss"), (SLOT_NONFINITE_GRAD, "nonfinite_grad")):
-            if values[slot] > 0:
-                trip(name, slot, values[slot], 0.0)
-
-        loss = values[SLOT_LOSS]
-        loss_thr = self._loss_threshold()
-        if loss_thr is not None and loss > loss_thr:
-            trip("loss_spike", SLOT_LOSS, loss, loss_thr)
-
-        grad = values[SLOT_GRAD_NORM]
-        grad_thr = self._grad_threshold()
-        if grad_thr is not None and grad > grad_thr:
-            trip("grad_norm_spike", SLOT_GRAD_NORM, grad, grad_thr)
-
-        if values[SLOT_FP8_SATURATED] > cfg.fp8_saturated_frac_max:
-            trip("fp8_saturation", SLOT_FP8_SATURATED, values[SLOT_FP8_SATURATED], cfg.fp8_saturated_frac_max)
-        if values[SLOT_FP8_UNDERFLOW] > cfg.fp8_underflow_frac_max:
-            trip("fp8_underflow", SLOT_FP8_UNDERFLOW, values[SLOT_FP8_UNDERFLOW], cfg.fp8_underflow_frac_max)
-        amax = values[SLOT_FP8_AMAX]
-        amax_thr = self._amax_threshold()
-        if amax_thr is not None and amax > amax_thr:
-            trip("fp8_amax_growth", SLOT_FP8_AMAX, amax, amax_thr)
-        if values[SLOT_SHADOW] > cfg.shadow_rel_tol:
-            trip("shadow_mismatch", SLOT_SHADOW, values[SLOT_SHADOW], cfg.shadow_rel_tol)
-        for i, name in enumerate(self.layer_names):
-            slot = len(BASE_SLOTS) + i
-            if values[slot] > cfg.fp8_saturated_frac_max:
-                trip(LAYER_SLOT_PREFIX + name, slot, values[slot], cfg.fp8_saturated_frac_max)
+        thresholds = self.trip_thresholds()
+        # Slot order, so findings come in it: non-finite flags, spikes, FP8 health, shadow, watched layers.
+        for slot, (detector, threshold) in enumerate(zip(self.slot_detectors, thresholds)):
+            if values[slot] > threshold:
+                findings.append(Finding(detector, int(ranks[slot]), float(values[slot]), float(threshold), step))
+        loss, grad, amax = values[SLOT_LOSS], values[SLOT_GRAD_NORM], values[SLOT_FP8_AMAX]
 
         stats = {name: float(v) for name, v in zip(self.slot_names, values)}
-        stats.update(loss_baseline=self.loss_baseline.mean, loss_threshold=_none_to_inf(loss_thr),
-                     grad_norm_threshold=_none_to_inf(grad_thr), fp8_amax_threshold=_none_to_inf(amax_thr))
+        stats.update(loss_baseline=self.loss_baseline.mean, loss_threshold=thresholds[SLOT_LOSS],
+                     grad_norm_threshold=thresholds[SLOT_GRAD_NORM], fp8_amax_threshold=thresholds[SLOT_FP8_AMAX])
 
         # Baselines learn only from clean signals: never from a step that tripped (a spike must not raise the bar
         # it is judged against), never from values that were not measured.

@@ -215,6 +215,11 @@ class DivergencePolicy:
     def stopped(self) -> bool:
         return self.s.stopped is not None
 
+    @property
+    def acts_on_fp8_findings(self) -> bool:
+        """Whether decide() counts FP8-kind findings as evidence now (not while the whole model runs BF16)."""
+        return self.s.mode == MODE_FP8
+
     def counters(self) -> dict[str, Any]:
         """For metrics.jsonl / W&B / summary.json."""
         s = self.s
@@ -234,7 +239,7 @@ class DivergencePolicy:
         s, cfg = self.s, self.config
         if s.stopped is not None:
             return Stop(step=step, reason=s.stopped)
-        fp8_on = s.mode == MODE_FP8
+        fp8_on = self.acts_on_fp8_findings
         # FP8 detectors are meaningless while the whole model runs BF16 (no FP8 casts, no shadow check).
         evidence = tuple(f for f in report.findings if fp8_on or f.kind != "fp8")
         if not evidence:

@@ -9,6 +9,7 @@ periodic checkpoints that are marked good once the monitors passed the steps aft
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import os
 import time
@@ -569,7 +570,7 @@ class Trainer:
             # hide which rank produced it: a rank reports a non-finite norm only if its own shard is non-finite.
             monitored_norm = torch.where(torch.isfinite(local_norm), torch.nan_to_num(grad_norm, nan=0.0, posinf=0.0),
                                          local_norm)
-            action = self.guard.check(loss, monitored_norm)
+            action = self.guard.check(loss, monitored_norm, gated_update=functools.partial(self.apply_update, grad_norm))
             if action == "stop":
                 status = "stopped_divergence"
                 break
@@ -581,8 +582,8 @@ class Trainer:
                 # gradients it drops. optim.ChunkedAdamW (train.adamw) scales inside its one launch; with torch's
                 # AdamW the scaling pass at least keeps the GPU busy while the host runs AdamW's Python prologue
                 # (the GPU waited 1.0-1.9 ms a step there in session 10's MoE host profile, BENCHMARKS.md).
-                clip_and_step(self.optimizer, self.model.parameters(), grad_norm, job.train.grad_clip)
-                self.update_router_bias()
+                if not self.guard.update_applied:
+                    self.apply_update(grad_norm)
                 self.state.consumed_ranges = merge_ranges(self.state.consumed_ranges + [step_range])
             else:  # skipped: the bad step never updates the weights
                 self.state.skipped_ranges = merge_ranges(self.state.skipped_ranges + [step_range])
@@ -603,7 +604,16 @@ class Trainer:
             managed_gc.step(self.state.step)
         return status
 
-    def update_router_bias(self) -> None:
+    def apply_update(self, grad_norm: torch.Tensor, gate: torch.Tensor | None = None) -> bool:
+        """The step's update: clipped optimizer step, then the router's bias update. gate (0-d device tensor): both
+        take effect only where it is 1, launched before the guard's host read (StepGuard.check's gated_update);
+        returns False, having done nothing, where the optimizer cannot take a gated step (torch's AdamW)."""
+        if not clip_and_step(self.optimizer, self.model.parameters(), grad_norm, self.job.train.grad_clip, gate):
+            return False
+        self.update_router_bias(gate)
+        return True
+
+    def update_router_bias(self, gate: torch.Tensor | None = None) -> None:
         """DeepSeek-V3 aux-loss-free balancing: one bias update per kept step from the expert loads of all ranks."""
         update = getattr(self.model, "update_load_balance_bias", None)
         if update is None:
@@ -613,9 +623,9 @@ class Trainer:
                 torch.distributed.all_reduce(counts)
                 return counts
 
-            update(all_ranks_sum)
+            update(all_ranks_sum, gate=gate)
         else:
-            update()
+            update(gate=gate)
 
     def maybe_mark_good(self) -> None:
         """A checkpoint is good once monitor.good_after_steps steps after it passed the monitors (DESIGN.md)."""

@@ -263,7 +263,41 @@ def _interp_tensor_subclass_parameters_step_through_torch(small_block):
         assert torch.equal(x, y)
 
 
-N_INTERP_CASES = 9
+def _interp_gated_step_takes_effect_only_with_gate_one(small_block):
+    # The step launched before the guard's host read (orchestration.agreement.agree_and_decide): gate 0 leaves
+    # weights, states and step counts as they were; gate 1 is exactly the ungated step.
+    a, b = make(torch.float32), make(torch.float32)
+    opt_a, opt_b = ChunkedAdamW(a, **KW), ChunkedAdamW(b, **KW)
+    for s in range(2):
+        grads = grads_for(a, s)
+        for p, q, g in zip(a, b, grads):
+            p.grad, q.grad = g.clone(), g.clone()
+        norm = norm_of(grads)
+        assert opt_a.clip_and_step(norm, 0.5)
+        before = [q.detach().clone() for q in b]
+        states = {id(q): {k: v.clone() for k, v in opt_b.state[q].items()} for q in b}
+        assert opt_b.clip_and_step(norm, 0.5, gate=torch.zeros(()))
+        for q, q0 in zip(b, before):
+            assert torch.equal(q, q0)
+            for k, v in opt_b.state[q].items():
+                expected = states[id(q)].get(k)
+                assert torch.equal(v, expected) if expected is not None else not v.any()  # first step: fresh zeros
+        assert opt_b.clip_and_step(norm, 0.5, gate=torch.ones(()))
+    for p, q in zip(a, b):
+        assert torch.equal(p, q) and opt_b.state[q]["step"].item() == 2.0
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(opt_a.state[p][k], opt_b.state[q][k])
+    # torch's AdamW (here: a tensor lr) cannot take a gated step: nothing done, False.
+    c = make(torch.float32)
+    opt_c = ChunkedAdamW(c, lr=torch.tensor(1e-2))
+    for p, g in zip(c, grads_for(c, 0)):
+        p.grad = g
+    before = [p.detach().clone() for p in c]
+    assert not opt_c.clip_and_step(norm_of(grads_for(c, 0)), 0.5, gate=torch.ones(()))
+    assert all(torch.equal(p, p0) for p, p0 in zip(c, before))
+
+
+N_INTERP_CASES = 10
 
 expose_or_run(globals(), __file__, N_INTERP_CASES, "test_kernel_cases_in_the_triton_interpreter")
 
@@ -325,3 +359,26 @@ def test_gpu_kernel_matches_torch_fused_adamw(dtype):
         # carried forward with weight beta2 -> at most 4 steps after 4 steps (the first H200 run saw 2.5%).
         torch.testing.assert_close(opt_a.state[x]["exp_avg_sq"].float(), opt_b.state[y]["exp_avg_sq"].float(),
                                    rtol=4 * 2.0**-7 if dtype == torch.bfloat16 else 1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA GPU")
+def test_gpu_gated_steps_equal_the_kept_steps_alone():
+    """Gated steps (launched before the guard's host read) with gates 1, 0, 1: bit-equal to two ungated steps."""
+    sizes = ((4096, 1000), (7,), (3, 5000))
+    g = torch.Generator().manual_seed(1)
+    a = [torch.nn.Parameter(torch.randn(s, generator=g).to("cuda", torch.bfloat16)) for s in sizes]
+    b = [torch.nn.Parameter(p.detach().clone()) for p in a]
+    opt_a, opt_b = ChunkedAdamW(a, fused=True, **KW), ChunkedAdamW(b, fused=True, **KW)
+    seq = [[torch.randn(p.shape, generator=g).to("cuda", p.dtype) for p in a] for _ in range(3)]
+    for grads, gate in zip(seq, (1.0, 0.0, 1.0)):
+        for p, gr in zip(a, grads):
+            p.grad = gr.clone()
+        norm = norm_of(grads).cuda()
+        assert opt_a.clip_and_step(norm, 1.0, gate=torch.tensor(gate, device="cuda"))
+        if gate:
+            for q, gr in zip(b, grads):
+                q.grad = gr.clone()
+            opt_b.clip_and_step(norm, 1.0)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y) and opt_a.state[x]["step"].item() == 2.0
+        assert torch.equal(opt_a.state[x]["exp_avg"], opt_b.state[y]["exp_avg"])

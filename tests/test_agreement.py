@@ -75,6 +75,13 @@ def _worker(rank: int, world: int, port: int, out_dir: str, backend: str = "gloo
         config = MonitorConfig(warmup_steps=10)
         guard = DivergenceGuard(StepMonitor(config), DivergencePolicy(config))
         log = []
+        # A stand-in for the gated optimizer step (optim.ChunkedAdamW): a device counter that advances by the gate.
+        updates = torch.zeros((), device=device)
+
+        def gated_update(gate):
+            updates.add_(gate)
+            return True
+
         for step in range(50):
             loss = 2.0 + 0.01 * rank + 0.005 * (step % 4)  # ranks see different losses
             if rank == 1 and step == 25:
@@ -83,8 +90,10 @@ def _worker(rank: int, world: int, port: int, out_dir: str, backend: str = "gloo
                 loss = 30.0
             grad_norm = 1.0 + 0.1 * rank
             decision, report = guard.check(step, torch.tensor(loss, device=device),
-                                           torch.tensor(grad_norm, device=device))
+                                           torch.tensor(grad_norm, device=device), gated_update=gated_update)
+            assert guard.update_applied == decision.applies_update
             log.append({"step": step, "kind": decision.kind, "applies": decision.applies_update,
+                        "updates": updates.item(),
                         "evidence": [[f.rank, f.detector, f.value, f.threshold] for f in decision.evidence],
                         "loss": report.stats["loss"], "grad_norm": report.stats["grad_norm"]})
         # Raw agree(): per-slot max and its rank over 2 ranks, with a tie in the last slot.
@@ -119,6 +128,9 @@ def test_two_ranks_agree_when_only_rank1_sees_the_fault(tmp_path, backend):
     assert r0["log"][0]["loss"] == pytest.approx(2.01) and r0["log"][0]["grad_norm"] == pytest.approx(1.1)
     # At the NaN step the loss slot falls back to the finite rank 0 value.
     assert r0["log"][25]["loss"] == pytest.approx(2.0 + 0.005)
+    # The gated update (launched before each host read) took effect at exactly the steps the policy applied: 48 of 50.
+    applied = [sum(e["applies"] for e in r0["log"][: i + 1]) for i in range(len(r0["log"]))]
+    assert [e["updates"] for e in r0["log"]] == applied and applied[-1] == 48
     values, ranks, world_size = r0["agreed"]
     assert values == [1.0, 0.0, 5.0, 1.0] and ranks == [1, 0, 0, 0] and world_size == 2
     assert r1["agreed"] == r0["agreed"]
@@ -143,9 +155,44 @@ def test_detectors_and_key_packing_never_sync_the_host_on_cuda():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert verdict_D.device.type == "cuda" and torch.equal(values_D, verdict_D) and not ranks_D.any()
+    # The gated path (agree_and_decide): the agreement, the device gate and starting the read do not sync either;
+    # only result() waits, and then for the copy alone.
+    from orchestration.agreement import agree_on_device
+
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        on_device = agree_on_device(verdict_D)
+        gate = mon.update_gate(on_device.values_D, consider_fp8=True)
+        pending = on_device.start_read(gate)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    agreed, gate_value = pending.result()
+    assert agreed.values == agree(verdict_D).values and gate_value == 1.0
     report = mon.evaluate(agree(verdict_D), 0)
     assert report.stats["loss"] == 2.5 and report.stats["shadow_rel_diff"] == pytest.approx(0.01, rel=1e-3)
     assert not report.findings
 
 
 HEALTH_GPU = {"saturated_frac": 0.0, "underflow_frac": 0.01, "amax_max": 3.0}
+
+
+def test_agree_and_decide_refuses_a_gate_that_disagrees_and_reports_an_update_it_could_not_gate():
+    from orchestration.agreement import agree_and_decide
+    from orchestration.monitor import MonitorConfig, StepMonitor
+    from orchestration.policy import DivergencePolicy
+
+    config = MonitorConfig(warmup_steps=2)
+    monitor, policy = StepMonitor(config), DivergencePolicy(config)
+    verdict = lambda loss: monitor.local_verdict(torch.tensor(loss), torch.tensor(1.0))
+    gates = []
+    # An optimizer that cannot take a gated step (torch's AdamW): nothing applied here, the caller steps.
+    decision, _, applied = agree_and_decide(monitor, policy, verdict(2.0), 0,
+                                            gated_update=lambda g: gates.append(float(g)) or False)
+    assert decision.applies_update and not applied and gates == [1.0]
+    decision, _, applied = agree_and_decide(monitor, policy, verdict(float("nan")), 1,
+                                            gated_update=lambda g: gates.append(float(g)) or True)
+    assert not decision.applies_update and not applied and gates == [1.0, 0.0]
+    # A gate that says "apply" for a step the policy skips: the weights may be wrong, so it must not pass silently.
+    monitor.update_gate = lambda values_D, consider_fp8: torch.ones(())
+    with pytest.raises(RuntimeError, match="disagrees with the policy's decision"):
+        agree_and_decide(monitor, policy, verdict(float("inf")), 2, gated_update=lambda g: True)

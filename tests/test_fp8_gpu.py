@@ -257,6 +257,29 @@ def test_grouped_op_compiled_body_matches_eager_body(monkeypatch, dims):
         assert torch.equal(a, b), f"{name}: compiled body differs from eager by up to {diff}"
 
 
+@pytest.mark.parametrize("n", [2816, 2048, 53])
+def test_group_scaled_row_cast_matches_reference_on_gpu(n):
+    """fp8_reuse's gradient cast (session 18: one multiplier vector per block where its rows share a group, a gather
+    where they straddle two): bit-equal to the reference with fp32 and bf16 (power-of-two) multipliers, groups of
+    uneven sizes (one empty, some smaller than a block) and rows past the last group (multiplier 0)."""
+    from fp8.kernels import quantize as q
+    from fp8.kernels.reference import quantize_rowwise_group_scaled_ref
+
+    g = torch.Generator(device="cuda").manual_seed(n)
+    sizes = torch.tensor([700, 0, 3, 1, 1300, 5, 2048, 9], device="cuda")
+    gid = torch.repeat_interleave(torch.arange(len(sizes), device="cuda", dtype=torch.int32), sizes)
+    gid = torch.cat([gid, torch.full((7,), len(sizes), device="cuda", dtype=torch.int32)])  # rows past the groups
+    mul = torch.exp2(torch.randint(-6, 7, (len(sizes), n), device="cuda", generator=g).float())
+    mul = torch.cat([mul, mul.new_zeros(1, n)])
+    x = _x(gid.numel(), n, seed=n)
+    want, s_want = quantize_rowwise_group_scaled_ref(x, mul, gid, E4M3)
+    for m in (mul, mul.bfloat16()):
+        got, s_got = q.quantize_rowwise_group_scaled_triton(x, m, gid, E4M3)
+        assert torch.equal(s_got, s_want)
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    assert not got[-7:].float().any()
+
+
 @pytest.mark.parametrize("dims", [(2048, 2816), (1408, 2048)])  # DeepSeek-MoE's w13 and w2: gx contracts over N
 def test_grouped_fast_accum_grad_input_keeps_fp8_accuracy(dims):
     """dgrad="fp8_fast" (the grad-input GEMM with the tensor cores' fast accumulation): its grad_x stays within 0.5 dB

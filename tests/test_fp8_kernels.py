@@ -283,15 +283,17 @@ def _interp_colwise_batched_on_expert_storage(interp, monkeypatch, fp8_dtype):
 
 
 def _interp_rowwise_group_scaled(interp, monkeypatch):
-    """Rows scaled by a per-(group, column) power-of-two multiplier before the row cast (one tile, and two loops over N
-    with masked tails); a zero multiplier row for rows past the last group."""
+    """Rows scaled by a per-(group, column) power-of-two multiplier before the row cast (one tile of all rows; one tile
+    of 4-row blocks, which take the one-group path where their rows share a group, the per-row gather where they
+    straddle groups, and a last block with rows past M; two loops over N with masked tails); a zero multiplier row for
+    rows past the last group."""
     g = torch.Generator().manual_seed(31)
     mul = torch.cat([2.0 ** torch.randint(-6, 7, (3, 53), generator=g).float(), torch.zeros(1, 53)])
     gid = torch.tensor([0] * 10 + [1] * 15 + [2] * 9 + [3] * 3, dtype=torch.int32)
     x = make_x(37, 53, seed=32)
-    for looped in (False, True):
+    for looped, max_tile in ((False, 8192), (False, 256), (True, 32)):
+        monkeypatch.setattr(interp, "ROWWISE_MAX_TILE", max_tile)
         if looped:
-            monkeypatch.setattr(interp, "ROWWISE_MAX_TILE", 32)
             monkeypatch.setattr(interp, "ROWWISE_MAX_ROW", 32)
         got, s = fk.quantize_rowwise_group_scaled(x, mul, gid, torch.float8_e4m3fn, use_triton=True)
         want, s_ref = fk.quantize_rowwise_group_scaled_ref(x, mul, gid, torch.float8_e4m3fn)

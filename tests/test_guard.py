@@ -8,6 +8,7 @@ from orchestration.config import load_job_config, to_dict
 from orchestration.events import read_jsonl
 from orchestration.worker import Trainer
 from tests.conftest import REPO
+from tests.interp_child import expose_or_run
 
 
 def make_trainer(tmp_path, *overrides):
@@ -316,3 +317,48 @@ def test_a_run_checkpointed_before_the_window_rule_resumes_with_its_own_windows(
     again = make_trainer(tmp_path, "precision=bf16", "train.steps=4")
     again.start()  # a second resume keeps rule 1 too (a fresh dataset starts at rule 2)
     assert again.state.step == 3 and again.dataset.window_rule == 1
+
+
+# ----------------------------------------------------------------------------- interpreter cases (child process)
+
+def _interp_the_gated_update_skips_exactly_the_step_the_guard_rejects(tmp_path, monkeypatch):
+    """The worker launches the step's update (optim.ChunkedAdamW, in the Triton interpreter here) before the guard's
+    host read, gated on the device: a NaN gradient at step 2 must leave the weights and AdamW's step counts as they
+    were, and every other step must apply once (orchestration.agreement.agree_and_decide)."""
+    import torch
+
+    import orchestration.worker as worker_mod
+    from optim import ChunkedAdamW
+
+    monkeypatch.setattr(worker_mod, "adamw_implementation", lambda job, device: "triton")
+    trainer = make_trainer(tmp_path, "precision=bf16", "train.steps=4", "faults=nan_grad", "faults.rank=0",
+                           "faults.step=2")
+    assert isinstance(trainer.optimizer, ChunkedAdamW)
+    record = {}
+    check = trainer.guard.check
+
+    def recorded(loss, grad_norm, gated_update=None):
+        before = [p.detach().clone() for p in trainer.model.parameters()]
+        launches = trainer.optimizer.kernel_steps
+        action = check(loss, grad_norm, gated_update)
+        counts = {trainer.optimizer.state[p]["step"].item() for p in trainer.model.parameters()}
+        record[trainer.state.step] = (action, trainer.guard.update_applied, before,
+                                      trainer.optimizer.kernel_steps - launches, counts)
+        return action
+
+    trainer.guard.check = recorded
+    trainer.start()
+    assert trainer.run() == "completed"
+    after = [p.detach().clone() for p in trainer.model.parameters()]
+    # One launch a step, in the guard (before its host read); the step counts do not advance at the skipped step.
+    assert [(s, r[0], r[1], r[3]) for s, r in sorted(record.items())] == [
+        (0, "proceed", True, 1), (1, "proceed", True, 1), (2, "skip", False, 1), (3, "proceed", True, 1)]
+    (c0,), (c1,), (c2,), (c3,) = (record[s][4] for s in range(4))
+    assert (c1 - c0, c2 - c1, c3 - c2) == (1.0, 0.0, 1.0)
+    weights = [record[s][2] for s in range(4)] + [after]
+    for s in range(4):
+        same = all(torch.equal(a, b) for a, b in zip(weights[s], weights[s + 1]))
+        assert same == (s == 2), s
+
+
+expose_or_run(globals(), __file__, 1, "test_guard_cases_in_the_triton_interpreter")

@@ -207,6 +207,20 @@ def test_aux_free_bias_update_from_counts():
     assert "expert_bias" in dict(moe.named_buffers()) and "layers.1.moe.expert_bias" in model.state_dict()
 
 
+def test_aux_free_bias_update_gated_on_the_device():
+    """A gate of 0 (a step the divergence guard rejects) leaves the bias and keeps the counts for the next kept
+    step; a gate of 1 is the ungated update."""
+    model = build_model("debug_moe", "cpu", overrides={"aux_free_bias": True, "aux_loss_alpha": 0.0})
+    moe = model.layers["1"].moe
+    model(torch.randint(0, 256, (2, 16)))
+    counts = moe.tokens_per_expert.clone()
+    model.update_load_balance_bias(gate=torch.zeros(()))
+    assert moe.expert_bias.abs().sum() == 0 and torch.equal(moe.tokens_per_expert, counts)
+    model.update_load_balance_bias(gate=torch.ones(()))
+    torch.testing.assert_close(moe.expert_bias, 0.001 * torch.sign(counts.mean() - counts))
+    assert moe.tokens_per_expert.sum().item() == 0
+
+
 def test_aux_free_off_keeps_bias_zero():
     model = build_model("debug_moe", "cpu")
     model(torch.randint(0, 256, (2, 16)))

@@ -214,3 +214,41 @@ def test_state_dict_round_trip_continues_identically():
 def test_config_validation_names_the_key(key, value):
     with pytest.raises(ValueError, match=f"monitor.{key}"):
         StepMonitor(MonitorConfig(**{key: value}))
+
+
+@pytest.mark.parametrize("consider_fp8", [True, False])
+def test_update_gate_is_the_decision_evaluate_reaches_at_every_threshold(consider_fp8):
+    """The device gate (launched with the optimizer step before the host read) must equal "evaluate() finds nothing
+    the policy acts on" for every slot, at, just below and just above each threshold, armed or not."""
+    import copy
+
+    from orchestration.monitor import detector_kind
+
+    mon = StepMonitor(MonitorConfig(warmup_steps=5, shadow_every=1), layer_names=("layers.0", "output"))
+    unarmed = copy.deepcopy(mon)
+    for step, (loss, g) in enumerate(zip(series(30, 0), grad_series(30, 0))):
+        run_step(mon, step, loss, g, HEALTHY, shadow=(loss, loss), layer_health={"layers.0": 0.0, "output": 0.0})
+    clean = [0.0, 0.0, 2.95, 1.5, 0.0, 1e-4, 10.0, 0.0, 0.0, 0.0]
+    outcomes = set()
+    for monitor in (unarmed, mon):
+        thresholds = monitor.trip_thresholds()
+        assert len(thresholds) == monitor.num_slots == len(clean)
+        candidates = [clean]
+        for slot, thr in enumerate(thresholds):
+            t32 = torch.tensor(thr, dtype=torch.float32)
+            near = [t32, torch.nextafter(t32, torch.tensor(math.inf)), torch.nextafter(t32, torch.tensor(-math.inf))]
+            for v in [float(x) for x in near] + [math.inf, NOT_MEASURED, 1.0]:
+                values = list(clean)
+                values[slot] = v
+                candidates.append(values)
+        for values in candidates:
+            values_D = torch.tensor(values, dtype=torch.float32)
+            gate = float(monitor.update_gate(values_D, consider_fp8))
+            report = copy.deepcopy(monitor).evaluate(
+                AgreedVerdict(values=tuple(values_D.double().tolist()), ranks=(0,) * len(values)), 0)
+            acted_on = [f for f in report.findings if consider_fp8 or detector_kind(f.detector) != "fp8"]
+            assert gate == (0.0 if acted_on else 1.0), (values, report.findings)
+            outcomes.add((gate, bool(report.findings)))
+    # Both outcomes seen, and (without FP8 evidence counted) findings that do not close the gate.
+    assert {(1.0, False), (0.0, True)} <= outcomes
+    assert ((1.0, True) in outcomes) == (not consider_fp8)

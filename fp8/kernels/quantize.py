@@ -247,15 +247,36 @@ if HAS_TRITON:
                                      BM: tl.constexpr, BN: tl.constexpr, ONE_TILE: tl.constexpr,
                                      EXACT_ROUND: tl.constexpr, MBITS: tl.constexpr, MIN_NORMAL: tl.constexpr,
                                      SUB_MAGIC: tl.constexpr, NAN_BITS: tl.constexpr):
-        # The row cast of y = x * mul[gid[m], n] (mul [G, N] fp32 contiguous, gid [M] int32): the grouped grad-input's
-        # gradient with the weights' forward row scales folded in (fp8.grouped "fp8_reuse"). Its own kernel, so the
-        # plain row cast keeps its signature; both run _rowwise_rows.
+        # The row cast of y = x * mul[gid[m], n] (mul [G, N] fp32 or bf16 contiguous, gid [M] int32): the grouped
+        # grad-input's gradient with the weights' forward row scales folded in (fp8.grouped "fp8_reuse"). Its own
+        # kernel, so the plain row cast keeps its signature.
         offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
         mask_m = offs_m < M
         gid = tl.load(gid_ptr + offs_m, mask=mask_m, other=0)
-        _rowwise_rows(x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm, out_ptr + offs_m.to(tl.int64)[:, None] * N,
-                      scale_ptr, offs_m, mask_m, mul_ptr + gid.to(tl.int64)[:, None] * N, N, stride_xn, True,
-                      FP8_MAX, EPS_, POW2, BM, BN, ONE_TILE, EXACT_ROUND, MBITS, MIN_NORMAL, SUB_MAGIC, NAN_BITS)
+        x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
+        out_rows = out_ptr + offs_m.to(tl.int64)[:, None] * N
+        if ONE_TILE:
+            # Rows are sorted by group (hundreds of rows each), so a block's rows nearly always share one: then the
+            # multipliers are one [BN] vector for the whole block instead of a [BM, BN] gather (a load per element).
+            offs_n = tl.arange(0, BN)
+            mask = mask_m[:, None] & (offs_n < N)[None, :]
+            x = tl.load(x_rows + offs_n[None, :] * stride_xn, mask=mask, other=0.0).to(tl.float32)
+            g_lo = tl.min(tl.where(mask_m, gid, 2147483647), 0)
+            if g_lo == tl.max(gid, 0):
+                mul_N = tl.load(mul_ptr + g_lo.to(tl.int64) * N + offs_n, mask=offs_n < N, other=0.0)
+                x = x * mul_N.to(tl.float32)[None, :]
+            else:
+                x = x * tl.load(mul_ptr + gid.to(tl.int64)[:, None] * N + offs_n[None, :], mask=mask,
+                                other=0.0).to(tl.float32)
+            scale = _scale_from_amax(_abs_max(x, 1), FP8_MAX, EPS_, POW2)
+            y = _to_fp8(x * scale[:, None], out_rows.dtype.element_ty, FP8_MAX,
+                        EXACT_ROUND, MBITS, MIN_NORMAL, SUB_MAGIC, NAN_BITS)
+            tl.store(out_rows + offs_n[None, :], y, mask=mask)
+            tl.store(scale_ptr + offs_m, scale, mask=mask_m)
+        else:
+            _rowwise_rows(x_rows, out_rows, scale_ptr, offs_m, mask_m, mul_ptr + gid.to(tl.int64)[:, None] * N, N,
+                          stride_xn, True, FP8_MAX, EPS_, POW2, BM, BN, ONE_TILE, EXACT_ROUND, MBITS, MIN_NORMAL,
+                          SUB_MAGIC, NAN_BITS)
 
     # ---------------------------------------------------------------- rowwise + colwise (transposed)
 
