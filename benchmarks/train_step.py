@@ -405,6 +405,42 @@ def _cpu_context(cpu_events, t_us: float, gap_start: float) -> dict:
             [longest.name[:60], round((longest.time_range.end - longest.time_range.start) / 1e3, 3)]}
 
 
+def sync_probe(step, batch) -> list[dict]:
+    """The host-synchronising calls of one step and where they come from: the step runs under
+    torch.cuda.set_sync_debug_mode("warn"), and each warning's Python stack (the last frames inside this repository)
+    is recorded once. The guard's one read is expected; anything else makes the GPU idle while the host waits."""
+    import traceback
+    import warnings
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    seen: dict[tuple, dict] = {}
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        frames = [f for f in traceback.extract_stack()[:-1] if f.filename.startswith(repo)][-4:]
+        key = tuple((f.filename, f.lineno) for f in frames)
+        entry = seen.setdefault(key, {"count": 0, "message": str(message)[:120],
+                                      "stack": [f"{os.path.relpath(f.filename, repo)}:{f.lineno} {f.name}"
+                                                for f in frames]})
+        entry["count"] += 1
+
+    torch.cuda.synchronize()
+    saved = warnings.showwarning
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step(*batch)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            warnings.showwarning = saved
+    torch.cuda.synchronize()
+    out = list(seen.values())
+    for entry in out:
+        print(f"      sync x{entry['count']}: {entry['message']} <- {' <- '.join(reversed(entry['stack']))}", flush=True)
+    return out
+
+
 def host_profile(step, batches, steps: int = 6, top: int = 12) -> dict:
     """Where the host time of `steps` steps goes and which host code the GPU waited for.
 
@@ -499,7 +535,7 @@ def bench_config(name: str, cfg: dict, args, device) -> dict:
 
             base_variant, *flags = variant.split("+")
             known = {"nomix", "kern", "ntk", "cg", "eagerloss", "eagergrp", "tracedgrp", "fp8dg", "widthdg", "autogc", "eagerbody", "head",
-                     "cdt", "tadam", "nofce", "reusedg", "fastdg"}
+                     "cdt", "tadam", "nofce", "reusedg", "fastdg", "nogate"}
             width_flags = [f for f in flags if f.startswith("minw") and f[4:].isdigit()]
             unknown = set(flags) - known - set(width_flags)
             if unknown:
@@ -560,6 +596,9 @@ def bench_config(name: str, cfg: dict, args, device) -> dict:
             if args.host_profile:
                 print(f"[{name}] {variant} host profile of 6 steps:", flush=True)
                 row["host_profile"] = host_profile(step, batches)
+            if args.sync_probe:
+                print(f"[{name}] {variant} host syncs of one step:", flush=True)
+                row["syncs"] = sync_probe(step, batches[0])
         except Exception as exc:  # noqa: BLE001  # record and go on: one failing variant must not lose the others
             row["error"] = f"{type(exc).__name__}: {exc}"
             traceback.print_exc()
@@ -610,12 +649,12 @@ def loss_parity(args, device) -> dict:
         # "+seed<N>": another initialisation (same data order): a second bf16 row this way measures how far two
         # bf16 runs drift apart, the yardstick for the FP8 rows' differences.
         seeds = [int(f[4:]) for f in flags if f.startswith("seed") and f[4:].isdigit()]
-        if set(flags) - {"head"} - {f"seed{n}" for n in seeds}:
-            raise ValueError(f"loss-parity variants take only the +head and +seed<N> suffixes, got {variant!r}")
+        if set(flags) - {"head", "nofce"} - {f"seed{n}" for n in seeds}:
+            raise ValueError(f"loss-parity variants take only the +head, +nofce and +seed<N> suffixes, got {variant!r}")
         seed = seeds[0] if seeds else 0
         torch.manual_seed(seed)
         model = build("llama3_1b", overrides, base_variant, device, compile_blocks=not args.eager,
-                      dtype=torch.float32, output_head="head" in flags, seed=seed)
+                      dtype=torch.float32, output_head="head" in flags, seed=seed, fused_head_loss="nofce" not in flags)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1,
                                       fused=True)
         warm = 20
@@ -669,6 +708,8 @@ def main() -> None:
     ap.add_argument("--profile-top", type=int, default=15, help="how many kernels --profile lists")
     ap.add_argument("--host-profile", action="store_true",
                     help="per variant: host time by step phase, GPU idle attributed to phases, top CPU ops")
+    ap.add_argument("--sync-probe", action="store_true",
+                    help="per variant: the host-synchronising calls of one step and their Python stacks")
     ap.add_argument("--dense-layers", type=int, default=CONFIGS["dense"]["overrides"]["n_layers"],
                     help="depth of the dense config (full-width Llama3-8B layers)")
     ap.add_argument("--moe-layers", type=int, default=CONFIGS["moe"]["overrides"]["n_layers"])
