@@ -312,8 +312,10 @@ class ChunkedAdamW(torch.optim.AdamW):
         0-d `gate` tensor: all of it only where the gate is 1."""
         beta1, beta2 = group["betas"]
         self._send_grad_addresses(bucket, grad_addrs)
-        # The step counts advance by the gate (0 or 1): a tensor added on the device, no host read.
-        step_increment = 1.0 if gate is None else gate.detach().reshape(()).to(torch.float32)
+        # The step counts advance by the gate (0 or 1), added on the device as a list of tensors: _foreach_add_ with
+        # one 0-d CUDA tensor as its scalar synchronises the host (session 18 call C, --sync-probe: the GPU then
+        # drained before the next step was launched).
+        step_increment = 1.0 if gate is None else [gate.detach().reshape(()).to(torch.float32)] * len(bucket.steps)
         if bucket.chunk_tensor.numel() == 0:  # only empty parameters: nothing to update but the step counts
             torch._foreach_add_(bucket.steps, step_increment)
             return
@@ -324,7 +326,7 @@ class ChunkedAdamW(torch.optim.AdamW):
             norm, max_norm = bucket.numel, 0.0  # unread (CLIP=False)
         self.last_compiled = _adamw_chunks_kernel[(bucket.chunk_tensor.numel(),)](
             bucket.addr, bucket.grad_addr, bucket.numel, bucket.chunk_tensor, bucket.chunk_index, norm,
-            bucket.numel if gate is None else step_increment.reshape(1),  # (unread when not GATED)
+            bucket.numel if gate is None else gate.detach().reshape(1),  # (unread when not GATED)
             float(group["lr"]), float(beta1), float(beta2), float(group["eps"]), float(group["weight_decay"]),
             float(max_norm), P_DTYPE=_TL_DTYPES[p_dtype], G_DTYPE=_TL_DTYPES[g_dtype], S_DTYPE=_TL_DTYPES[s_dtype],
             CLIP=self._clip is not None, GATED=gate is not None, BLOCK=BLOCK, ALIGNED_STATES=HINT_POINTERS,

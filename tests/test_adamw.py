@@ -374,7 +374,15 @@ def test_gpu_gated_steps_equal_the_kept_steps_alone():
         for p, gr in zip(a, grads):
             p.grad = gr.clone()
         norm = norm_of(grads).cuda()
-        assert opt_a.clip_and_step(norm, 1.0, gate=torch.tensor(gate, device="cuda"))
+        gate_t = torch.tensor(gate, device="cuda")
+        torch.cuda.synchronize()
+        # Launched before the guard's host read, it must not wait for the GPU itself (session 18 call C: the step
+        # counts' _foreach_add_ with a 0-d CUDA tensor did): no synchronising call once the kernel is compiled.
+        torch.cuda.set_sync_debug_mode("error" if opt_a.kernel_steps else "default")
+        try:
+            assert opt_a.clip_and_step(norm, 1.0, gate=gate_t)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
         if gate:
             for q, gr in zip(b, grads):
                 q.grad = gr.clone()
