@@ -9,6 +9,10 @@ Flow of one training step (the worker loop calls these, in this order, before op
     report = monitor.evaluate(agreed, step)                  # host floats: thresholds, baselines, warm-up
     decision = policy.decide(report, step)                   # policy.py; identical on every rank
 
+agreement.agree_and_decide runs the last three, and can put the step's update between the collective and the read:
+gated on the device by update_gate (the thresholds evaluate() will apply, known before the step's values), so the
+GPU runs the optimizer while the host reads and evaluates instead of idling.
+
 Where the thresholds are applied, and why there:
 - On device each rank only MEASURES: the verdict vector holds one raw statistic per slot (a non-finite flag,
   the loss, the grad norm, FP8 saturation/underflow fractions, FP8 amax, the FP8-vs-BF16 shadow difference).
