@@ -5,9 +5,9 @@ the same tensors ~0.17) and the weights' recast into the grad-input layout 0.19 
     PYTHONUNBUFFERED=1 python3 benchmarks/reuse_kernels.py --out $OUT
 
 Shapes: DeepSeek-MoE-16B routed experts at 16384 tokens x top-6 (98304 rows, 64 experts): the gradients of w13's
-output (98304 x 2816) and of w2's (98304 x 2048); the weights w13 [64, 2816, 2048] and w2 [64, 2048, 1408] as stored
+output (98304 x 2816) and of w2's (98304 x 2048), and w2's input width (1408); the weights w13 [64, 2816, 2048] and w2 [64, 2048, 1408] as stored
 ([E, N, K]). Rows (ms, median of CUDA-event timings; GB/s against each op's least traffic):
-- copy of the gradient (bandwidth yardstick); the plain row cast (quantize_rowwise) of it;
+- copy of the gradient (bandwidth yardstick); the plain row cast (quantize_rowwise) of it, over tile budgets and warps;
 - the group-scaled row cast with fp32 multipliers (what fp8.grouped passes) and with bf16 ones (exact for powers of
   two: must give the same bytes), over rowwise tile budgets and warps;
 - the recast (cast_rows_transposed_batched) over tiles and warps, checked equal to the shipped tile's output.
@@ -48,7 +48,7 @@ def main() -> None:
         bandwidth_row(rows, name, fn, traffic_bytes, args.reps, width=72)
 
     shipped = (q.ROWWISE_MAX_TILE, q.ROWWISE_MAX_ROW, q.ROWWISE_WARPS)
-    for N in (2816, 2048):
+    for N in (2816, 2048, 1408):
         gy = torch.randn(M, N, device="cuda", generator=g).bfloat16()
         # powers of two, as the forward's row scales' reciprocals are
         mul32 = torch.exp2(torch.randint(-6, 7, (E, N), device="cuda", generator=g).float())
@@ -56,6 +56,16 @@ def main() -> None:
         nbytes = gy.numel() * 2
         row(f"copy gy {M}x{N}", lambda gy=gy: gy.clone(), 2 * nbytes)
         row(f"row cast gy {M}x{N} (shipped tiles)", lambda gy=gy: q.quantize_rowwise_triton(gy, e4m3), nbytes * 3 // 2)
+        # The plain row cast too (the MoE step's forward and grad-output casts, 12 a step): tile budget and warps.
+        # max_row below the padded row: one row a program, looped over max_tile columns twice (amax, then the cast
+        # re-reading the row from cache) instead of the padded row (4096 lanes for 2816) in registers.
+        for max_tile, max_row, warps in ((4096, 16384, 4), (4096, 16384, 8), (16384, 16384, 8), (16384, 16384, 16),
+                                         (2048, 16384, 4), (8192, 16384, 4), (1024, 1024, 4), (2048, 2048, 4),
+                                         (1024, 1024, 2)):
+            q.ROWWISE_MAX_TILE, q.ROWWISE_MAX_ROW, q.ROWWISE_WARPS = max_tile, max_row, warps
+            row(f"row cast {N} max_tile={max_tile} max_row={max_row} warps={warps}",
+                lambda gy=gy: q.quantize_rowwise_triton(gy, e4m3), nbytes * 3 // 2)
+        q.ROWWISE_MAX_TILE, q.ROWWISE_MAX_ROW, q.ROWWISE_WARPS = shipped
         ref = q.quantize_rowwise_group_scaled_triton(gy, mul32, gid, e4m3)
         for max_tile, warps in ((8192, 8), (4096, 4), (4096, 8), (16384, 8), (16384, 16), (2048, 4)):
             q.ROWWISE_MAX_TILE, q.ROWWISE_WARPS = max_tile, warps
