@@ -196,24 +196,30 @@ def make_step(model, optimizer, guard: Guard | None, compiled_loss: bool, cuda_g
             # As the worker (Trainer._run_steps): one pass for the norm here, the clip with it after the guard.
             grad_norm = global_grad_norm(local_grad_norm(model, inputs.device), world_size=1, sharding="fsdp")
 
-        def apply_update(gate=None):
-            # As the worker's Trainer.apply_update: optim.ChunkedAdamW ("+tadam") scales in its launch; with a gate
-            # it is launched before the guard's host read and takes effect only if the guard keeps the step.
-            if not clip_and_step(optimizer, model.parameters(), grad_norm, 1.0, gate):
-                return False
-            if update_router_bias is not None:  # the worker's per-kept-step MoE balancing (update_router_bias)
+        router_done = False
+
+        def gated_update(gate):
+            # As the worker's Trainer.gated_update, launched before the guard's host read (so under the step.guard
+            # label in host profiles): the router's bias update (aux-loss-free balancing), then our AdamW ("+tadam"),
+            # which scales in its launch and takes the gate; torch's AdamW cannot (False: stepped after the read).
+            nonlocal router_done
+            if update_router_bias is not None:
                 update_router_bias(gate=gate)
-            return True
+            router_done = True
+            return clip_and_step(optimizer, model.parameters(), grad_norm, 1.0, gate)
 
         applies_update, applied = True, False
         if guard is not None:
             with record_function("step.guard"):
                 decision, applied = guard.check(model, loss.detach(), grad_norm, state["step"],
-                                                gated_update=apply_update if gated else None)
+                                                gated_update=gated_update if gated else None)
                 applies_update = decision.applies_update
         with record_function("step.optimizer"):
-            if applies_update and not applied:
-                apply_update()
+            if applies_update:
+                if not applied:
+                    clip_and_step(optimizer, model.parameters(), grad_norm, 1.0)
+                if not router_done and update_router_bias is not None:  # the worker's per-kept-step MoE balancing
+                    update_router_bias()
             optimizer.zero_grad(set_to_none=True)
         state["step"] += 1
         return loss.detach()

@@ -189,7 +189,7 @@ class ChunkedAdamW(torch.optim.AdamW):
         # id(param group) -> (ids and addresses of its params with gradients, its buckets or None: torch's step)
         self._buckets: dict[int, tuple[tuple, list[_Bucket] | None]] = {}
         self._clip: tuple[torch.Tensor, float] | None = None
-        self.kernel_steps = 0  # steps that ran through the kernel (tests and benchmarks read it)
+        self.kernel_steps = 0  # kernel launches, a gated-off step's included (tests and benchmarks read it)
         self.last_compiled = None  # the last launch's compiled kernel (benchmarks/adamw.py reads its PTX)
 
     def load_state_dict(self, state_dict) -> None:

@@ -116,7 +116,7 @@ class PendingAgreement:
             self._host = torch.empty(packed.shape, dtype=torch.float64, pin_memory=True)
             self._host.copy_(packed, non_blocking=True)
             self._done = torch.cuda.Event()
-            self._done.record()
+            self._done.record(torch.cuda.current_stream(packed.device))  # the copy's stream, whatever the current device
         else:
             self._host = packed
 
@@ -142,8 +142,8 @@ def agree_and_decide(monitor: StepMonitor, policy: DivergencePolicy, verdict_D: 
     """Agreement -> evaluation -> policy for one step: (decision, report, whether the update was applied here).
 
     gated_update(gate): optional; launches the step's update so that it takes effect only where the 0-d device
-    tensor `gate` is 1 (optim.ChunkedAdamW.clip_and_step(..., gate=)), returning False if it cannot (the caller
-    then applies the update itself after the decision, as without it). The gate is what the policy will decide
+    tensor `gate` is 1 (optim.ChunkedAdamW.clip_and_step(..., gate=)), returning False if its optimizer step could
+    not be (the caller then steps after the decision, as without it). The third value says whether it was. The gate is what the policy will decide
     about applying the update, computed on the device from the agreed values before the host has read them
     (StepMonitor.update_gate: the same thresholds, compared in the same float64, as evaluate()). It is launched
     before the host read and the read does not wait for it, so the GPU runs the optimizer while the host evaluates
@@ -159,7 +159,8 @@ def agree_and_decide(monitor: StepMonitor, policy: DivergencePolicy, verdict_D: 
     agreed, gate_value = pending.result()
     report = monitor.evaluate(agreed, step)
     decision = policy.decide(report, step)
-    if launched and (gate_value == 1.0) != decision.applies_update:
+    # Checked whether or not the optimizer could take the gate (the router's update always does).
+    if gate_value is not None and (gate_value == 1.0) != decision.applies_update:
         raise RuntimeError(f"step {step}: the device gate ({gate_value}) launched with the update disagrees with the "
                            f"policy's decision {decision!r} (applies_update={decision.applies_update}); the "
                            "weights may have been updated by a step the policy rejected")

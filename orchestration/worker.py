@@ -284,6 +284,7 @@ class Trainer:
                                       keep_good=job.checkpoint.keep_good, rank=self.rank,
                                       world_size=self.world_size, event_sink=self._event_sink)
         self.guard = StepGuard(self)
+        self.router_bias_done = False  # this step's router-bias update already launched, gated (gated_update)
         if job.faults.kind == "fp8_overflow":
             # Real numerics: an outlier enters the first FP8 layer, so the FP8 health statistics see it.
             target = next((m for m in self.model.modules() if isinstance(m, Float8Linear)), None)
@@ -570,7 +571,8 @@ class Trainer:
             # hide which rank produced it: a rank reports a non-finite norm only if its own shard is non-finite.
             monitored_norm = torch.where(torch.isfinite(local_norm), torch.nan_to_num(grad_norm, nan=0.0, posinf=0.0),
                                          local_norm)
-            action = self.guard.check(loss, monitored_norm, gated_update=functools.partial(self.apply_update, grad_norm))
+            self.router_bias_done = False
+            action = self.guard.check(loss, monitored_norm, gated_update=functools.partial(self.gated_update, grad_norm))
             if action == "stop":
                 status = "stopped_divergence"
                 break
@@ -583,7 +585,9 @@ class Trainer:
                 # AdamW the scaling pass at least keeps the GPU busy while the host runs AdamW's Python prologue
                 # (the GPU waited 1.0-1.9 ms a step there in session 10's MoE host profile, BENCHMARKS.md).
                 if not self.guard.update_applied:
-                    self.apply_update(grad_norm)
+                    clip_and_step(self.optimizer, self.model.parameters(), grad_norm, job.train.grad_clip)
+                if not self.router_bias_done:
+                    self.update_router_bias()
                 self.state.consumed_ranges = merge_ranges(self.state.consumed_ranges + [step_range])
             else:  # skipped: the bad step never updates the weights
                 self.state.skipped_ranges = merge_ranges(self.state.skipped_ranges + [step_range])
@@ -604,14 +608,15 @@ class Trainer:
             managed_gc.step(self.state.step)
         return status
 
-    def apply_update(self, grad_norm: torch.Tensor, gate: torch.Tensor | None = None) -> bool:
-        """The step's update: clipped optimizer step, then the router's bias update. gate (0-d device tensor): both
-        take effect only where it is 1, launched before the guard's host read (StepGuard.check's gated_update);
-        returns False, having done nothing, where the optimizer cannot take a gated step (torch's AdamW)."""
-        if not clip_and_step(self.optimizer, self.model.parameters(), grad_norm, self.job.train.grad_clip, gate):
-            return False
+    def gated_update(self, grad_norm: torch.Tensor, gate: torch.Tensor) -> bool:
+        """The step's update launched before the guard's host read (StepGuard.check's gated_update), taking effect
+        only where the 0-d device `gate` is 1: the router's bias update always (every rank issues its collective
+        at the same point whatever its optimizer can do), then the clipped optimizer step, which only
+        optim.ChunkedAdamW's kernel can take gated. Returns whether the optimizer step was launched; if not, the
+        loop steps after the decision, as without a gate."""
         self.update_router_bias(gate)
-        return True
+        self.router_bias_done = True
+        return clip_and_step(self.optimizer, self.model.parameters(), grad_norm, self.job.train.grad_clip, gate)
 
     def update_router_bias(self, gate: torch.Tensor | None = None) -> None:
         """DeepSeek-V3 aux-loss-free balancing: one bias update per kept step from the expert loads of all ranks."""
@@ -652,7 +657,8 @@ class Trainer:
                   "samples_consumed": count_in_ranges(self.state.consumed_ranges), "mfu": self.mfu(tokens_per_s),
                   "gpu_mem_peak_gib": self.peak_memory_gib(), "time": time.time(), **self.guard.policy_metrics()}
         if isinstance(self.optimizer, ChunkedAdamW):
-            # Steps our AdamW kernel took (a step it cannot take goes through torch's AdamW: this shows which).
+            # Launches of our AdamW kernel, steps the guard gated off included (a step it cannot take goes through
+            # torch's AdamW: this shows which).
             record["adamw_kernel_steps"] = self.optimizer.kernel_steps
         if self.rank == 0:
             self.run_dir.metrics(record)

@@ -196,3 +196,6 @@ def test_agree_and_decide_refuses_a_gate_that_disagrees_and_reports_an_update_it
     monitor.update_gate = lambda values_D, consider_fp8: torch.ones(())
     with pytest.raises(RuntimeError, match="disagrees with the policy's decision"):
         agree_and_decide(monitor, policy, verdict(float("inf")), 2, gated_update=lambda g: True)
+    # Also where the optimizer could not take the gate: other gated work (the router's bias update) did.
+    with pytest.raises(RuntimeError, match="disagrees with the policy's decision"):
+        agree_and_decide(monitor, policy, verdict(float("inf")), 3, gated_update=lambda g: False)

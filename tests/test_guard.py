@@ -322,25 +322,29 @@ def test_a_run_checkpointed_before_the_window_rule_resumes_with_its_own_windows(
 # ----------------------------------------------------------------------------- interpreter cases (child process)
 
 def _interp_the_gated_update_skips_exactly_the_step_the_guard_rejects(tmp_path, monkeypatch):
-    """The worker launches the step's update (optim.ChunkedAdamW, in the Triton interpreter here) before the guard's
-    host read, gated on the device: a NaN gradient at step 2 must leave the weights and AdamW's step counts as they
-    were, and every other step must apply once (orchestration.agreement.agree_and_decide)."""
+    """The worker launches the step's update (optim.ChunkedAdamW, in the Triton interpreter here, and the MoE router's
+    aux-loss-free bias update) before the guard's host read, gated on the device: a NaN gradient at step 2 must leave
+    the weights, AdamW's step counts and the router biases as they were (the expert counts carried to the next kept
+    step), and every other step must apply once (orchestration.agreement.agree_and_decide)."""
     import torch
 
     import orchestration.worker as worker_mod
     from optim import ChunkedAdamW
 
     monkeypatch.setattr(worker_mod, "adamw_implementation", lambda job, device: "triton")
-    trainer = make_trainer(tmp_path, "precision=bf16", "train.steps=4", "faults=nan_grad", "faults.rank=0",
-                           "faults.step=2")
+    trainer = make_trainer(tmp_path, "model=debug_moe", "+model.overrides.aux_free_bias=true", "precision=bf16",
+                           "train.steps=4", "faults=nan_grad", "faults.rank=0", "faults.step=2")
+    moe = trainer.model.layers["1"].moe
     assert isinstance(trainer.optimizer, ChunkedAdamW)
-    record = {}
+    record, biases = {}, {}
     check = trainer.guard.check
 
     def recorded(loss, grad_norm, gated_update=None):
         before = [p.detach().clone() for p in trainer.model.parameters()]
         launches = trainer.optimizer.kernel_steps
+        bias, counts = moe.expert_bias.clone(), moe.tokens_per_expert.clone()
         action = check(loss, grad_norm, gated_update)
+        biases[trainer.state.step] = (bias, moe.expert_bias.clone(), counts, moe.tokens_per_expert.clone())
         counts = {trainer.optimizer.state[p]["step"].item() for p in trainer.model.parameters()}
         record[trainer.state.step] = (action, trainer.guard.update_applied, before,
                                       trainer.optimizer.kernel_steps - launches, counts)
@@ -355,6 +359,12 @@ def _interp_the_gated_update_skips_exactly_the_step_the_guard_rejects(tmp_path, 
         (0, "proceed", True, 1), (1, "proceed", True, 1), (2, "skip", False, 1), (3, "proceed", True, 1)]
     (c0,), (c1,), (c2,), (c3,) = (record[s][4] for s in range(4))
     assert (c1 - c0, c2 - c1, c3 - c2) == (1.0, 0.0, 1.0)
+    for s, (bias_before, bias_after, counts_before, counts_after) in biases.items():
+        assert counts_before.sum() > 0
+        if s == 2:  # rejected: the bias stays, the counts wait for the next kept step
+            assert torch.equal(bias_after, bias_before) and torch.equal(counts_after, counts_before)
+        else:
+            assert not torch.equal(bias_after, bias_before) and not counts_after.any()
     weights = [record[s][2] for s in range(4)] + [after]
     for s in range(4):
         same = all(torch.equal(a, b) for a, b in zip(weights[s], weights[s + 1]))
