@@ -143,9 +143,10 @@ def agree_and_decide(monitor: StepMonitor, policy: DivergencePolicy, verdict_D: 
 
     gated_update(gate): optional; launches the step's update so that it takes effect only where the 0-d device
     tensor `gate` is 1 (optim.ChunkedAdamW.clip_and_step(..., gate=)), returning False if its optimizer step could
-    not be (the caller then steps after the decision, as without it). The third value says whether it was. The gate is what the policy will decide
-    about applying the update, computed on the device from the agreed values before the host has read them
-    (StepMonitor.update_gate: the same thresholds, compared in the same float64, as evaluate()). It is launched
+    not be (the caller then steps after the decision, as without it); the third value says whether it was. The gate
+    is what the policy will decide about applying the update, computed on the device from the agreed values before
+    the host has read them (StepMonitor.update_gate: the same thresholds, compared in the same float64, as
+    evaluate()). It is launched
     before the host read and the read does not wait for it, so the GPU runs the optimizer while the host evaluates
     (without it the GPU idled from the read until the host had decided and launched the optimizer: ~1.4 ms a step
     in session 17's MoE host profile). A gate that disagrees with the decision is a bug: RuntimeError.

@@ -189,13 +189,27 @@ if HAS_TRITON:
     # ---------------------------------------------------------------- rowwise
 
     @triton.jit
-    def _rowwise_rows(x_rows, out_rows, scale_ptr, offs_m, mask_m, mul_rows, N, stride_xn,
+    def _times_group_multipliers(x, mul_ptr, gid, mask_m, offs_n, mask, N):
+        # x [BM, BN] * mul[gid[m], n] (mul [G, N] fp32 or bf16 contiguous). Rows are sorted by group (hundreds of
+        # rows each), so a block's rows nearly always share one: then the multipliers are one [BN] vector for the
+        # whole block instead of a [BM, BN] gather (a load per element).
+        g_lo = tl.min(tl.where(mask_m, gid, 2147483647), 0)
+        if g_lo == tl.max(gid, 0):
+            mul_N = tl.load(mul_ptr + g_lo.to(tl.int64) * N + offs_n, mask=offs_n < N, other=0.0)
+            x = x * mul_N.to(tl.float32)[None, :]
+        else:
+            x = x * tl.load(mul_ptr + gid.to(tl.int64)[:, None] * N + offs_n[None, :], mask=mask,
+                            other=0.0).to(tl.float32)
+        return x
+
+    @triton.jit
+    def _rowwise_rows(x_rows, out_rows, scale_ptr, offs_m, mask_m, mul_ptr, gid, N, stride_xn,
                       HAS_MUL: tl.constexpr, FP8_MAX: tl.constexpr, EPS_: tl.constexpr, POW2: tl.constexpr,
                       BM: tl.constexpr, BN: tl.constexpr, ONE_TILE: tl.constexpr,
                       EXACT_ROUND: tl.constexpr, MBITS: tl.constexpr, MIN_NORMAL: tl.constexpr,
                       SUB_MAGIC: tl.constexpr, NAN_BITS: tl.constexpr):
-        # The row cast of one block of rows. HAS_MUL: of y = x * mul_rows[:, n] instead of x (compile-time: without it
-        # mul_rows is never read and the code is the plain row cast's).
+        # The row cast of one block of rows. HAS_MUL: of y = x * mul[gid[m], n] instead of x (compile-time: without it
+        # mul_ptr and gid are never read and the code is the plain row cast's).
         out_dtype = out_rows.dtype.element_ty
         if ONE_TILE:
             # The whole row block stays in registers: exactly one read of x.
@@ -203,7 +217,7 @@ if HAS_TRITON:
             mask = mask_m[:, None] & (offs_n < N)[None, :]
             x = tl.load(x_rows + offs_n[None, :] * stride_xn, mask=mask, other=0.0).to(tl.float32)
             if HAS_MUL:
-                x = x * tl.load(mul_rows + offs_n[None, :], mask=mask, other=0.0)
+                x = _times_group_multipliers(x, mul_ptr, gid, mask_m, offs_n, mask, N)
             scale = _scale_from_amax(_abs_max(x, 1), FP8_MAX, EPS_, POW2)
             y = _to_fp8(x * scale[:, None], out_dtype, FP8_MAX,
                         EXACT_ROUND, MBITS, MIN_NORMAL, SUB_MAGIC, NAN_BITS)
@@ -215,7 +229,7 @@ if HAS_TRITON:
                 mask = mask_m[:, None] & (offs_n < N)[None, :]
                 x = tl.load(x_rows + offs_n[None, :] * stride_xn, mask=mask, other=0.0).to(tl.float32)
                 if HAS_MUL:
-                    x = x * tl.load(mul_rows + offs_n[None, :], mask=mask, other=0.0)
+                    x = _times_group_multipliers(x, mul_ptr, gid, mask_m, offs_n, mask, N)
                 amax = _max_nan(amax, _abs_max(x, 1))
             scale = _scale_from_amax(amax, FP8_MAX, EPS_, POW2)
             for n0 in range(0, N, BN):
@@ -223,7 +237,7 @@ if HAS_TRITON:
                 mask = mask_m[:, None] & (offs_n < N)[None, :]
                 x = tl.load(x_rows + offs_n[None, :] * stride_xn, mask=mask, other=0.0).to(tl.float32)
                 if HAS_MUL:
-                    x = x * tl.load(mul_rows + offs_n[None, :], mask=mask, other=0.0)
+                    x = _times_group_multipliers(x, mul_ptr, gid, mask_m, offs_n, mask, N)
                 y = _to_fp8(x * scale[:, None], out_dtype, FP8_MAX,
                             EXACT_ROUND, MBITS, MIN_NORMAL, SUB_MAGIC, NAN_BITS)
                 tl.store(out_rows + offs_n[None, :], y, mask=mask)
@@ -237,8 +251,9 @@ if HAS_TRITON:
                         SUB_MAGIC: tl.constexpr, NAN_BITS: tl.constexpr):
         offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
         x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
-        _rowwise_rows(x_rows, out_ptr + offs_m.to(tl.int64)[:, None] * N, scale_ptr, offs_m, offs_m < M, x_rows, N,
-                      stride_xn, False, FP8_MAX, EPS_, POW2, BM, BN, ONE_TILE,
+        # (x_ptr and offs_m stand in for the unread multipliers and group ids)
+        _rowwise_rows(x_rows, out_ptr + offs_m.to(tl.int64)[:, None] * N, scale_ptr, offs_m, offs_m < M, x_ptr, offs_m,
+                      N, stride_xn, False, FP8_MAX, EPS_, POW2, BM, BN, ONE_TILE,
                       EXACT_ROUND, MBITS, MIN_NORMAL, SUB_MAGIC, NAN_BITS)
 
     @triton.jit
@@ -249,34 +264,13 @@ if HAS_TRITON:
                                      SUB_MAGIC: tl.constexpr, NAN_BITS: tl.constexpr):
         # The row cast of y = x * mul[gid[m], n] (mul [G, N] fp32 or bf16 contiguous, gid [M] int32): the grouped
         # grad-input's gradient with the weights' forward row scales folded in (fp8.grouped "fp8_reuse"). Its own
-        # kernel, so the plain row cast keeps its signature.
+        # kernel, so the plain row cast keeps its signature; both run _rowwise_rows.
         offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
         mask_m = offs_m < M
         gid = tl.load(gid_ptr + offs_m, mask=mask_m, other=0)
-        x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
-        out_rows = out_ptr + offs_m.to(tl.int64)[:, None] * N
-        if ONE_TILE:
-            # Rows are sorted by group (hundreds of rows each), so a block's rows nearly always share one: then the
-            # multipliers are one [BN] vector for the whole block instead of a [BM, BN] gather (a load per element).
-            offs_n = tl.arange(0, BN)
-            mask = mask_m[:, None] & (offs_n < N)[None, :]
-            x = tl.load(x_rows + offs_n[None, :] * stride_xn, mask=mask, other=0.0).to(tl.float32)
-            g_lo = tl.min(tl.where(mask_m, gid, 2147483647), 0)
-            if g_lo == tl.max(gid, 0):
-                mul_N = tl.load(mul_ptr + g_lo.to(tl.int64) * N + offs_n, mask=offs_n < N, other=0.0)
-                x = x * mul_N.to(tl.float32)[None, :]
-            else:
-                x = x * tl.load(mul_ptr + gid.to(tl.int64)[:, None] * N + offs_n[None, :], mask=mask,
-                                other=0.0).to(tl.float32)
-            scale = _scale_from_amax(_abs_max(x, 1), FP8_MAX, EPS_, POW2)
-            y = _to_fp8(x * scale[:, None], out_rows.dtype.element_ty, FP8_MAX,
-                        EXACT_ROUND, MBITS, MIN_NORMAL, SUB_MAGIC, NAN_BITS)
-            tl.store(out_rows + offs_n[None, :], y, mask=mask)
-            tl.store(scale_ptr + offs_m, scale, mask=mask_m)
-        else:
-            _rowwise_rows(x_rows, out_rows, scale_ptr, offs_m, mask_m, mul_ptr + gid.to(tl.int64)[:, None] * N, N,
-                          stride_xn, True, FP8_MAX, EPS_, POW2, BM, BN, ONE_TILE, EXACT_ROUND, MBITS, MIN_NORMAL,
-                          SUB_MAGIC, NAN_BITS)
+        _rowwise_rows(x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm, out_ptr + offs_m.to(tl.int64)[:, None] * N,
+                      scale_ptr, offs_m, mask_m, mul_ptr, gid, N, stride_xn, True,
+                      FP8_MAX, EPS_, POW2, BM, BN, ONE_TILE, EXACT_ROUND, MBITS, MIN_NORMAL, SUB_MAGIC, NAN_BITS)
 
     # ---------------------------------------------------------------- rowwise + colwise (transposed)
 
