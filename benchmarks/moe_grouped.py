@@ -43,9 +43,9 @@ torch._dynamo.config.accumulated_recompile_limit = 4096
 from benchmarks.common import Budget, bench_ms, env_info, kernel_times, run_workers, sqnr_db, write_json
 
 CASES = ("bf16_compiled", "ours_eager", "ours_compiled", "ours_pe_compiled", "ours_hp_compiled", "ours_hp_w_compiled",
-         "ours_hp_r_compiled", "ours_hp_f_compiled", "torchao_compiled", "torchao_eager", "bf16_eager")
+         "ours_hp_r_compiled", "ours_hp_k_compiled", "ours_hp_f_compiled", "torchao_compiled", "torchao_eager", "bf16_eager")
 COMPILED = ("bf16_compiled", "ours_compiled", "ours_pe_compiled", "ours_hp_compiled", "ours_hp_w_compiled",
-            "ours_hp_r_compiled", "ours_hp_f_compiled", "torchao_compiled")
+            "ours_hp_r_compiled", "ours_hp_k_compiled", "ours_hp_f_compiled", "torchao_compiled")
 
 
 def group_offsets(m: int, e: int, align: int, device: str, seed: int = 0) -> torch.Tensor:
@@ -72,8 +72,10 @@ def grouped_fn(impl: str):
         scaling = "per_expert" if base == "ours_pe" else "hp" if base.startswith("ours_hp") else "global"
         # ours_hp_w: the grad-input GEMMs as sessions 4-12 ran them (dgrad="width"); ours_hp_r: on the forward's
         # quantized weight (dgrad="fp8_reuse", what "auto" means since session 17); ours_hp_f: the weight cast
-        # again, fast accumulation ("fp8_fast", sessions 13-16's default); the others the default "auto".
-        dgrad = {"ours_hp_w": "width", "ours_hp_r": "fp8_reuse", "ours_hp_f": "fp8_fast"}.get(base, "auto")
+        # again, fast accumulation ("fp8_fast", sessions 13-16's default); ours_hp_k: fp8_reuse's operand written by the
+        # forward's weight cast and kept ("fp8_keep"); the others the default "auto".
+        dgrad = {"ours_hp_w": "width", "ours_hp_r": "fp8_reuse", "ours_hp_f": "fp8_fast",
+                 "ours_hp_k": "fp8_keep"}.get(base, "auto")
         return Fp8GroupedMM(wgrad_scaling=scaling, dgrad=dgrad)
     from torchao.prototype.moe_training.fp8_grouped_mm import _to_fp8_rowwise_then_scaled_grouped_mm
 

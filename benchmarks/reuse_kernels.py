@@ -10,8 +10,11 @@ output (98304 x 2816) and of w2's (98304 x 2048), and w2's input width (1408); t
 - copy of the gradient (bandwidth yardstick); the plain row cast (quantize_rowwise) of it, over tile budgets and warps;
 - the group-scaled row cast with fp32 multipliers (what fp8.grouped passes) and with bf16 ones (exact for powers of
   two: must give the same bytes), over rowwise tile budgets and warps;
-- the recast (cast_rows_transposed_batched) over tiles and warps, checked equal to the shipped tile's output.
-Writes reuse_kernels.json to --out.
+- the recast (cast_rows_transposed_batched) over tiles and warps, checked equal to the shipped tile's output;
+- dgrad="fp8_keep"'s forward weight cast (quantize_rows_and_transposed_batched: the row cast written in both layouts by
+  one kernel) over tiles and warps, checked equal to the row cast + recast it replaces, next to those two timed back
+  to back (what fp8_reuse spends on the weight per layer: the forward's row cast and the backward's recast).
+--sections picks a subset (rowcast, group, recast, both). Writes reuse_kernels.json to --out.
 """
 
 from __future__ import annotations
@@ -31,7 +34,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--reps", type=int, default=9)
+    ap.add_argument("--sections", default="rowcast,group,recast,both",
+                    help="comma-separated subset of rowcast, group, recast, both")
     args = ap.parse_args()
+    sections = set(args.sections.split(","))
+    unknown = sections - {"rowcast", "group", "recast", "both"}
+    if unknown:
+        ap.error(f"--sections: unknown {sorted(unknown)}; choose from rowcast, group, recast, both")
     from fp8.kernels import quantize as q
 
     e4m3 = torch.float8_e4m3fn
@@ -48,7 +57,7 @@ def main() -> None:
         bandwidth_row(rows, name, fn, traffic_bytes, args.reps, width=72)
 
     shipped = (q.ROWWISE_MAX_TILE, q.ROWWISE_MAX_ROW, q.ROWWISE_WARPS)
-    for N in (2816, 2048, 1408):
+    for N in (2816, 2048, 1408) if sections & {"rowcast", "group"} else ():
         gy = torch.randn(M, N, device="cuda", generator=g).bfloat16()
         # powers of two, as the forward's row scales' reciprocals are
         mul32 = torch.exp2(torch.randint(-6, 7, (E, N), device="cuda", generator=g).float())
@@ -61,11 +70,13 @@ def main() -> None:
         # re-reading the row from cache) instead of the padded row (4096 lanes for 2816) in registers.
         for max_tile, max_row, warps in ((4096, 16384, 4), (4096, 16384, 8), (16384, 16384, 8), (16384, 16384, 16),
                                          (2048, 16384, 4), (8192, 16384, 4), (1024, 1024, 4), (2048, 2048, 4),
-                                         (1024, 1024, 2)):
+                                         (1024, 1024, 2)) if "rowcast" in sections else ():
             q.ROWWISE_MAX_TILE, q.ROWWISE_MAX_ROW, q.ROWWISE_WARPS = max_tile, max_row, warps
             row(f"row cast {N} max_tile={max_tile} max_row={max_row} warps={warps}",
                 lambda gy=gy: q.quantize_rowwise_triton(gy, e4m3), nbytes * 3 // 2)
         q.ROWWISE_MAX_TILE, q.ROWWISE_MAX_ROW, q.ROWWISE_WARPS = shipped
+        if "group" not in sections:
+            continue
         ref = q.quantize_rowwise_group_scaled_triton(gy, mul32, gid, e4m3)
         for max_tile, warps in ((8192, 8), (4096, 4), (4096, 8), (16384, 8), (16384, 16), (2048, 4)):
             q.ROWWISE_MAX_TILE, q.ROWWISE_WARPS = max_tile, warps
@@ -77,18 +88,42 @@ def main() -> None:
         q.ROWWISE_MAX_TILE, q.ROWWISE_MAX_ROW, q.ROWWISE_WARPS = shipped
 
     tile_shipped, warps_shipped = q.BATCHED_ROW_CAST_TILE, q.TRANSPOSE_WARPS
-    for N, K in ((2816, 2048), (2048, 1408)):
+    both_shipped = (q.BATCHED_BOTH_LAYOUTS_TILE, q.BATCHED_BOTH_LAYOUTS_WARPS)
+    for N, K in ((2816, 2048), (2048, 1408)) if sections & {"recast", "both"} else ():
         w_ENK = (torch.randn(E, N, K, device="cuda", generator=g) * 0.02).bfloat16()
         scale = torch.exp2(torch.randint(4, 12, (E, N), device="cuda", generator=g).float())
         ref = q.cast_rows_transposed_batched_triton(w_ENK, scale, e4m3)
         for tile, warps in (((64, 128), 4), ((32, 128), 4), ((64, 64), 4), ((128, 64), 4), ((64, 256), 8),
-                            ((128, 128), 8), ((32, 256), 4)):
+                            ((128, 128), 8), ((32, 256), 4)) if "recast" in sections else ():
             q.BATCHED_ROW_CAST_TILE, q.TRANSPOSE_WARPS = tile, warps
             out = q.cast_rows_transposed_batched_triton(w_ENK, scale, e4m3)
             same = torch.equal(out.view(torch.int8), ref.view(torch.int8))
             row(f"recast w [{E},{N},{K}] tile={tile} warps={warps} same={same}",
                 lambda w_ENK=w_ENK, scale=scale: q.cast_rows_transposed_batched_triton(w_ENK, scale, e4m3), w_ENK.numel() * 3)
         q.BATCHED_ROW_CAST_TILE, q.TRANSPOSE_WARPS = tile_shipped, warps_shipped
+        if "both" not in sections:
+            continue
+        # fp8_reuse's weight work per layer (the forward's row cast, the backward's recast by its scales) against
+        # fp8_keep's one kernel writing both layouts; least traffic 6 vs 4 bytes a parameter.
+        w_rows = w_ENK.reshape(E * N, K)
+
+        def reuse_pair(w_rows=w_rows, w_ENK=w_ENK):
+            fwd, s_M1 = q.quantize_rowwise_triton(w_rows, e4m3)
+            return fwd, q.cast_rows_transposed_batched_triton(w_ENK, s_M1.reshape(w_ENK.shape[:2]), e4m3)
+
+        fwd_ref, t_ref = reuse_pair()
+        row(f"w [{E},{N},{K}] forward row cast alone (shipped)", lambda w_rows=w_rows: q.quantize_rowwise_triton(
+            w_rows, e4m3), w_ENK.numel() * 3)
+        row(f"w [{E},{N},{K}] fp8_reuse: row cast + recast", reuse_pair, w_ENK.numel() * 6)
+        for tile, warps in (((32, 128), 4), ((16, 128), 4), ((64, 128), 4), ((64, 128), 8), ((32, 256), 4),
+                            ((32, 256), 8), ((16, 256), 4), ((64, 64), 4), ((128, 64), 8)):
+            q.BATCHED_BOTH_LAYOUTS_TILE, q.BATCHED_BOTH_LAYOUTS_WARPS = tile, warps
+            out, _, out_t = q.quantize_rows_and_transposed_batched_triton(w_ENK, e4m3)
+            same = (torch.equal(out.reshape(E * N, K).view(torch.int8), fwd_ref.view(torch.int8))
+                    and torch.equal(out_t.view(torch.int8), t_ref.view(torch.int8)))
+            row(f"w [{E},{N},{K}] fp8_keep both layouts tile={tile} warps={warps} same={same}",
+                lambda w_ENK=w_ENK: q.quantize_rows_and_transposed_batched_triton(w_ENK, e4m3), w_ENK.numel() * 4)
+        q.BATCHED_BOTH_LAYOUTS_TILE, q.BATCHED_BOTH_LAYOUTS_WARPS = both_shipped
     write_json(os.path.join(args.out, "reuse_kernels.json"),
                {"command": "python3 " + " ".join(sys.argv), "env": env_info(), "rows": rows})
 

@@ -16,7 +16,8 @@ Inductor write tensorwise's fp8 transposed copies (FP8_KERNELS=no_transposes, th
 mode="reduce-overhead" (CUDA graphs); "+eagerloss" runs the cross-entropy eagerly (fp32 logits materialized);
 "+eagergrp" / "+tracedgrp" run the FP8 grouped GEMMs in fp8.grouped's "eager" / "traced" modes (default "opaque");
 "+fp8dg" runs all their grad-input GEMMs in fp8 with promoted accumulation, "+reusedg" on the forward's quantized
-weights (dgrad="fp8_reuse"), "+fastdg" on the weights cast again (fast accumulation, "fp8_fast") and "+widthdg" in
+weights (dgrad="fp8_reuse"), "+keepdg" on them written in the grad-input layout by the forward's cast and kept
+("fp8_keep"), "+fastdg" on the weights cast again (fast accumulation, "fp8_fast") and "+widthdg" in
 bf16 where the width is not a multiple of 256, else so (default: fp8.grouped's dgrad="auto", fp8_reuse since session
 17); "+autogc" leaves Python's automatic garbage collection on
 during the timed steps (default: the worker's policy, orchestration/gc_policy.py; every row records its GC pauses under "gc"); "+minw<W>" keeps linears
@@ -541,7 +542,7 @@ def bench_config(name: str, cfg: dict, args, device) -> dict:
 
             base_variant, *flags = variant.split("+")
             known = {"nomix", "kern", "ntk", "cg", "eagerloss", "eagergrp", "tracedgrp", "fp8dg", "widthdg", "autogc", "eagerbody", "head",
-                     "cdt", "tadam", "nofce", "reusedg", "fastdg", "nogate"}
+                     "cdt", "tadam", "nofce", "reusedg", "keepdg", "fastdg", "nogate"}
             width_flags = [f for f in flags if f.startswith("minw") and f[4:].isdigit()]
             unknown = set(flags) - known - set(width_flags)
             if unknown:
@@ -550,6 +551,7 @@ def bench_config(name: str, cfg: dict, args, device) -> dict:
                                               else "opaque")
             os.environ["FP8_GROUPED_DGRAD"] = ("fp8" if "fp8dg" in flags else "width" if "widthdg" in flags
                                                else "fp8_reuse" if "reusedg" in flags
+                                               else "fp8_keep" if "keepdg" in flags
                                                else "fp8_fast" if "fastdg" in flags else "auto")
             os.environ["FP8_GROUPED_BODY"] = "eager" if "eagerbody" in flags else "compiled"
             # As the worker's compile_blocks: CUDA graphs need eager op bodies (fp8.grouped.set_body_mode).

@@ -123,9 +123,12 @@ def _wgrad_hp(x_MK, gy_MN, offs_E, out_ENK: bool) -> torch.Tensor:
     return gw.transpose(-2, -1) if out_ENK else gw
 
 
-def _grouped_forward(x_MK, w_EKN, offs_E, e4m3: torch.dtype, use_scaled: bool, pow2: bool, wgrad: str):
-    """-> (out_MN, stats, saved_x, sw_EN): saved_x is what backward needs of x (see _grouped_backward); sw_EN the
-    weight's forward scales (per expert and output column, along K), which dgrad="fp8_reuse" reuses."""
+def _grouped_forward(x_MK, w_EKN, offs_E, e4m3: torch.dtype, use_scaled: bool, pow2: bool, wgrad: str,
+                     dgrad: str = "fp8"):
+    """-> (out_MN, stats, saved_x, sw_EN, q_EKN): saved_x is what backward needs of x (see _grouped_backward); sw_EN the
+    weight's forward scales (per expert and output column, along K), which dgrad="fp8_reuse" reuses; q_EKN the
+    forward's quantized weight in the grad-input GEMM's [E, K, N] row-major layout when dgrad == "fp8_keep", else
+    None."""
     x_MK = x_MK.contiguous()
     if wgrad == "global":
         # Both layouts from one fused cast; backward keeps the 1-byte transposed copy, not x.
@@ -136,19 +139,25 @@ def _grouped_forward(x_MK, w_EKN, offs_E, e4m3: torch.dtype, use_scaled: bool, p
         saved_x = (x_MK,)
     # Per expert, per output column n, scaled along K, column-major (strides (K*N, 1, K)) as the grouped
     # GEMM's right operand wants: a plain row cast when w is already stored [E, N, K].
-    w_fp8, sw_E1N = quant.quantize_colwise_3d(w_EKN, e4m3, pow2)
+    if dgrad == "fp8_keep":
+        # The same cast written in both layouts by one kernel: backward then needs no second read of w.
+        w_fp8, sw_E1N, q_EKN = quant.quantize_colwise_3d_both_layouts(w_EKN, e4m3, pow2)
+    else:
+        w_fp8, sw_E1N = quant.quantize_colwise_3d(w_EKN, e4m3, pow2)
+        q_EKN = None
     out_MN = _scaled_or_emulated_2d3d(x_fp8, sx_M1, w_fp8, sw_E1N, offs_E, use_scaled, fast_accum=True)
     stats = health_stats(x_MK, x_fp8, sx_M1, e4m3)
-    return out_MN.to(x_MK.dtype), stats, saved_x, sw_E1N.reshape(sw_E1N.shape[0], -1)
+    return out_MN.to(x_MK.dtype), stats, saved_x, sw_E1N.reshape(sw_E1N.shape[0], -1), q_EKN
 
 
 def _grouped_backward(gy_MN, w_EKN, offs_E, saved_x, e4m3: torch.dtype, use_scaled: bool, pow2: bool, wgrad: str,
-                      dgrad: str = "fp8", sw_EN: torch.Tensor | None = None):
+                      dgrad: str = "fp8", sw_EN: torch.Tensor | None = None, q_EKN: torch.Tensor | None = None):
     """-> (gx_MK, gw_EKN) for the saved_x of _grouped_forward. Both always: expert weights always train.
     dgrad: how the grad-input GEMM runs, "fp8" | "fp8_fast" (fast accumulation) | "hp" (the activations' precision)
-    | "fp8_reuse" (needs sw_EN, the forward's weight scales); see Fp8GroupedMM.dgrad_for."""
+    | "fp8_reuse" (needs sw_EN, the forward's weight scales) | "fp8_keep" (also needs q_EKN, the forward's quantized
+    weight in the [E, K, N] layout); see Fp8GroupedMM.dgrad_for."""
     hp_dgrad = dgrad == "hp"
-    reuse = dgrad == "fp8_reuse"
+    reuse = dgrad in ("fp8_reuse", "fp8_keep")
     gy_MN = gy_MN.contiguous()
     if wgrad == "global":
         gy_fp8, sg_M1, gy_fp8_t_NM, sg_1N = quant.quantize_rowwise_and_colwise(gy_MN, e4m3, pow2)
@@ -161,8 +170,10 @@ def _grouped_backward(gy_MN, w_EKN, offs_E, saved_x, e4m3: torch.dtype, use_scal
         # (one read, no amax pass) into the [E, K, N] row-major layout this GEMM reads; its scales lie along N, the
         # contraction dim here, so they move onto gy's columns (exact: powers of two), group by group:
         #   gx[m, k] = sum_n (gy[m, n] / sw[e(m), n]) * q[e(m), k, n]
-        # and gy / sw is quantized per row as gy would be. Replaces the two-pass column cast of w.
-        q_EKN = quant.cast_rows_transposed_batched(w_EKN.transpose(-2, -1), sw_EN, e4m3)
+        # and gy / sw is quantized per row as gy would be. Replaces the two-pass column cast of w. "fp8_keep": the
+        # forward's cast already wrote q in this layout.
+        if q_EKN is None:
+            q_EKN = quant.cast_rows_transposed_batched(w_EKN.transpose(-2, -1), sw_EN, e4m3)
         num_groups = sw_EN.shape[0]
         inv_sw_GN = torch.cat([sw_EN.reciprocal(), sw_EN.new_zeros(1, sw_EN.shape[1])])  # rows past offs[-1]: 0
         if pow2:  # powers of two are exact in bf16 (fp32's exponent range): half the bytes the cast kernel reads
@@ -200,9 +211,9 @@ class _Fp8GroupedMMFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_MK, w_EKN, offs_E, backend: Fp8Backend, use_scaled: bool, pow2: bool, wgrad_scaling: str,
                 dgrad: str):
-        out_MN, stats, saved_x, sw_EN = _grouped_forward(x_MK, w_EKN, offs_E, backend.e4m3, use_scaled, pow2,
-                                                         wgrad_scaling)
-        ctx.save_for_backward(w_EKN, offs_E, sw_EN, *saved_x)
+        out_MN, stats, saved_x, sw_EN, q_EKN = _grouped_forward(x_MK, w_EKN, offs_E, backend.e4m3, use_scaled, pow2,
+                                                                wgrad_scaling, dgrad)
+        ctx.save_for_backward(w_EKN, offs_E, sw_EN, q_EKN, *saved_x)
         ctx.e4m3, ctx.use_scaled, ctx.pow2, ctx.wgrad = backend.e4m3, use_scaled, pow2, wgrad_scaling
         ctx.dgrad = dgrad
         ctx.mark_non_differentiable(stats)
@@ -210,9 +221,9 @@ class _Fp8GroupedMMFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, gy_MN, _grad_stats):
-        w_EKN, offs_E, sw_EN, *saved_x = ctx.saved_tensors
+        w_EKN, offs_E, sw_EN, q_EKN, *saved_x = ctx.saved_tensors
         gx_MK, gw_EKN = _grouped_backward(
-            gy_MN, w_EKN, offs_E, tuple(saved_x), ctx.e4m3, ctx.use_scaled, ctx.pow2, ctx.wgrad, ctx.dgrad, sw_EN
+            gy_MN, w_EKN, offs_E, tuple(saved_x), ctx.e4m3, ctx.use_scaled, ctx.pow2, ctx.wgrad, ctx.dgrad, sw_EN, q_EKN
         )
         return gx_MK, gw_EKN, None, None, None, None, None, None
 
@@ -289,16 +300,18 @@ def _run_body(fn, on_cuda: bool, *args):
 def _grouped_fwd_op(
     x_MK: torch.Tensor, w_EKN: torch.Tensor, offs_E: torch.Tensor, e4m3: torch.dtype, use_scaled: bool, pow2: bool,
     wgrad: str, dgrad: str,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """-> (out_MN, stats, x_fp8_t_KM, sx_1K, sw_EN); x_fp8_t_KM and sx_1K are empty unless wgrad == "global" (else
-    backward re-reads x itself, which an op output may not alias), sw_EN unless dgrad == "fp8_reuse"."""
-    out_MN, stats, saved_x, sw_EN = _run_body(_grouped_forward, x_MK.is_cuda, x_MK, w_EKN, offs_E, e4m3, use_scaled,
-                                              pow2, wgrad)
-    sw_keep = sw_EN.contiguous() if dgrad == "fp8_reuse" else x_MK.new_empty(0, dtype=torch.float32)
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> (out_MN, stats, x_fp8_t_KM, sx_1K, sw_EN, q_EKN); x_fp8_t_KM and sx_1K are empty unless wgrad == "global"
+    (else backward re-reads x itself, which an op output may not alias), sw_EN unless dgrad is "fp8_reuse" or
+    "fp8_keep", q_EKN unless dgrad == "fp8_keep"."""
+    out_MN, stats, saved_x, sw_EN, q_EKN = _run_body(_grouped_forward, x_MK.is_cuda, x_MK, w_EKN, offs_E, e4m3,
+                                                     use_scaled, pow2, wgrad, dgrad)
+    sw_keep = sw_EN.contiguous() if dgrad in ("fp8_reuse", "fp8_keep") else x_MK.new_empty(0, dtype=torch.float32)
+    q_keep = q_EKN.contiguous() if q_EKN is not None else x_MK.new_empty(0, dtype=e4m3)
     if wgrad == "global":
         x_fp8_t_KM, sx_1K = saved_x
-        return out_MN, stats, x_fp8_t_KM.contiguous(), sx_1K.contiguous(), sw_keep
-    return out_MN, stats, x_MK.new_empty(0, dtype=e4m3), x_MK.new_empty(0, dtype=torch.float32), sw_keep
+        return out_MN, stats, x_fp8_t_KM.contiguous(), sx_1K.contiguous(), sw_keep, q_keep
+    return out_MN, stats, x_MK.new_empty(0, dtype=e4m3), x_MK.new_empty(0, dtype=torch.float32), sw_keep, q_keep
 
 
 @_grouped_fwd_op.register_fake
@@ -307,10 +320,12 @@ def _(x_MK, w_EKN, offs_E, e4m3, use_scaled, pow2, wgrad, dgrad):
     N = w_EKN.shape[-1]
     out = x_MK.new_empty(M, N)
     stats = x_MK.new_empty(3, dtype=torch.float32)
-    sw_keep = x_MK.new_empty((w_EKN.shape[0], N) if dgrad == "fp8_reuse" else (0,), dtype=torch.float32)
+    sw_keep = x_MK.new_empty((w_EKN.shape[0], N) if dgrad in ("fp8_reuse", "fp8_keep") else (0,), dtype=torch.float32)
+    q_keep = x_MK.new_empty(tuple(w_EKN.shape) if dgrad == "fp8_keep" else (0,), dtype=e4m3)
     if wgrad == "global":
-        return out, stats, x_MK.new_empty(K, M, dtype=e4m3), x_MK.new_empty(1, K, dtype=torch.float32), sw_keep
-    return out, stats, x_MK.new_empty(0, dtype=e4m3), x_MK.new_empty(0, dtype=torch.float32), sw_keep
+        return (out, stats, x_MK.new_empty(K, M, dtype=e4m3), x_MK.new_empty(1, K, dtype=torch.float32), sw_keep,
+                q_keep)
+    return out, stats, x_MK.new_empty(0, dtype=e4m3), x_MK.new_empty(0, dtype=torch.float32), sw_keep, q_keep
 
 
 def _gw_storage_shape(w_EKN: torch.Tensor) -> tuple[int, int, int]:
@@ -321,34 +336,35 @@ def _gw_storage_shape(w_EKN: torch.Tensor) -> tuple[int, int, int]:
 @torch.library.custom_op("elastic_fp8::grouped_mm_bwd", mutates_args=())
 def _grouped_bwd_op(
     gy_MN: torch.Tensor, w_EKN: torch.Tensor, offs_E: torch.Tensor, x_MK: torch.Tensor, x_fp8_t_KM: torch.Tensor,
-    sx_1K: torch.Tensor, sw_EN: torch.Tensor, e4m3: torch.dtype, use_scaled: bool, pow2: bool, wgrad: str, dgrad: str,
+    sx_1K: torch.Tensor, sw_EN: torch.Tensor, q_EKN: torch.Tensor, e4m3: torch.dtype, use_scaled: bool, pow2: bool,
+    wgrad: str, dgrad: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (gx_MK, gw) with gw contiguous in the weight's storage layout ([E, N, K] for column-major w)."""
     saved_x = (x_fp8_t_KM, sx_1K) if wgrad == "global" else (x_MK,)
     gx_MK, gw_EKN = _run_body(_grouped_backward, gy_MN.is_cuda, gy_MN, w_EKN, offs_E, saved_x, e4m3, use_scaled,
-                              pow2, wgrad, dgrad, sw_EN)
+                              pow2, wgrad, dgrad, sw_EN, q_EKN if dgrad == "fp8_keep" else None)
     gw = gw_EKN.transpose(-2, -1) if _is_column_major(w_EKN) else gw_EKN
     return gx_MK.contiguous(), gw.contiguous()
 
 
 @_grouped_bwd_op.register_fake
-def _(gy_MN, w_EKN, offs_E, x_MK, x_fp8_t_KM, sx_1K, sw_EN, e4m3, use_scaled, pow2, wgrad, dgrad):
+def _(gy_MN, w_EKN, offs_E, x_MK, x_fp8_t_KM, sx_1K, sw_EN, q_EKN, e4m3, use_scaled, pow2, wgrad, dgrad):
     return gy_MN.new_empty(gy_MN.shape[0], w_EKN.shape[1]), gy_MN.new_empty(_gw_storage_shape(w_EKN), dtype=w_EKN.dtype)
 
 
 def _grouped_op_setup(ctx, inputs, output):
     x_MK, w_EKN, offs_E, e4m3, use_scaled, pow2, wgrad, dgrad = inputs
-    _, _, x_fp8_t_KM, sx_1K, sw_EN = output
+    _, _, x_fp8_t_KM, sx_1K, sw_EN, q_EKN = output
     # "hp" and "per_expert" re-read x in backward; "global" keeps only the fp8 transposed copy and its scales.
     x_keep = x_MK if wgrad != "global" else x_MK.new_empty(0)
-    ctx.save_for_backward(w_EKN, offs_E, x_keep, x_fp8_t_KM, sx_1K, sw_EN)
+    ctx.save_for_backward(w_EKN, offs_E, x_keep, x_fp8_t_KM, sx_1K, sw_EN, q_EKN)
     ctx.args = (e4m3, use_scaled, pow2, wgrad, dgrad)
     ctx.w_column_major = _is_column_major(w_EKN)
 
 
-def _grouped_op_backward(ctx, gy_MN, _g_stats, _g_xt, _g_sx, _g_sw):
-    w_EKN, offs_E, x_keep, x_fp8_t_KM, sx_1K, sw_EN = ctx.saved_tensors
-    gx_MK, gw = _grouped_bwd_op(gy_MN, w_EKN, offs_E, x_keep, x_fp8_t_KM, sx_1K, sw_EN, *ctx.args)
+def _grouped_op_backward(ctx, gy_MN, _g_stats, _g_xt, _g_sx, _g_sw, _g_q):
+    w_EKN, offs_E, x_keep, x_fp8_t_KM, sx_1K, sw_EN, q_EKN = ctx.saved_tensors
+    gx_MK, gw = _grouped_bwd_op(gy_MN, w_EKN, offs_E, x_keep, x_fp8_t_KM, sx_1K, sw_EN, q_EKN, *ctx.args)
     gw_EKN = gw.transpose(-2, -1) if ctx.w_column_major else gw
     return gx_MK, gw_EKN, None, None, None, None, None, None
 
@@ -384,7 +400,14 @@ _GROUPED_MODE_ENV = "FP8_GROUPED_MODE"
 #               took DeepSeek-MoE-16B's routed experts from 8.87 to 8.24 ms (bf16 9.16) in one run (session 17,
 #               call A), its gx within 0.5 dB of fast's (tests/test_fp8_gpu.py on the H200). The folding of the
 #               saved scales into gy's row cast is exact only for power-of-two scales, hence the condition.
-DGRAD_CHOICES = ("fp8", "fp8_fast", "hp", "width", "auto", "fp8_reuse")
+#   "fp8_keep"  "fp8_reuse" with the weight's grad-input layout written by the forward's cast (one kernel writing both
+#               layouts, quant.quantize_colwise_3d_both_layouts) and kept for backward: no second read of the bf16
+#               weight (the recast: 0.36 ms for DeepSeek-MoE-16B's w13 on the H200, session 18), at the cost of one
+#               byte per expert parameter alive from forward to backward - of the gathered weight under FSDP, so per
+#               GPU and per MoE layer: ~15 GB for DeepSeek-MoE-16B's 27 MoE layers without activation checkpointing
+#               (with it, one layer's worth; models/planning.py does not count fp8 copies). The same bytes as
+#               "fp8_reuse". Not yet measured on a GPU (benchmarks/scripts/session19_a.sh): "auto" does not pick it.
+DGRAD_CHOICES = ("fp8", "fp8_fast", "hp", "width", "auto", "fp8_reuse", "fp8_keep")
 _DGRAD_ENV = "FP8_GROUPED_DGRAD"
 
 
@@ -454,7 +477,7 @@ class Fp8GroupedMM:
     def call_opaque(self, x_MK: torch.Tensor, w_EKN: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
         """The custom-op form: the same numbers, one graph node per direction under torch.compile."""
         x_MK, w_EKN, backend, use_scaled, dgrad = self._prepare(x_MK, w_EKN, offs_E)
-        out_MN, stats, _, _, _ = _grouped_fwd_op(
+        out_MN, stats, _, _, _, _ = _grouped_fwd_op(
             x_MK, w_EKN, offs_E, backend.e4m3, use_scaled, self.pow2, self.wgrad_scaling, dgrad
         )
         self.last_stats = stats

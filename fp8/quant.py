@@ -62,7 +62,7 @@ def _import_kernels():
 _FAILED: set[str] = set()
 _KERNELS_UNDER_COMPILE = (
     "quantize_rowwise", "quantize_rowwise_and_colwise", "quantize_jagged_per_expert", "quantize_colwise_batched",
-    "transpose", "quantize_rowwise_group_scaled", "cast_rows_transposed_batched",
+    "transpose", "quantize_rowwise_group_scaled", "cast_rows_transposed_batched", "quantize_rows_and_transposed_batched",
 )
 
 
@@ -202,6 +202,25 @@ def cast_rows_transposed_batched(x_BRC: torch.Tensor, scale_BR: torch.Tensor, dt
     from fp8.kernels.reference import cast_rows_transposed_batched_ref
 
     return _ref(x_BRC, cast_rows_transposed_batched_ref)(x_BRC, scale_BR, dtype)
+
+
+def quantize_colwise_3d_both_layouts(w_EKN: torch.Tensor, dtype: torch.dtype, pow2: bool = True):
+    """quantize_colwise_3d's cast, also written [E, K, N] row-major -> (w_fp8 [E, K, N] column-major, scale_E1N,
+    w_fp8_EKN_rows): the second layout is the grad-input GEMM's operand (fp8.grouped "fp8_keep"), the bytes
+    cast_rows_transposed_batched would make from the same weight and scales. With the kernels: one kernel over the
+    [E, N, K] rows of w's transpose, read where they lie (no copy of a strided w)."""
+    e, _, n = w_EKN.shape
+    k = _kernel_fn(w_EKN, "quantize_rows_and_transposed_batched")
+    if k is not None:
+        out = _call("quantize_rows_and_transposed_batched", k, None, w_EKN.transpose(-2, -1), dtype, pow2=pow2)
+        if out is not None:
+            w_fp8_ENK, scale_EN, w_fp8_EKN_rows = out
+            return w_fp8_ENK.transpose(-2, -1), scale_EN.reshape(e, 1, n), w_fp8_EKN_rows
+    from fp8.kernels.reference import quantize_rows_and_transposed_batched_ref
+
+    w_fp8_ENK, scale_EN, w_fp8_EKN_rows = _ref(w_EKN, quantize_rows_and_transposed_batched_ref)(
+        w_EKN.transpose(-2, -1), dtype, pow2)
+    return w_fp8_ENK.transpose(-2, -1), scale_EN.reshape(e, 1, n), w_fp8_EKN_rows
 
 
 def quantize_colwise_3d(w_EKN: torch.Tensor, dtype: torch.dtype, pow2: bool = True):

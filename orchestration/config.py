@@ -29,7 +29,7 @@ ENV_PRESET_NAMES = ("none", "nccl_h100", "nccl_h200", "rccl_mi300x", "rccl_mi350
 
 
 MOE_WGRADS = ("hp", "global", "per_expert")  # fp8.grouped.WGRAD_SCALINGS, without importing torch here
-MOE_DGRADS = ("auto", "fp8_reuse", "fp8_fast", "fp8", "hp", "width")  # fp8.grouped.DGRAD_CHOICES, likewise
+MOE_DGRADS = ("auto", "fp8_reuse", "fp8_keep", "fp8_fast", "fp8", "hp", "width")  # fp8.grouped.DGRAD_CHOICES, likewise
 # torch.compile modes for the blocks; "reduce-overhead" = CUDA graphs (see ModelConfig.compile_mode).
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")
 
@@ -63,7 +63,8 @@ class PrecisionConfig:
     moe_wgrad: str = "hp"
     # MoE expert grad-input GEMM (fp8.grouped.DGRAD_CHOICES): auto = fp8 on the forward's quantized weights with
     # power-of-two scales (fp8_reuse: the fastest measured, BENCHMARKS.md session 17), else fp8 with fast
-    # accumulation; fp8_fast / fp8 (promoted accumulation) / hp (bf16) / width / fp8_reuse to choose one.
+    # accumulation; fp8_fast / fp8 (promoted accumulation) / hp (bf16) / width / fp8_reuse to choose one; fp8_keep
+    # (fp8_reuse's operand written by the forward's weight cast and kept: +1 byte per expert parameter until backward).
     moe_dgrad: str = "auto"
     # Linears whose K * N / (K + N) is below this stay in bf16 (fp8.convert.gemm_width: FP8's GEMM gain grows with
     # M * K * N, the cost of its casts with M * (K + N)). 0 converts every eligible linear. See README for the

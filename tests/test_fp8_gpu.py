@@ -280,6 +280,31 @@ def test_group_scaled_row_cast_matches_reference_on_gpu(n):
     assert not got[-7:].float().any()
 
 
+@pytest.mark.parametrize("shape", [(64, 2816, 2048), (64, 2048, 1408), (3, 37, 45)])
+def test_rows_and_transposed_batched_cast_matches_reference_on_gpu(shape):
+    """fp8_keep's forward weight cast (one kernel writing the row cast in both layouts) at DeepSeek-MoE-16B's w13 and w2
+    storage [E, N, K] and a ragged shape: bit-equal to the reference, and to the row cast plus the backward recast it
+    replaces; read in place and through a strided view."""
+    from fp8.kernels import quantize as q
+    from fp8.kernels.reference import cast_rows_transposed_batched_ref, quantize_rows_and_transposed_batched_ref
+
+    E, N, K = shape
+    w = (torch.randn(E, N, K, device="cuda", generator=torch.Generator(device="cuda").manual_seed(K)) *
+         torch.logspace(-2, 1, N, device="cuda")[None, :, None]).to(torch.bfloat16)
+    w[0, 1] = 0.0
+    for x in (w, w.transpose(-2, -1).contiguous().transpose(-2, -1)):
+        got, s, got_t = q.quantize_rows_and_transposed_batched_triton(x, E4M3)
+        want, s_want, want_t = quantize_rows_and_transposed_batched_ref(x, E4M3)
+        assert torch.equal(s, s_want)
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+        assert torch.equal(got_t.view(torch.uint8), want_t.view(torch.uint8))
+        row, s_row = q.quantize_rowwise_triton(x.reshape(E * N, K), E4M3)
+        assert torch.equal(s_row.reshape(E, N), s) and torch.equal(row.view(torch.uint8), got.reshape(E * N, K).view(
+            torch.uint8))
+        recast = cast_rows_transposed_batched_ref(x, s, E4M3)
+        assert torch.equal(recast.view(torch.uint8), got_t.view(torch.uint8))
+
+
 @pytest.mark.parametrize("dims", [(2048, 2816), (1408, 2048)])  # DeepSeek-MoE's w13 and w2: gx contracts over N
 def test_grouped_fast_accum_grad_input_keeps_fp8_accuracy(dims):
     """dgrad="fp8_fast" (the grad-input GEMM with the tensor cores' fast accumulation): its grad_x stays within 0.5 dB
@@ -299,7 +324,7 @@ def test_grouped_fast_accum_grad_input_keeps_fp8_accuracy(dims):
     offs = torch.tensor([1024 * (e + 1) for e in range(E)], dtype=torch.int32, device="cuda")
     gx_ref = torch.cat([gy[1024 * e:1024 * (e + 1)].double() @ w_ENK[e].double() for e in range(E)])
     results = {}
-    for dgrad in ("fp8", "fp8_fast", "fp8_reuse"):
+    for dgrad in ("fp8", "fp8_fast", "fp8_reuse", "fp8_keep"):
         xr, wr = x.clone().requires_grad_(), w_ENK.clone().requires_grad_()
         out = Fp8GroupedMM(mode="opaque", dgrad=dgrad)(xr, wr.transpose(-2, -1), offs)
         out.backward(gy)
@@ -309,6 +334,10 @@ def test_grouped_fast_accum_grad_input_keeps_fp8_accuracy(dims):
     assert 23 < promoted < 40 and fast > promoted - 0.5 and reuse > promoted - 0.5, (dims, promoted, fast, reuse)
     for other in ("fp8_fast", "fp8_reuse"):
         assert torch.equal(results["fp8"][0], results[other][0]) and torch.equal(results["fp8"][2], results[other][2])
+    # fp8_keep: fp8_reuse's operand written by the forward's cast (one kernel, both layouts): the same bytes, so the same
+    # gradients bit for bit
+    for a, b in zip(results["fp8_reuse"], results["fp8_keep"]):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("mark_steps", [True, False], ids=["marked", "unmarked"])

@@ -249,13 +249,15 @@ def test_op_bodies_trace_without_graph_breaks(monkeypatch, wgrad):
     offs = torch.tensor([32, 64, 96, 128], dtype=torch.int32)
     e4m3 = torch.float8_e4m3fn
     fwd = torch.compile(g._grouped_forward, backend="eager", fullgraph=True, dynamic=False)
-    out, stats, saved, sw = fwd(x, w, offs, e4m3, False, True, wgrad)
-    out_ref, stats_ref, _, sw_ref = g._grouped_forward(x, w, offs, e4m3, False, True, wgrad)
+    out, stats, saved, sw, q = fwd(x, w, offs, e4m3, False, True, wgrad, "fp8_keep")
+    out_ref, stats_ref, _, sw_ref, q_ref = g._grouped_forward(x, w, offs, e4m3, False, True, wgrad, "fp8_keep")
     assert torch.equal(out, out_ref) and torch.equal(stats, stats_ref) and torch.equal(sw, sw_ref)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and q.shape == (E, K, N)
     bwd = torch.compile(g._grouped_backward, backend="eager", fullgraph=True, dynamic=False)
-    for dgrad in ("fp8", "fp8_fast", "hp", "fp8_reuse"):
-        gx, gw = bwd(gy, w, offs, saved, e4m3, False, True, wgrad, dgrad, sw)
-        gx_ref, gw_ref = g._grouped_backward(gy, w, offs, saved, e4m3, False, True, wgrad, dgrad, sw)
+    for dgrad in ("fp8", "fp8_fast", "hp", "fp8_reuse", "fp8_keep"):
+        gx, gw = bwd(gy, w, offs, saved, e4m3, False, True, wgrad, dgrad, sw, q if dgrad == "fp8_keep" else None)
+        gx_ref, gw_ref = g._grouped_backward(gy, w, offs, saved, e4m3, False, True, wgrad, dgrad, sw,
+                                             q_ref if dgrad == "fp8_keep" else None)
         assert torch.equal(gx, gx_ref) and torch.equal(gw, gw_ref), (wgrad, dgrad)
 
 
@@ -317,17 +319,24 @@ def test_reuse_dgrad_is_the_fp8_dgrad_on_the_forwards_quantized_weight(stored_en
     gy = torch.randn(M, N, generator=gen) * 3
     offs = torch.tensor([40, 56, 96, 128], dtype=torch.int32)
     results = {}
-    for dgrad in ("fp8", "fp8_reuse"):
+    # fp8_keep (the forward's cast writes the grad-input layout too and keeps it) through the custom ops and through
+    # the autograd.Function (mode "eager"): the same bytes as fp8_reuse's recast, so the same gradients bit for bit.
+    for dgrad, mode in (("fp8", None), ("fp8_reuse", None), ("fp8_keep", "opaque"), ("fp8_keep", "eager")):
         # stored [E, N, K] (nn.Linear's layout, passed as its column-major [E, K, N] view) or [E, K, N] row-major
         leaf = (storage.clone() if stored_enk else storage.transpose(-2, -1).contiguous()).requires_grad_()
         w_EKN = leaf.transpose(-2, -1) if stored_enk else leaf
         xi = x.clone().requires_grad_()
-        op = Fp8GroupedMM(emulate=True, dgrad=dgrad, wgrad_scaling=wgrad)
+        op = Fp8GroupedMM(emulate=True, dgrad=dgrad, wgrad_scaling=wgrad, mode=mode)
         out = op(xi, w_EKN, offs)
         out.backward(gy)
-        results[dgrad] = (out.detach(), xi.grad.clone(), leaf.grad.clone())
+        results[dgrad if mode is None else f"{dgrad}:{mode}"] = (out.detach(), xi.grad.clone(), leaf.grad.clone())
     assert torch.equal(results["fp8"][0][:128], results["fp8_reuse"][0][:128])  # rows past offs[-1]: unspecified
     assert torch.equal(results["fp8"][2], results["fp8_reuse"][2])
+    for keep in ("fp8_keep:opaque", "fp8_keep:eager"):
+        out_k, gx_k, gw_k = results[keep]
+        assert torch.equal(out_k[:128], results["fp8_reuse"][0][:128]), keep
+        assert torch.equal(gx_k[:128], results["fp8_reuse"][1][:128]), keep
+        assert torch.equal(gw_k, results["fp8_reuse"][2]), keep
     w_EKN = storage.transpose(-2, -1)
     q, sw_E1N = quant.quantize_colwise_3d(w_EKN, torch.float8_e4m3fn, True)  # forward's quantization
     sw_EN = sw_E1N.reshape(E, N)

@@ -321,6 +321,38 @@ def _interp_cast_rows_transposed_batched(interp, monkeypatch):
         assert_fp8_equal(got, row_fp8.reshape(3, 37, 45).transpose(-2, -1).contiguous(), f"{what} vs the row cast")
 
 
+@pytest.mark.parametrize("fp8_dtype", [torch.float8_e4m3fn, torch.float8_e4m3fnuz])
+def _interp_rows_and_transposed_batched(interp, monkeypatch, fp8_dtype):
+    """Expert weights [E, N, K] row-cast once and written in both layouts ([E, N, K] and [E, K, N]), read in place and
+    as a strided view; partial tiles on both dims (several column loops); an all-zero row and a NaN row; equal to the
+    row cast of the [E*N, K] rows and to cast_rows_transposed_batched by the same scales (what fp8_keep replaces)."""
+    monkeypatch.setattr(fq, "BATCHED_BOTH_LAYOUTS_TILE", (16, 32))
+    w = torch.stack([make_x(37, 45, seed=50 + e) * 10.0 ** (e - 1) for e in range(3)])
+    w[1, 5] = 0.0
+    for pow2 in (True, False):
+        for x, what in ((w, "contiguous"), (w.transpose(-2, -1).contiguous().transpose(-2, -1), "column-major")):
+            what = f"{what} pow2={pow2}"
+            q, s, q_t = fk.quantize_rows_and_transposed_batched(x, fp8_dtype, pow2, use_triton=True)
+            q_ref, s_ref, q_t_ref = fk.quantize_rows_and_transposed_batched_ref(x, fp8_dtype, pow2)
+            assert q.shape == (3, 37, 45) and q_t.shape == (3, 45, 37) and s.shape == (3, 37)
+            assert q.is_contiguous() and q_t.is_contiguous()
+            assert_scale_equal(s, s_ref, f"{what} scale")
+            assert_fp8_equal(q, q_ref, f"{what} rows")
+            assert_fp8_equal(q_t, q_t_ref, f"{what} transposed")
+            row_fp8, scale_M1 = fk.quantize_rowwise_ref(x.reshape(-1, 45), fp8_dtype, pow2)
+            assert_scale_equal(s, scale_M1.reshape(3, 37), f"{what} scale vs the row cast")
+            assert_fp8_equal(q, row_fp8.reshape(3, 37, 45), f"{what} vs the row cast")
+            assert_fp8_equal(q_t, fk.cast_rows_transposed_batched_ref(x, s_ref, fp8_dtype), f"{what} vs the recast")
+            assert (q[1, 5].float() == 0).all()
+    w[2, 36, 44] = float("nan")  # loud: the NaN row's scale and data NaN in both layouts, the other rows as before
+    q, s, q_t = fk.quantize_rows_and_transposed_batched(w, fp8_dtype, use_triton=True)
+    assert s[2, 36].isnan() and q[2, 36].float().isnan().all() and q_t[2, :, 36].float().isnan().all()
+    q_ref, s_ref, _ = fk.quantize_rows_and_transposed_batched_ref(w, fp8_dtype)
+    keep = torch.ones(3, 37, dtype=torch.bool)
+    keep[2, 36] = False
+    assert torch.equal(s[keep], s_ref[keep]) and torch.equal(q[keep].float(), q_ref[keep].float())  # -0 == +0
+
+
 @pytest.mark.parametrize("fp8_dtype", FP8)
 @pytest.mark.parametrize("offs_list", JAGGED_OFFS)
 def _interp_jagged(interp, fp8_dtype, offs_list):
@@ -450,6 +482,7 @@ def _interp_custom_ops_opcheck(interp):
         (ops.quantize_jagged_per_expert, (x, offs, torch.float8_e4m3fn, True, True)),
         (ops.quantize_colwise_batched, (x.view(2, 4, 24), torch.float8_e4m3fn, True)),
         (ops.transpose, (x,)),
+        (ops.quantize_rows_and_transposed_batched, (x.view(2, 4, 24), torch.float8_e4m3fn, True)),
     ]
     for op, args in cases:
         torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
@@ -476,6 +509,6 @@ def _interp_custom_ops_trace_under_torch_compile(interp):
 
 # ----------------------------------------------------------------------------- interpreter child process
 
-N_INTERP_CASES = 4 + 12 + 8 + 1 + 8 + 2 + 4 + 12 + 2 + 1 + 1 + 1 + 1 + 2  # test_interp_* items the child must pass
+N_INTERP_CASES = 4 + 12 + 8 + 1 + 8 + 2 + 4 + 12 + 2 + 1 + 1 + 1 + 1 + 2 + 2  # test_interp_* items the child must pass
 
 expose_or_run(globals(), __file__, N_INTERP_CASES, "test_triton_kernels_in_subprocess")

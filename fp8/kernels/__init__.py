@@ -10,6 +10,8 @@ Public functions (torch tensors in and out, any device):
 - quantize_rowwise_group_scaled(x_hp_MN, mul_GN, gid_M, fp8_dtype, pow2=True) -> (y_fp8_MN, scale_M1) of
   y = x * mul[gid[m], :]; cast_rows_transposed_batched(x_hp_BRC, scale_BR, fp8_dtype) -> x_fp8_t_BCR by given row
   scales: the MoE grad-input GEMM that reuses the forward's quantized expert weights (fp8.grouped "fp8_reuse")
+- quantize_rows_and_transposed_batched(x_hp_BRC, fp8_dtype, pow2=True) -> (x_fp8_BRC, scale_BR, x_fp8_t_BCR): one row
+  cast written in both layouts (fp8.grouped "fp8_keep": the forward's expert weight cast also makes backward's operand)
 - health_stats(x_hp_MK, x_fp8_MK, scale, fp8_dtype) -> float32 [saturated_frac, underflow_frac, amax] of one cast
 - cross_entropy_fwd(logits_MV, targets_M, ignore_index) -> (lse_M, loss_M, gamax_M) and
   cross_entropy_grad_cast(logits_MV, targets_M, lse_M, gamax, coef, fp8_dtype, ignore_index) -> (g_fp8_MV,
@@ -49,6 +51,7 @@ from .reference import (
     pow2_floor,
     quantize_colwise_batched_ref,
     quantize_jagged_per_expert_ref,
+    quantize_rows_and_transposed_batched_ref,
     quantize_rowwise_and_colwise_ref,
     quantize_rowwise_group_scaled_ref,
     quantize_rowwise_ref,
@@ -78,6 +81,8 @@ __all__ = [
     "quantize_colwise_batched_ref",
     "quantize_jagged_per_expert",
     "quantize_jagged_per_expert_ref",
+    "quantize_rows_and_transposed_batched",
+    "quantize_rows_and_transposed_batched_ref",
     "quantize_rowwise",
     "quantize_rowwise_and_colwise",
     "quantize_rowwise_and_colwise_ref",
@@ -341,3 +346,22 @@ def cast_rows_transposed_batched(
         return _run_triton(ops.cast_rows_transposed_batched_op, _q.cast_rows_transposed_batched_triton, x_hp_BRC,
                            scale_BR, fp8_dtype)
     return cast_rows_transposed_batched_ref(x_hp_BRC, scale_BR, fp8_dtype)
+
+
+def quantize_rows_and_transposed_batched(
+    x_hp_BRC: torch.Tensor, fp8_dtype: torch.dtype, pow2: bool = True, *, use_triton: bool | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One scale per (b, r) along C, the cast written in both layouts: (x_fp8_BRC [B, R, C], scale_BR, x_fp8_t_BCR
+    [B, C, R]), both contiguous; x any strides (definition: reference.quantize_rows_and_transposed_batched_ref).
+    Triton: one program per BR rows of a batch, an amax pass and a cast pass over the rows (one kernel)."""
+    check_fp8_dtype(fp8_dtype)
+    if x_hp_BRC.dim() != 3:
+        raise ValueError(f"quantize_rows_and_transposed_batched expects a 3D tensor [B, R, C], got "
+                         f"{tuple(x_hp_BRC.shape)}")
+    if not x_hp_BRC.is_floating_point() or x_hp_BRC.dtype in FP8_DTYPES:
+        raise ValueError(f"quantize_rows_and_transposed_batched expects a high-precision float tensor, got "
+                         f"{x_hp_BRC.dtype}")
+    if will_use_triton(x_hp_BRC, use_triton):
+        return _run_triton(ops.quantize_rows_and_transposed_batched_op, _q.quantize_rows_and_transposed_batched_triton,
+                           x_hp_BRC, fp8_dtype, pow2)
+    return quantize_rows_and_transposed_batched_ref(x_hp_BRC, fp8_dtype, pow2)

@@ -91,3 +91,12 @@ def cast_rows_transposed_batched_op(x_hp_BRC: torch.Tensor, scale_BR: torch.Tens
     if _on_gpu(x_hp_BRC):
         return _q.cast_rows_transposed_batched_triton(x_hp_BRC, scale_BR, fp8_dtype)
     return _ref.cast_rows_transposed_batched_ref(x_hp_BRC, scale_BR, fp8_dtype)
+
+
+@torch.library.triton_op("elastic_fp8::quantize_rows_and_transposed_batched", mutates_args=())
+def quantize_rows_and_transposed_batched_op(
+    x_hp_BRC: torch.Tensor, fp8_dtype: torch.dtype, pow2: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if _on_gpu(x_hp_BRC):
+        return _q.quantize_rows_and_transposed_batched_triton(x_hp_BRC, fp8_dtype, pow2)
+    return _ref.quantize_rows_and_transposed_batched_ref(x_hp_BRC, fp8_dtype, pow2)

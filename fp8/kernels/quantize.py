@@ -421,6 +421,40 @@ if HAS_TRITON:
                            stride_xb, stride_xr, stride_xc, FP8_MAX, EXACT_ROUND, MBITS, MIN_NORMAL, SUB_MAGIC,
                            NAN_BITS)
 
+    @triton.jit
+    def _batched_rows_both_layouts_kernel(x_ptr, out_ptr, out_t_ptr, scale_ptr, R, C, stride_xb, stride_xr,
+                                          stride_xc, FP8_MAX: tl.constexpr, EPS_: tl.constexpr, POW2: tl.constexpr,
+                                          BR: tl.constexpr, BC: tl.constexpr,
+                                          EXACT_ROUND: tl.constexpr, MBITS: tl.constexpr, MIN_NORMAL: tl.constexpr,
+                                          SUB_MAGIC: tl.constexpr, NAN_BITS: tl.constexpr):
+        # Rows [pid_r*BR, +BR) of batch b, whole: pass 1 their amax over C, pass 2 (the re-read mostly from L2) the
+        # cast, stored row-major into [B, R, C] (runs of BC bytes) and transposed into [B, C, R] (runs of BR bytes).
+        # The transposed store is why a program holds BR >= 16 rows, not the few rows of the one-tile row cast.
+        pid_r = tl.program_id(0)
+        b = tl.program_id(1).to(tl.int64)
+        offs_r = pid_r * BR + tl.arange(0, BR)
+        mask_r = offs_r < R
+        x_rows = x_ptr + b * stride_xb + offs_r.to(tl.int64)[:, None] * stride_xr
+        amax = tl.zeros([BR], dtype=tl.float32)
+        for c0 in range(0, C, BC):
+            offs_c = c0 + tl.arange(0, BC)
+            x = tl.load(x_rows + offs_c[None, :] * stride_xc, mask=mask_r[:, None] & (offs_c < C)[None, :], other=0.0)
+            amax = _max_nan(amax, _abs_max(x, 1))
+        scale = _scale_from_amax(amax, FP8_MAX, EPS_, POW2)
+        tl.store(scale_ptr + b * R + offs_r, scale, mask=mask_r)
+        out_dtype = out_ptr.dtype.element_ty
+        out_rows = out_ptr + b * R * C + offs_r.to(tl.int64)[:, None] * C
+        out_t_b = out_t_ptr + b * C * R
+        for c0 in range(0, C, BC):
+            offs_c = c0 + tl.arange(0, BC)
+            mask_c = offs_c < C
+            mask = mask_r[:, None] & mask_c[None, :]
+            x = tl.load(x_rows + offs_c[None, :] * stride_xc, mask=mask, other=0.0).to(tl.float32)
+            y = _to_fp8(x * scale[:, None], out_dtype, FP8_MAX, EXACT_ROUND, MBITS, MIN_NORMAL, SUB_MAGIC, NAN_BITS)
+            tl.store(out_rows + offs_c[None, :], y, mask=mask)
+            tl.store(out_t_b + offs_c.to(tl.int64)[:, None] * R + offs_r[None, :], tl.trans(y),
+                     mask=mask_c[:, None] & mask_r[None, :])
+
     # ---------------------------------------------------------------- jagged per-expert column scales
 
     @triton.jit
@@ -693,6 +727,35 @@ def cast_rows_transposed_batched_triton(
         x_hp_BRC, scale_BR.float().contiguous(), out_t, R, C, x_hp_BRC.stride(0), x_hp_BRC.stride(1),
         x_hp_BRC.stride(2), BR=BR, BC=BC, num_warps=TRANSPOSE_WARPS, **_grid_consts(fp8_dtype))
     return out_t
+
+
+# (rows, columns) a program of the both-layouts row cast holds: BR rows make the transposed store's runs BR bytes
+# long; not swept on the H200 yet (benchmarks/reuse_kernels.py sweeps it).
+BATCHED_BOTH_LAYOUTS_TILE = (32, 128)
+BATCHED_BOTH_LAYOUTS_WARPS = 4
+
+
+def quantize_rows_and_transposed_batched_triton(
+    x_hp_BRC: torch.Tensor, fp8_dtype: torch.dtype, pow2: bool = True
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x_fp8 [B, R, C], scale_BR, x_fp8_t [B, C, R]), both contiguous, from one row-scaled cast of x (any strides):
+    see reference.quantize_rows_and_transposed_batched_ref."""
+    _require(x_hp_BRC)
+    B, R, C = x_hp_BRC.shape
+    dev = x_hp_BRC.device
+    out = torch.empty((B, R, C), dtype=fp8_dtype, device=dev)
+    out_t = torch.empty((B, C, R), dtype=fp8_dtype, device=dev)
+    scale_BR = torch.empty((B, R), dtype=torch.float32, device=dev)
+    if B == 0 or R == 0:
+        return out, scale_BR, out_t
+    if C == 0:  # empty rows: scales from the EPS floor, nothing to cast
+        scale_BR.copy_(amax_to_scale(torch.zeros_like(scale_BR), fp8_dtype, pow2))
+        return out, scale_BR, out_t
+    BR, BC = BATCHED_BOTH_LAYOUTS_TILE
+    _launch(_batched_rows_both_layouts_kernel)[(triton.cdiv(R, BR), B)](
+        x_hp_BRC, out, out_t, scale_BR, R, C, x_hp_BRC.stride(0), x_hp_BRC.stride(1), x_hp_BRC.stride(2), POW2=pow2,
+        BR=BR, BC=BC, num_warps=BATCHED_BOTH_LAYOUTS_WARPS, **_grid_consts(fp8_dtype))
+    return out, scale_BR, out_t
 
 
 def row_col_amax_triton(x_hp_MN: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -259,3 +259,23 @@ def cast_rows_transposed_batched_ref(x_hp_BRC: torch.Tensor, scale_BR: torch.Ten
     expert weight by its forward row scales, laid out [E, K, N] for the grad-input GEMM."""
     check_fp8_dtype(fp8_dtype)
     return saturated_cast(x_hp_BRC, scale_BR.float()[:, :, None], fp8_dtype).transpose(-2, -1).contiguous()
+
+
+def quantize_rows_and_transposed_batched_ref(
+    x_hp_BRC: torch.Tensor, fp8_dtype: torch.dtype, pow2: bool = True
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per batch, one scale per row along C, written in both layouts: (x_fp8_BRC [B, R, C] contiguous, scale_BR fp32
+    [B, R], x_fp8_t_BCR [B, C, R] contiguous), x_fp8_BRC[b, r, c] = x_fp8_t_BCR[b, c, r] = sat(x[b, r, c] *
+    scale_BR[b, r]).
+
+    For MoE expert weights stored [E, N, K]: the forward GEMM's operand (the row cast quantize_rowwise makes of the
+    [E*N, K] rows) and, from the same cast, the grad-input GEMM's operand in its [E, K, N] layout (what
+    cast_rows_transposed_batched makes in backward from the saved scales).
+    """
+    check_fp8_dtype(fp8_dtype)
+    if x_hp_BRC.dim() != 3:
+        raise ValueError(f"quantize_rows_and_transposed_batched expects a 3D tensor [B, R, C], got "
+                         f"{tuple(x_hp_BRC.shape)}")
+    scale_BR1 = amax_to_scale(abs_amax(x_hp_BRC, dim=2, keepdim=True), fp8_dtype, pow2)
+    x_fp8_BRC = saturated_cast(x_hp_BRC, scale_BR1, fp8_dtype).contiguous()
+    return x_fp8_BRC, scale_BR1.squeeze(-1), x_fp8_BRC.transpose(-2, -1).contiguous()
