@@ -14,7 +14,9 @@ output (98304 x 2816) and of w2's (98304 x 2048), and w2's input width (1408); t
 - dgrad="fp8_keep"'s forward weight cast (quantize_rows_and_transposed_batched: the row cast written in both layouts by
   one kernel) over tiles and warps, checked equal to the row cast + recast it replaces, next to those two timed back
   to back (what fp8_reuse spends on the weight per layer: the forward's row cast and the backward's recast).
---sections picks a subset (rowcast, group, recast, both). Writes reuse_kernels.json to --out.
+- the fp8 transpose (tensorwise linears' backward operands; 87 calls, 2.52 ms of session 18's MoE step profile) at the
+  MoE model's activation and weight shapes, over tiles and warps, next to a copy of the same bytes.
+--sections picks a subset (rowcast, group, recast, both, transpose). Writes reuse_kernels.json to --out.
 """
 
 from __future__ import annotations
@@ -34,13 +36,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--reps", type=int, default=9)
-    ap.add_argument("--sections", default="rowcast,group,recast,both",
-                    help="comma-separated subset of rowcast, group, recast, both")
+    all_sections = ("rowcast", "group", "recast", "both", "transpose")
+    ap.add_argument("--sections", default=",".join(all_sections), help=f"comma-separated subset of {all_sections}")
     args = ap.parse_args()
     sections = set(args.sections.split(","))
-    unknown = sections - {"rowcast", "group", "recast", "both"}
+    unknown = sections - set(all_sections)
     if unknown:
-        ap.error(f"--sections: unknown {sorted(unknown)}; choose from rowcast, group, recast, both")
+        ap.error(f"--sections: unknown {sorted(unknown)}; choose from {all_sections}")
     from fp8.kernels import quantize as q
 
     e4m3 = torch.float8_e4m3fn
@@ -124,6 +126,21 @@ def main() -> None:
             row(f"w [{E},{N},{K}] fp8_keep both layouts tile={tile} warps={warps} same={same}",
                 lambda w_ENK=w_ENK: q.quantize_rows_and_transposed_batched_triton(w_ENK, e4m3), w_ENK.numel() * 4)
         q.BATCHED_BOTH_LAYOUTS_TILE, q.BATCHED_BOTH_LAYOUTS_WARPS = both_shipped
+    # Activations [16384 tokens, width] (x and the output gradient of the MLA, shared-expert and dense-FFN linears of the
+    # MoE 4-layer step) and weights [out, in]; every transpose moves 1 byte in and 1 out per element.
+    transpose_shipped = (q.TRANSPOSE_TILE, q.TRANSPOSE_WARPS)
+    for M, N in ((16384, 2048), (16384, 2816), (16384, 576), (16384, 10944), (3072, 2048), (2816, 2048)
+                 ) if "transpose" in sections else ():
+        x8 = torch.randn(M, N, device="cuda", generator=g).to(e4m3).view(torch.int8)
+        ref = x8.t().contiguous()
+        row(f"copy int8 {M}x{N}", lambda x8=x8: x8.clone(), 2 * x8.numel())
+        for tile, warps in (((128, 128), 4), ((128, 128), 8), ((64, 128), 4), ((128, 64), 4), ((64, 64), 4),
+                            ((256, 128), 8), ((128, 256), 8), ((64, 256), 4), ((256, 64), 4), ((32, 128), 2)):
+            q.TRANSPOSE_TILE, q.TRANSPOSE_WARPS = tile, warps
+            same = torch.equal(q.transpose_triton(x8), ref)
+            row(f"transpose {M}x{N} tile={tile} warps={warps} same={same}", lambda x8=x8: q.transpose_triton(x8),
+                2 * x8.numel())
+        q.TRANSPOSE_TILE, q.TRANSPOSE_WARPS = transpose_shipped
     write_json(os.path.join(args.out, "reuse_kernels.json"),
                {"command": "python3 " + " ".join(sys.argv), "env": env_info(), "rows": rows})
 
