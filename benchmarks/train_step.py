@@ -17,7 +17,8 @@ mode="reduce-overhead" (CUDA graphs); "+eagerloss" runs the cross-entropy eagerl
 "+eagergrp" / "+tracedgrp" run the FP8 grouped GEMMs in fp8.grouped's "eager" / "traced" modes (default "opaque");
 "+fp8dg" runs all their grad-input GEMMs in fp8 with promoted accumulation, "+reusedg" on the forward's quantized
 weights (dgrad="fp8_reuse"), "+keepdg" on them written in the grad-input layout by the forward's cast and kept
-("fp8_keep"), "+fastdg" on the weights cast again (fast accumulation, "fp8_fast") and "+widthdg" in
+("fp8_keep"), "+align1" leaves the experts' token groups unpadded (precision.moe_token_group_align=1; default 16),
+"+fastdg" on the weights cast again (fast accumulation, "fp8_fast") and "+widthdg" in
 bf16 where the width is not a multiple of 256, else so (default: fp8.grouped's dgrad="auto", fp8_reuse since session
 17); "+autogc" leaves Python's automatic garbage collection on
 during the timed steps (default: the worker's policy, orchestration/gc_policy.py; every row records its GC pauses under "gc"); "+minw<W>" keeps linears
@@ -84,7 +85,7 @@ CONFIGS = {
 
 def build(model_name: str, overrides: dict, variant: str, device: torch.device, compile_blocks: bool,
           dtype: torch.dtype = torch.bfloat16, compile_mode: str | None = None, min_width: float | None = None,
-          output_head: bool = False, seed: int = 0, fused_head_loss: bool = True):
+          output_head: bool = False, seed: int = 0, fused_head_loss: bool = True, token_group_align: int = 16):
     from models.deepseek_moe import set_forward_recompute
     from models.registry import build_model
 
@@ -102,7 +103,7 @@ def build(model_name: str, overrides: dict, variant: str, device: torch.device, 
         import fp8
 
         module_filter = fp8.convert.make_module_filter(min_gemm_width=min_width or 0.0, output_head=output_head)
-        fp8.convert_to_fp8(model, recipe, module_filter=module_filter)
+        fp8.convert_to_fp8(model, recipe, module_filter=module_filter, moe_token_group_align=token_group_align)
         if output_head:  # precision.fp8_head_fused_loss (fp8/head.py); applies under the tensorwise recipe
             model.output.fused_loss = fused_head_loss
     elif impl == "torchao":
@@ -542,7 +543,7 @@ def bench_config(name: str, cfg: dict, args, device) -> dict:
 
             base_variant, *flags = variant.split("+")
             known = {"nomix", "kern", "ntk", "cg", "eagerloss", "eagergrp", "tracedgrp", "fp8dg", "widthdg", "autogc", "eagerbody", "head",
-                     "cdt", "tadam", "nofce", "reusedg", "keepdg", "fastdg", "nogate"}
+                     "cdt", "tadam", "nofce", "reusedg", "keepdg", "fastdg", "nogate", "align1"}
             width_flags = [f for f in flags if f.startswith("minw") and f[4:].isdigit()]
             unknown = set(flags) - known - set(width_flags)
             if unknown:
@@ -565,7 +566,7 @@ def bench_config(name: str, cfg: dict, args, device) -> dict:
             model = build(cfg["model"], cfg["overrides"], base_variant, device, compile_blocks=not args.eager,
                           compile_mode="reduce-overhead" if "cg" in flags else None,
                           min_width=float(width_flags[0][4:]) if width_flags else None, output_head="head" in flags,
-                          fused_head_loss="nofce" not in flags)
+                          fused_head_loss="nofce" not in flags, token_group_align=1 if "align1" in flags else 16)
             vocab = model.args.vocab_size
             if "tadam" in flags:
                 from optim import ChunkedAdamW

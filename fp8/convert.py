@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
-from fp8.grouped import Fp8GroupedMM
+from fp8.grouped import DGRAD_CHOICES, WGRAD_SCALINGS, Fp8GroupedMM, check_token_group_align
 from fp8.head import Float8LMHead
 from fp8.linear import Float8Linear
 from fp8.recipes import Recipe, get_recipe
@@ -30,8 +30,9 @@ _HP_OP = "_fp8_hp_grouped_mm"
 _RECIPE_ATTR = "_fp8_recipe_name"
 _HP_ALIGN = "_fp8_hp_token_group_align"
 
-# Rows per expert group the FP8 grouped GEMM needs (its grad-weight GEMM contracts over tokens, 16-element
-# aligned). Modules that expose `token_group_align` get it raised to this while in fp8.
+# Rows per expert group the FP8 grouped GEMM pads to by default (fp8.grouped.check_token_group_align: 16 is required
+# by an fp8 weight-gradient GEMM, which contracts over tokens). Modules that expose `token_group_align` get it raised
+# to their op's alignment while in fp8.
 FP8_TOKEN_GROUP_ALIGN = 16
 
 
@@ -130,6 +131,7 @@ def convert_to_fp8(
     module_filter: Callable[[str, nn.Module], bool] | None = None,
     moe_wgrad: str = "hp",
     moe_dgrad: str = "auto",
+    moe_token_group_align: int = FP8_TOKEN_GROUP_ALIGN,
 ) -> nn.Module:
     """Swap eligible layers of `model` to FP8 in place and return it.
 
@@ -139,9 +141,18 @@ def convert_to_fp8(
     moe_wgrad: the experts' weight-gradient GEMM, "hp" | "global" | "per_expert" (fp8.grouped.WGRAD_SCALINGS).
     moe_dgrad: the experts' grad-input GEMM, fp8.grouped.DGRAD_CHOICES ("auto": fp8 on the forward's quantized
     weights).
-    Converting twice is an error (ValueError) so a recipe change cannot half-apply.
+    moe_token_group_align: rows per expert group the routing pads to while the experts run in fp8 (16; 1 is allowed
+    with the bf16 weight gradient, see fp8.grouped.check_token_group_align).
+    Converting twice is an error (ValueError) so a recipe change cannot half-apply; so are bad MoE options, checked
+    before anything is swapped.
     """
     rec = get_recipe(recipe)
+    moe_wgrad_used = "hp" if rec.name == "rowwise_gw_hp" else moe_wgrad
+    if moe_wgrad_used not in WGRAD_SCALINGS:
+        raise ValueError(f"moe_wgrad must be one of {WGRAD_SCALINGS}, got {moe_wgrad!r}")
+    if moe_dgrad not in DGRAD_CHOICES:
+        raise ValueError(f"moe_dgrad must be one of {DGRAD_CHOICES}, got {moe_dgrad!r}")
+    check_token_group_align(moe_token_group_align, moe_wgrad_used)
     keep = module_filter or default_module_filter
     if any(isinstance(m, Float8Linear) or is_fp8_grouped(m) for m in model.modules()):
         raise ValueError("model is already converted to fp8; build a fresh model to change the recipe")
@@ -155,8 +166,8 @@ def convert_to_fp8(
         elif _is_grouped(module) and keep(name, module):
             setattr(module, _HP_OP, module.grouped_mm)
             # Experts are always rowwise grouped; rowwise_gw_hp keeps their weight gradient in high precision too.
-            wgrad = "hp" if rec.name == "rowwise_gw_hp" else moe_wgrad
-            setattr(module, _FP8_OP, Fp8GroupedMM(wgrad_scaling=wgrad, dgrad=moe_dgrad))
+            setattr(module, _FP8_OP, Fp8GroupedMM(wgrad_scaling=moe_wgrad_used, dgrad=moe_dgrad,
+                                                  token_group_align=moe_token_group_align))
             setattr(module, _RECIPE_ATTR, rec.name)
             if hasattr(module, "token_group_align"):
                 setattr(module, _HP_ALIGN, module.token_group_align)
@@ -186,7 +197,7 @@ def _set_module(module: nn.Module, fp8: bool) -> None:
         module.grouped_mm = getattr(module, _FP8_OP) if fp8 else getattr(module, _HP_OP)
         if hasattr(module, _HP_ALIGN):
             hp_align = getattr(module, _HP_ALIGN)
-            module.token_group_align = max(hp_align, FP8_TOKEN_GROUP_ALIGN) if fp8 else hp_align
+            module.token_group_align = max(hp_align, getattr(module, _FP8_OP).token_group_align) if fp8 else hp_align
 
 
 def _module_is_fp8(module: nn.Module) -> bool:

@@ -408,6 +408,24 @@ _GROUPED_MODE_ENV = "FP8_GROUPED_MODE"
 #               (with it, one layer's worth; models/planning.py does not count fp8 copies). The same bytes as
 #               "fp8_reuse". Not yet measured on a GPU (benchmarks/scripts/session19_a.sh): "auto" does not pick it.
 DGRAD_CHOICES = ("fp8", "fp8_fast", "hp", "width", "auto", "fp8_reuse", "fp8_keep")
+
+# Rows per expert group (token_group_align). An fp8 weight-gradient GEMM ("global", "per_expert") contracts over the
+# token dim, laid out contiguous ([K, M] transposed copies), so each group must start 16 bytes (= 16 fp8 rows) apart:
+# 16 is required there. With wgrad_scaling="hp" (the default) no fp8 GEMM contracts over tokens: the forward and
+# grad-input GEMMs slice whole rows of K or N bytes (multiples of 16), and the bf16 weight-gradient GEMM is the one the
+# bf16 model runs unpadded. Padding then only costs a zero-filled [S*top_k + E*(align-1), D] copy of the routed tokens
+# in forward and its gradient in backward (3 more zero fills in session 18's MoE profile than bf16's). The default
+# stays 16 until 1 is checked on the GPU (tests/test_fp8_gpu.py, unaligned groups; the scales' per-group reads in
+# torch's rowwise kernel are the unknown) and timed (benchmarks/scripts/session19_b.sh, train_step "+align1").
+def check_token_group_align(align: int, wgrad_scaling: str) -> None:
+    """Raise ValueError unless `align` is a power of two >= 1 that the weight-gradient GEMM allows (16 | align for
+    fp8 weight gradients)."""
+    if isinstance(align, bool) or not isinstance(align, int) or align < 1 or align & (align - 1):
+        raise ValueError(f"token_group_align must be a power of two >= 1, got {align!r}")
+    if wgrad_scaling != "hp" and align % 16:
+        raise ValueError(f"token_group_align={align} with wgrad_scaling={wgrad_scaling!r}: an fp8 weight-gradient GEMM "
+                         "contracts over tokens and needs 16-row aligned groups; use 16 (or a multiple) or "
+                         "wgrad_scaling='hp'")
 _DGRAD_ENV = "FP8_GROUPED_DGRAD"
 
 
@@ -419,9 +437,12 @@ class Fp8GroupedMM:
     """
 
     def __init__(self, emulate: bool | None = None, pow2: bool = True, wgrad_scaling: str = "hp",
-                 mode: str | None = None, dgrad: str = "auto"):
+                 mode: str | None = None, dgrad: str = "auto", token_group_align: int = 16):
         if wgrad_scaling not in WGRAD_SCALINGS:
             raise ValueError(f"wgrad_scaling must be one of {WGRAD_SCALINGS}, got {wgrad_scaling!r}")
+        check_token_group_align(token_group_align, wgrad_scaling)
+        # Rows per expert group the model's routing pads to while this op serves it (see the comment above check_token_group_align).
+        self.token_group_align = token_group_align
         if dgrad not in DGRAD_CHOICES:
             raise ValueError(f"dgrad must be one of {DGRAD_CHOICES}, got {dgrad!r}")
         quant.look_up_kernels_eagerly()  # before any compile traces the casts (fp8.quant._kernels)
@@ -495,7 +516,7 @@ class Fp8GroupedMM:
 
     def __repr__(self) -> str:
         return (f"Fp8GroupedMM(rowwise, wgrad_scaling={self.wgrad_scaling}, dgrad={self.dgrad}, emulate={self.emulate},"
-                f" mode={self._mode()})")
+                f" mode={self._mode()}, token_group_align={self.token_group_align})")
 
 
 def fp8_grouped_mm(

@@ -66,6 +66,10 @@ class PrecisionConfig:
     # accumulation; fp8_fast / fp8 (promoted accumulation) / hp (bf16) / width / fp8_reuse to choose one; fp8_keep
     # (fp8_reuse's operand written by the forward's weight cast and kept: +1 byte per expert parameter until backward).
     moe_dgrad: str = "auto"
+    # Rows per expert group the MoE routing pads to in fp8 (fp8.grouped.check_token_group_align): 16 is what an fp8
+    # weight gradient (moe_wgrad global/per_expert) needs; with moe_wgrad=hp, 1 (no padding) is allowed and opt-in
+    # until checked and timed on a GPU.
+    moe_token_group_align: int = 16
     # Linears whose K * N / (K + N) is below this stay in bf16 (fp8.convert.gemm_width: FP8's GEMM gain grows with
     # M * K * N, the cost of its casts with M * (K + N)). 0 converts every eligible linear. See README for the
     # widths measured to break even on the H200.
@@ -254,6 +258,12 @@ def validate(job: JobConfig) -> None:
              f"'{job.precision.moe_wgrad}' is not one of {MOE_WGRADS}")
     _require(job.precision.moe_dgrad in MOE_DGRADS, "precision.moe_dgrad",
              f"'{job.precision.moe_dgrad}' is not one of {MOE_DGRADS}")
+    align = job.precision.moe_token_group_align
+    _require(isinstance(align, int) and not isinstance(align, bool) and align >= 1 and not align & (align - 1),
+             "precision.moe_token_group_align", f"{align!r} is not a power of two >= 1 (16, or 1 with moe_wgrad=hp)")
+    _require(job.precision.moe_wgrad == "hp" or job.precision.recipe == "rowwise_gw_hp" or align % 16 == 0,
+             "precision.moe_token_group_align", f"{align} with moe_wgrad={job.precision.moe_wgrad}: an fp8 weight "
+             "gradient contracts over tokens and needs 16 (or a multiple); use 16 or moe_wgrad=hp")
     for key in ("compute_dtype", "fsdp_param_dtype", "fsdp_reduce_dtype"):
         value = getattr(job.precision, key)
         _require(value in DTYPES, f"precision.{key}", f"'{value}' is not one of {DTYPES}")

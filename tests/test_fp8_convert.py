@@ -307,3 +307,31 @@ def test_user_errors():
         fp8.set_precision(build(), "fp8")
     with pytest.raises(ValueError, match="does not convert"):
         fp8.load_precision_state(model, {"recipe": "rowwise", "modules": {"x.y": "fp8"}})
+
+
+def test_token_group_align_is_the_ops_and_bad_values_change_nothing():
+    """moe_token_group_align: the routing pads to the op's alignment while in fp8 and to its own in bf16; 1 (no padding)
+    is accepted with the bf16 weight gradient (moe_wgrad="hp", and under rowwise_gw_hp whatever moe_wgrad says), refused
+    with an fp8 one; bad values raise before any module is swapped."""
+    model = fp8.convert_to_fp8(build(), "tensorwise", moe_token_group_align=1)
+    assert model.layers["0"].experts.token_group_align == 1
+    assert model.layers["0"].experts.grouped_mm.token_group_align == 1
+    model = fp8.convert_to_fp8(build(), "rowwise_gw_hp", moe_wgrad="global", moe_token_group_align=1)
+    assert model.layers["1"].experts.token_group_align == 1
+    model = fp8.convert_to_fp8(build(), "tensorwise", moe_wgrad="global", moe_token_group_align=32)
+    assert model.layers["1"].experts.token_group_align == 32
+    fp8.set_precision(model, "bf16")
+    assert model.layers["1"].experts.token_group_align == 1
+    for kwargs, match in (({"moe_token_group_align": 1, "moe_wgrad": "global"}, "16-row aligned"),
+                          ({"moe_token_group_align": 8, "moe_wgrad": "per_expert"}, "16-row aligned"),
+                          ({"moe_token_group_align": 3}, "power of two"),
+                          ({"moe_token_group_align": 0}, "power of two"),
+                          ({"moe_token_group_align": True}, "power of two"),
+                          ({"moe_wgrad": "fp16"}, "moe_wgrad"),
+                          ({"moe_dgrad": "fp16"}, "moe_dgrad")):
+        model = build()
+        with pytest.raises(ValueError, match=match):
+            fp8.convert_to_fp8(model, "tensorwise", **kwargs)
+        assert not fp8.precision_state(model)["modules"], kwargs  # nothing half-converted
+        assert model.layers["0"].experts.grouped_mm is torch._grouped_mm
+        assert not any(isinstance(m, Float8Linear) for m in model.modules())

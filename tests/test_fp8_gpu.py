@@ -305,6 +305,46 @@ def test_rows_and_transposed_batched_cast_matches_reference_on_gpu(shape):
         assert torch.equal(recast.view(torch.uint8), got_t.view(torch.uint8))
 
 
+@pytest.mark.parametrize("dgrad", ["fp8_reuse", "fp8_keep"])
+def test_fp8_grouped_unaligned_token_groups_match_padded_on_gpu(dgrad):
+    """precision.moe_token_group_align=1: token groups of any size (3, 1, 0, 517 rows, ...) straight into
+    torch._scaled_grouped_mm and our casts, with the bf16 weight gradient. Output, grad_x and grad_w equal those of the
+    same rows padded to 16-row groups with zeros (the default layout) within bf16 rounding, and grad_x is as accurate
+    against float64. The unknown this settles: whether torch's rowwise kernel reads the per-row scales of a group that
+    starts at an unaligned row correctly."""
+    from fp8.grouped import Fp8GroupedMM
+
+    E, K, N = 8, 2048, 1408
+    sizes = [1000, 3, 0, 517, 1, 2048, 77, 450]
+    g = torch.Generator(device="cuda").manual_seed(7)
+    M = sum(sizes)
+    x = torch.randn(M, K, device="cuda", generator=g, dtype=torch.bfloat16)
+    x[:, :4] *= 30.0
+    gy = torch.randn(M, N, device="cuda", generator=g, dtype=torch.bfloat16)
+    w_ENK = (torch.randn(E, N, K, device="cuda", generator=g) * K**-0.5).to(torch.bfloat16)
+    padded_sizes = [(n + 15) // 16 * 16 for n in sizes]
+    # row i of the unpadded layout sits at row dest[i] of the padded one
+    dest = torch.cat([torch.arange(n, device="cuda") + sum(padded_sizes[:e]) for e, n in enumerate(sizes)])
+    results = {}
+    for layout, group_sizes in (("unpadded", sizes), ("padded", padded_sizes)):
+        rows = sum(group_sizes)
+        xi = x if layout == "unpadded" else x.new_zeros(rows, K).index_copy(0, dest, x)
+        gyi = gy if layout == "unpadded" else gy.new_zeros(rows, N).index_copy(0, dest, gy)
+        offs = torch.tensor(group_sizes, device="cuda").cumsum(0).to(torch.int32)
+        xr, wr = xi.clone().requires_grad_(), w_ENK.clone().requires_grad_()
+        out = Fp8GroupedMM(mode="opaque", dgrad=dgrad, token_group_align=16 if layout == "padded" else 1)(
+            xr, wr.transpose(-2, -1), offs)
+        out.backward(gyi)
+        pick = (lambda t: t) if layout == "unpadded" else (lambda t: t[dest])
+        results[layout] = (pick(out.detach()), pick(xr.grad), wr.grad)
+    for name, a, b in zip(("out", "grad_x", "grad_w"), results["unpadded"], results["padded"]):
+        assert a.isfinite().all() and (a != 0).any(), name
+        torch.testing.assert_close(a, b, msg=name)  # bf16 tolerances
+    bounds = [0, *torch.tensor(sizes).cumsum(0).tolist()]
+    gx_ref = torch.cat([gy[bounds[e]:bounds[e + 1]].double() @ w_ENK[e].double() for e in range(E)])
+    assert sqnr(results["unpadded"][1], gx_ref) > sqnr(results["padded"][1], gx_ref) - 0.1
+
+
 @pytest.mark.parametrize("dims", [(2048, 2816), (1408, 2048)])  # DeepSeek-MoE's w13 and w2: gx contracts over N
 def test_grouped_fast_accum_grad_input_keeps_fp8_accuracy(dims):
     """dgrad="fp8_fast" (the grad-input GEMM with the tensor cores' fast accumulation): its grad_x stays within 0.5 dB

@@ -366,6 +366,31 @@ def test_fp8_moe_block_compiles_to_one_graph_and_matches_eager_grads():
         torch.testing.assert_close(grads[True][name], g, rtol=0, atol=0, msg=name)
 
 
+def test_fp8_moe_block_without_token_group_padding_matches_the_padded_one():
+    """precision.moe_token_group_align=1 (no zero rows between the experts' groups, allowed with the bf16 weight
+    gradient): the FP8 block's output, input gradient and expert-weight gradients equal the 16-row padded block's
+    (emulated FP8 on CPU; the same fp8 operands, rows only moved). The GPU kernels' side is
+    tests/test_fp8_gpu.py::test_fp8_grouped_unaligned_token_groups_match_padded_on_gpu."""
+    import fp8
+    from models.deepseek_moe import set_forward_recompute
+
+    results = {}
+    for align in (16, 1):
+        model = build_model("debug_moe", "cpu", seed=0).to(torch.float32).train()
+        set_forward_recompute(model, False)
+        fp8.convert_to_fp8(model, "rowwise", moe_token_group_align=align)
+        block = model.layers["1"]
+        assert block.moe.experts.token_group_align == align
+        x = torch.randn(2, 16, 128, generator=torch.Generator().manual_seed(1)).requires_grad_()
+        out = block(x, model.rope_cos[:16], model.rope_sin[:16])
+        out.pow(2).mean().backward()
+        results[align] = (out.detach(), x.grad, block.moe.experts.w13.grad, block.moe.experts.w2.grad)
+    for name, a, b in zip(("out", "grad_x", "grad_w13", "grad_w2"), results[16], results[1]):
+        assert (a != 0).any(), name
+        # float32 sums over a different set of (zero) padding rows: equal to a few ulps
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7, msg=name)
+
+
 @pytest.mark.parametrize("compiled", [False, True])
 def test_experts_of_fp32_weights_run_in_the_autocast_dtype(compiled):
     """One worker keeps fp32 master weights and trains under bf16 autocast, which has no rule for

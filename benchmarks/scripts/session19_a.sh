@@ -12,7 +12,7 @@
 export PYTHONUNBUFFERED=1
 mkdir -p $OUT/reuse $OUT/grouped
 timeout 200 python3 -m pytest -q --tb=short -W ignore -p no:cacheprovider tests/test_fp8_gpu.py \
-  -k "rows_and_transposed or fast_accum_grad_input or group_scaled_row_cast" > $OUT/tests.txt 2>&1
+  -k "rows_and_transposed or fast_accum_grad_input or group_scaled_row_cast or unaligned_token_groups" > $OUT/tests.txt 2>&1
 tail -3 $OUT/tests.txt
 timeout 150 python3 benchmarks/reuse_kernels.py --out $OUT/reuse --sections both,recast 2>&1 \
   | grep -v "Warning\|warn" > $OUT/reuse/log.txt
