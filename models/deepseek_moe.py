@@ -371,6 +371,13 @@ class MoE(nn.Module):
         # re-run). Asking autograd costs a graph break under torch.compile (a host call returning a Python int),
         # so models that are never recomputed turn the question off: see set_forward_recompute.
         self.forward_may_rerun_in_backward = True
+        # How the routed tokens enter a padded group layout (token_group_align > 1, the FP8 experts): True gathers each
+        # padded row from its token (a padding row reads zero) in one pass, whose backward is one index_put into x's
+        # gradient as in the unpadded layout; False is the previous form, a zero-filled buffer that the gathered tokens
+        # are copied into (a zero fill plus a scatter forward, and a gather of the padded gradient plus an index_put
+        # backward). Same values either way; False is kept to time the two against each other on the GPU
+        # (benchmarks/train_step.py "+padscatter").
+        self.pad_by_gather = True
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
         a = self.args
@@ -407,9 +414,14 @@ class MoE(nn.Module):
         token_R, slot_R, dest_R, offs_E, n_rows = permute_by_expert(
             expert_SA, self.experts.n_experts, self.experts.token_group_align
         )
-        x_RD = x_SD[token_R]
-        if n_rows != S * A:
-            x_RD = x_SD.new_zeros(n_rows, x_SD.shape[1]).index_copy(0, dest_R, x_RD)
+        if n_rows == S * A:
+            x_RD = x_SD[token_R]
+        elif self.pad_by_gather and S > 0:
+            # Source token of every padded row, S for a padding row (an index scatter over n_rows ints, not rows of D).
+            src_R = torch.full((n_rows,), S, dtype=token_R.dtype, device=token_R.device).index_put_((dest_R,), token_R)
+            x_RD = torch.where((src_R == S)[:, None], 0.0, x_SD[src_R.clamp(max=S - 1)])
+        else:
+            x_RD = x_SD.new_zeros(n_rows, x_SD.shape[1]).index_copy(0, dest_R, x_SD[token_R])
         y_RD = self.experts(x_RD, offs_E)
         # Row of y holding assignment (s, a): invert the sort (a scatter of positions), then follow dest.
         arange_R = torch.arange(S * A, device=dest_R.device)

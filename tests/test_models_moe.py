@@ -65,6 +65,28 @@ def test_grouped_path_equals_per_expert_loop_forward_and_grads(align):
     assert moe.gate.weight.grad.abs().max() > 0  # gradient reaches the router through the mixing weights
 
 
+def test_padded_layout_by_gather_equals_the_zero_filled_copy():
+    """MoE.pad_by_gather (default): the padded group layout gathered row by row (padding rows read zero) gives the same
+    output and gradients as the zero-filled buffer the tokens are copied into (pad_by_gather=False)."""
+    moe = _moe()
+    moe.experts.token_group_align = 8
+    torch.manual_seed(2)
+    x_SD = torch.randn(20, 32)
+    grad_out = torch.randn(20, 32)
+    results = {}
+    for by_gather in (True, False):
+        moe.pad_by_gather = by_gather
+        moe.zero_grad(set_to_none=True)
+        x = x_SD.clone().requires_grad_(True)
+        expert_SA, weight_SA = _routing(moe, x)
+        out = moe.routed(x, expert_SA, weight_SA)
+        out.backward(grad_out)
+        results[by_gather] = [out.detach(), x.grad, moe.experts.w13.grad.clone(), moe.experts.w2.grad.clone()]
+    for name, a, b in zip(("out", "grad_x", "grad_w13", "grad_w2"), results[True], results[False]):
+        assert (a != 0).any(), name
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=name)
+
+
 def test_torch_grouped_mm_semantics_match_loop_reference():
     torch.manual_seed(0)
     x_MK, w_EKN = torch.randn(24, 16), torch.randn(3, 16, 8)
