@@ -339,7 +339,9 @@ def test_fp8_grouped_unaligned_token_groups_match_padded_on_gpu(dgrad):
         results[layout] = (pick(out.detach()), pick(xr.grad), wr.grad)
     for name, a, b in zip(("out", "grad_x", "grad_w"), results["unpadded"], results["padded"]):
         assert a.isfinite().all() and (a != 0).any(), name
-        torch.testing.assert_close(a, b, msg=name)  # bf16 tolerances
+        # bf16 rounding of fp32 sums whose order may differ with the tiling of the groups: relative to the tensor's
+        # scale, as a sum's rounding error is (an element near zero from cancellation keeps its terms' error)
+        torch.testing.assert_close(a, b, rtol=1.6e-2, atol=1e-3 * b.abs().max().item(), msg=name)
     bounds = [0, *torch.tensor(sizes).cumsum(0).tolist()]
     gx_ref = torch.cat([gy[bounds[e]:bounds[e + 1]].double() @ w_ENK[e].double() for e in range(E)])
     assert sqnr(results["unpadded"][1], gx_ref) > sqnr(results["padded"][1], gx_ref) - 0.1
