@@ -373,11 +373,10 @@ class MoE(nn.Module):
         self.forward_may_rerun_in_backward = True
         # How the routed tokens enter a padded group layout (token_group_align > 1, the FP8 experts): True gathers each
         # padded row from its token (a padding row reads zero) in one pass, whose backward is one index_put into x's
-        # gradient as in the unpadded layout; False is the previous form, a zero-filled buffer that the gathered tokens
-        # are copied into (a zero fill plus a scatter forward, and a gather of the padded gradient plus an index_put
-        # backward). Same values either way; False is kept to time the two against each other on the GPU
-        # (benchmarks/train_step.py "+padscatter").
-        self.pad_by_gather = True
+        # gradient as in the unpadded layout; False (the default until timed on a GPU: benchmarks/train_step.py
+        # "+padgather", session19_b.sh) is a zero-filled buffer that the gathered tokens are copied into (a zero fill
+        # plus a scatter forward, a gather of the padded gradient plus an index_put backward). Same values either way.
+        self.pad_by_gather = False
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
         a = self.args
