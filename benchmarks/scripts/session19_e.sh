@@ -1,6 +1,6 @@
 #!/bin/bash
 # Prepared in session 19 (NOT RUN: no device lent). The product loop (worker_throughput.py, the worker's own step with
-# fp32 master weights), MoE 4 layers: fp8 with the defaults (now the padded token groups gathered), fp8 with the
+# fp32 master weights), MoE 4 layers: fp8 with the defaults, fp8 with the
 # session-19 options (fp8_keep, unpadded token groups: keep only what session19_a/b showed correct and faster), bf16.
 # Session 18 call E: fp8 148,155 vs bf16 125,546 tokens/s = 1.180x.
 #   bash benchmarks/scripts/session19_e.sh   ($OUT set by the device tool; carry .whl for hydra, omegaconf)
