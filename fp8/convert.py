@@ -8,6 +8,7 @@ optimizer state, so the divergence fallback can flip precision mid-run and check
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 
 import torch
@@ -197,7 +198,9 @@ def _set_module(module: nn.Module, fp8: bool) -> None:
         module.grouped_mm = getattr(module, _FP8_OP) if fp8 else getattr(module, _HP_OP)
         if hasattr(module, _HP_ALIGN):
             hp_align = getattr(module, _HP_ALIGN)
-            module.token_group_align = max(hp_align, getattr(module, _FP8_OP).token_group_align) if fp8 else hp_align
+            # lcm, not max: the op's alignment must divide the group size (16 for an fp8 weight gradient), whatever the
+            # module's own (powers of two: the larger of the two)
+            module.token_group_align = math.lcm(hp_align, getattr(module, _FP8_OP).token_group_align) if fp8 else hp_align
 
 
 def _module_is_fp8(module: nn.Module) -> bool:

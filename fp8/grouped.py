@@ -464,7 +464,8 @@ class Fp8GroupedMM:
         return mode
 
     def dgrad_for(self, w_EKN: torch.Tensor) -> str:
-        """How the grad-input GEMM of this weight runs: "fp8" | "fp8_fast" | "fp8_reuse" | "hp" (see DGRAD_CHOICES)."""
+        """How the grad-input GEMM of this weight runs: "fp8" | "fp8_fast" | "fp8_reuse" | "fp8_keep" | "hp" (see
+        DGRAD_CHOICES)."""
         dgrad = os.environ.get(_DGRAD_ENV, self.dgrad)
         if dgrad not in DGRAD_CHOICES:
             raise ValueError(f"{_DGRAD_ENV} must be one of {DGRAD_CHOICES}, got {dgrad!r}")

@@ -347,11 +347,16 @@ def test_fp8_grouped_unaligned_token_groups_match_padded_on_gpu(dgrad):
     assert sqnr(results["unpadded"][1], gx_ref) > sqnr(results["padded"][1], gx_ref) - 0.1
 
 
+def _no_recast(*args, **kwargs):
+    raise AssertionError("fp8_keep recast the weight in backward instead of using the forward's copy")
+
+
 @pytest.mark.parametrize("dims", [(2048, 2816), (1408, 2048)])  # DeepSeek-MoE's w13 and w2: gx contracts over N
-def test_grouped_fast_accum_grad_input_keeps_fp8_accuracy(dims):
+def test_grouped_fast_accum_grad_input_keeps_fp8_accuracy(dims, monkeypatch):
     """dgrad="fp8_fast" (the grad-input GEMM with the tensor cores' fast accumulation): its grad_x stays within 0.5 dB
     of the promoted-accumulation fp8 GEMM's SQNR against float64, and the output and weight gradient are unchanged
     (only the grad-input GEMM differs). Inputs with outlier channels and all-zero rows."""
+    from fp8 import quant as fp8_quant
     from fp8.grouped import Fp8GroupedMM
 
     K, N = dims
@@ -368,8 +373,11 @@ def test_grouped_fast_accum_grad_input_keeps_fp8_accuracy(dims):
     results = {}
     for dgrad in ("fp8", "fp8_fast", "fp8_reuse", "fp8_keep"):
         xr, wr = x.clone().requires_grad_(), w_ENK.clone().requires_grad_()
-        out = Fp8GroupedMM(mode="opaque", dgrad=dgrad)(xr, wr.transpose(-2, -1), offs)
-        out.backward(gy)
+        with monkeypatch.context() as m:
+            if dgrad == "fp8_keep":  # its backward must use the forward's copy, not recast the weight
+                m.setattr(fp8_quant, "cast_rows_transposed_batched", _no_recast)
+            out = Fp8GroupedMM(mode="opaque", dgrad=dgrad)(xr, wr.transpose(-2, -1), offs)
+            out.backward(gy)
         results[dgrad] = (out.detach(), xr.grad, wr.grad)
     promoted, fast, reuse = (sqnr(results[d][1], gx_ref) for d in ("fp8", "fp8_fast", "fp8_reuse"))
     # fp8_reuse (session 16): the forward's quantized weight, its row scales folded into gy's row cast

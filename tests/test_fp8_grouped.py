@@ -302,9 +302,13 @@ def test_body_mode_switch_overrides_env_and_compile_blocks_sets_it(monkeypatch):
         grouped.set_body_mode(None)
 
 
+def _no_recast(*args, **kwargs):
+    raise AssertionError("fp8_keep recast the weight in backward instead of using the forward's copy")
+
+
 @pytest.mark.parametrize("wgrad", ["hp", "global", "per_expert"])
 @pytest.mark.parametrize("stored_enk", [True, False])
-def test_reuse_dgrad_is_the_fp8_dgrad_on_the_forwards_quantized_weight(stored_enk, wgrad):
+def test_reuse_dgrad_is_the_fp8_dgrad_on_the_forwards_quantized_weight(stored_enk, wgrad, monkeypatch):
     """dgrad="fp8_reuse": gx is computed from the weight exactly as forward quantized it (its row scales folded into
     gy's columns), so gx equals a float64 product of the dequantized forward weight and the quantized (gy / sw) to
     float32 rounding; its accuracy against float64 matches the two-pass column-cast dgrad's (within 0.5 dB); output and
@@ -327,8 +331,11 @@ def test_reuse_dgrad_is_the_fp8_dgrad_on_the_forwards_quantized_weight(stored_en
         w_EKN = leaf.transpose(-2, -1) if stored_enk else leaf
         xi = x.clone().requires_grad_()
         op = Fp8GroupedMM(emulate=True, dgrad=dgrad, wgrad_scaling=wgrad, mode=mode)
-        out = op(xi, w_EKN, offs)
-        out.backward(gy)
+        with monkeypatch.context() as m:
+            if dgrad == "fp8_keep":  # the kept copy must serve backward: a recast would mean it was dropped
+                m.setattr(quant, "cast_rows_transposed_batched", _no_recast)
+            out = op(xi, w_EKN, offs)
+            out.backward(gy)
         results[dgrad if mode is None else f"{dgrad}:{mode}"] = (out.detach(), xi.grad.clone(), leaf.grad.clone())
     assert torch.equal(results["fp8"][0][:128], results["fp8_reuse"][0][:128])  # rows past offs[-1]: unspecified
     assert torch.equal(results["fp8"][2], results["fp8_reuse"][2])

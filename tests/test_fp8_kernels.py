@@ -483,6 +483,7 @@ def _interp_custom_ops_opcheck(interp):
         (ops.quantize_colwise_batched, (x.view(2, 4, 24), torch.float8_e4m3fn, True)),
         (ops.transpose, (x,)),
         (ops.quantize_rows_and_transposed_batched, (x.view(2, 4, 24), torch.float8_e4m3fn, True)),
+        (ops.quantize_rows_and_transposed_batched, (x[:2].reshape(2, 1, 24), torch.float8_e4m3fn, True)),  # R == 1
     ]
     for op, args in cases:
         torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))

@@ -278,4 +278,6 @@ def quantize_rows_and_transposed_batched_ref(
                          f"{tuple(x_hp_BRC.shape)}")
     scale_BR1 = amax_to_scale(abs_amax(x_hp_BRC, dim=2, keepdim=True), fp8_dtype, pow2)
     x_fp8_BRC = saturated_cast(x_hp_BRC, scale_BR1, fp8_dtype).contiguous()
-    return x_fp8_BRC, scale_BR1.squeeze(-1), x_fp8_BRC.transpose(-2, -1).contiguous()
+    # clone, not .contiguous(): with R == 1 or C == 1 the transposed view is already contiguous, and two outputs of a
+    # custom op may not share storage
+    return x_fp8_BRC, scale_BR1.squeeze(-1), x_fp8_BRC.transpose(-2, -1).clone(memory_format=torch.contiguous_format)
