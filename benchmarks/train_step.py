@@ -87,7 +87,7 @@ CONFIGS = {
 
 def build(model_name: str, overrides: dict, variant: str, device: torch.device, compile_blocks: bool,
           dtype: torch.dtype = torch.bfloat16, compile_mode: str | None = None, min_width: float | None = None,
-          output_head: bool = False, seed: int = 0, fused_head_loss: bool = True, token_group_align: int = 16):
+          output_head: bool = False, seed: int = 0, fused_head_loss: bool = True, token_group_align: int | None = None):
     from models.deepseek_moe import set_forward_recompute
     from models.registry import build_model
 
@@ -105,7 +105,8 @@ def build(model_name: str, overrides: dict, variant: str, device: torch.device, 
         import fp8
 
         module_filter = fp8.convert.make_module_filter(min_gemm_width=min_width or 0.0, output_head=output_head)
-        fp8.convert_to_fp8(model, recipe, module_filter=module_filter, moe_token_group_align=token_group_align)
+        fp8.convert_to_fp8(model, recipe, module_filter=module_filter,
+                           moe_token_group_align=token_group_align or fp8.convert.FP8_TOKEN_GROUP_ALIGN)
         if output_head:  # precision.fp8_head_fused_loss (fp8/head.py); applies under the tensorwise recipe
             model.output.fused_loss = fused_head_loss
     elif impl == "torchao":
@@ -568,7 +569,7 @@ def bench_config(name: str, cfg: dict, args, device) -> dict:
             model = build(cfg["model"], cfg["overrides"], base_variant, device, compile_blocks=not args.eager,
                           compile_mode="reduce-overhead" if "cg" in flags else None,
                           min_width=float(width_flags[0][4:]) if width_flags else None, output_head="head" in flags,
-                          fused_head_loss="nofce" not in flags, token_group_align=1 if "align1" in flags else 16)
+                          fused_head_loss="nofce" not in flags, token_group_align=1 if "align1" in flags else None)
             for module in model.modules():
                 if hasattr(module, "pad_by_gather"):
                     module.pad_by_gather = "padgather" in flags

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
-from fp8.grouped import DGRAD_CHOICES, WGRAD_SCALINGS, Fp8GroupedMM, check_token_group_align
+from fp8.grouped import DEFAULT_TOKEN_GROUP_ALIGN, Fp8GroupedMM
 from fp8.head import Float8LMHead
 from fp8.linear import Float8Linear
 from fp8.recipes import Recipe, get_recipe
@@ -34,7 +34,7 @@ _HP_ALIGN = "_fp8_hp_token_group_align"
 # Rows per expert group the FP8 grouped GEMM pads to by default (fp8.grouped.check_token_group_align: 16 is required
 # by an fp8 weight-gradient GEMM, which contracts over tokens). Modules that expose `token_group_align` get it raised
 # to their op's alignment while in fp8.
-FP8_TOKEN_GROUP_ALIGN = 16
+FP8_TOKEN_GROUP_ALIGN = DEFAULT_TOKEN_GROUP_ALIGN
 
 
 def default_module_filter(name: str, module: nn.Module) -> bool:
@@ -148,12 +148,14 @@ def convert_to_fp8(
     before anything is swapped.
     """
     rec = get_recipe(recipe)
-    moe_wgrad_used = "hp" if rec.name == "rowwise_gw_hp" else moe_wgrad
-    if moe_wgrad_used not in WGRAD_SCALINGS:
-        raise ValueError(f"moe_wgrad must be one of {WGRAD_SCALINGS}, got {moe_wgrad!r}")
-    if moe_dgrad not in DGRAD_CHOICES:
-        raise ValueError(f"moe_dgrad must be one of {DGRAD_CHOICES}, got {moe_dgrad!r}")
-    check_token_group_align(moe_token_group_align, moe_wgrad_used)
+    # Experts are always rowwise grouped; rowwise_gw_hp keeps their weight gradient in high precision too.
+    grouped_options = {"wgrad_scaling": "hp" if rec.name == "rowwise_gw_hp" else moe_wgrad, "dgrad": moe_dgrad,
+                       "token_group_align": moe_token_group_align}
+    try:
+        Fp8GroupedMM(**grouped_options)  # its checks, before any module is swapped
+    except ValueError as exc:
+        raise ValueError(f"bad MoE options moe_wgrad={moe_wgrad!r}, moe_dgrad={moe_dgrad!r}, "
+                         f"moe_token_group_align={moe_token_group_align!r}: {exc}") from None
     keep = module_filter or default_module_filter
     if any(isinstance(m, Float8Linear) or is_fp8_grouped(m) for m in model.modules()):
         raise ValueError("model is already converted to fp8; build a fresh model to change the recipe")
@@ -166,9 +168,7 @@ def convert_to_fp8(
             swaps.append((model.get_submodule(parent_name), child, module, cls))
         elif _is_grouped(module) and keep(name, module):
             setattr(module, _HP_OP, module.grouped_mm)
-            # Experts are always rowwise grouped; rowwise_gw_hp keeps their weight gradient in high precision too.
-            setattr(module, _FP8_OP, Fp8GroupedMM(wgrad_scaling=moe_wgrad_used, dgrad=moe_dgrad,
-                                                  token_group_align=moe_token_group_align))
+            setattr(module, _FP8_OP, Fp8GroupedMM(**grouped_options))
             setattr(module, _RECIPE_ATTR, rec.name)
             if hasattr(module, "token_group_align"):
                 setattr(module, _HP_ALIGN, module.token_group_align)

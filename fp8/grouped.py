@@ -157,7 +157,7 @@ def _grouped_backward(gy_MN, w_EKN, offs_E, saved_x, e4m3: torch.dtype, use_scal
     | "fp8_reuse" (needs sw_EN, the forward's weight scales) | "fp8_keep" (also needs q_EKN, the forward's quantized
     weight in the [E, K, N] layout); see Fp8GroupedMM.dgrad_for."""
     hp_dgrad = dgrad == "hp"
-    reuse = dgrad in ("fp8_reuse", "fp8_keep")
+    reuse = dgrad in _REUSES_FORWARD_WEIGHT
     gy_MN = gy_MN.contiguous()
     if wgrad == "global":
         gy_fp8, sg_M1, gy_fp8_t_NM, sg_1N = quant.quantize_rowwise_and_colwise(gy_MN, e4m3, pow2)
@@ -306,7 +306,7 @@ def _grouped_fwd_op(
     "fp8_keep", q_EKN unless dgrad == "fp8_keep"."""
     out_MN, stats, saved_x, sw_EN, q_EKN = _run_body(_grouped_forward, x_MK.is_cuda, x_MK, w_EKN, offs_E, e4m3,
                                                      use_scaled, pow2, wgrad, dgrad)
-    sw_keep = sw_EN.contiguous() if dgrad in ("fp8_reuse", "fp8_keep") else x_MK.new_empty(0, dtype=torch.float32)
+    sw_keep = sw_EN.contiguous() if dgrad in _REUSES_FORWARD_WEIGHT else x_MK.new_empty(0, dtype=torch.float32)
     q_keep = q_EKN.contiguous() if q_EKN is not None else x_MK.new_empty(0, dtype=e4m3)
     if wgrad == "global":
         x_fp8_t_KM, sx_1K = saved_x
@@ -320,7 +320,7 @@ def _(x_MK, w_EKN, offs_E, e4m3, use_scaled, pow2, wgrad, dgrad):
     N = w_EKN.shape[-1]
     out = x_MK.new_empty(M, N)
     stats = x_MK.new_empty(3, dtype=torch.float32)
-    sw_keep = x_MK.new_empty((w_EKN.shape[0], N) if dgrad in ("fp8_reuse", "fp8_keep") else (0,), dtype=torch.float32)
+    sw_keep = x_MK.new_empty((w_EKN.shape[0], N) if dgrad in _REUSES_FORWARD_WEIGHT else (0,), dtype=torch.float32)
     q_keep = x_MK.new_empty(tuple(w_EKN.shape) if dgrad == "fp8_keep" else (0,), dtype=e4m3)
     if wgrad == "global":
         return (out, stats, x_MK.new_empty(K, M, dtype=e4m3), x_MK.new_empty(1, K, dtype=torch.float32), sw_keep,
@@ -408,6 +408,9 @@ _GROUPED_MODE_ENV = "FP8_GROUPED_MODE"
 #               (with it, one layer's worth; models/planning.py does not count fp8 copies). The same bytes as
 #               "fp8_reuse". Not yet measured on a GPU (benchmarks/scripts/session19_a.sh): "auto" does not pick it.
 DGRAD_CHOICES = ("fp8", "fp8_fast", "hp", "width", "auto", "fp8_reuse", "fp8_keep")
+_DGRAD_ENV = "FP8_GROUPED_DGRAD"
+# The grad-input choices that run on the forward's quantized weight, so need its saved row scales.
+_REUSES_FORWARD_WEIGHT = ("fp8_reuse", "fp8_keep")
 
 # Rows per expert group (token_group_align). An fp8 weight-gradient GEMM ("global", "per_expert") contracts over the
 # token dim, laid out contiguous ([K, M] transposed copies), so each group must start 16 bytes (= 16 fp8 rows) apart:
@@ -417,6 +420,9 @@ DGRAD_CHOICES = ("fp8", "fp8_fast", "hp", "width", "auto", "fp8_reuse", "fp8_kee
 # in forward and its gradient in backward (3 more zero fills in session 18's MoE profile than bf16's). The default
 # stays 16 until 1 is checked on the GPU (tests/test_fp8_gpu.py, unaligned groups; the scales' per-group reads in
 # torch's rowwise kernel are the unknown) and timed (benchmarks/scripts/session19_b.sh, train_step "+align1").
+DEFAULT_TOKEN_GROUP_ALIGN = 16
+
+
 def check_token_group_align(align: int, wgrad_scaling: str) -> None:
     """Raise ValueError unless `align` is a power of two >= 1 that the weight-gradient GEMM allows (16 | align for
     fp8 weight gradients)."""
@@ -426,7 +432,6 @@ def check_token_group_align(align: int, wgrad_scaling: str) -> None:
         raise ValueError(f"token_group_align={align} with wgrad_scaling={wgrad_scaling!r}: an fp8 weight-gradient GEMM "
                          "contracts over tokens and needs 16-row aligned groups; use 16 (or a multiple) or "
                          "wgrad_scaling='hp'")
-_DGRAD_ENV = "FP8_GROUPED_DGRAD"
 
 
 class Fp8GroupedMM:
@@ -437,11 +442,12 @@ class Fp8GroupedMM:
     """
 
     def __init__(self, emulate: bool | None = None, pow2: bool = True, wgrad_scaling: str = "hp",
-                 mode: str | None = None, dgrad: str = "auto", token_group_align: int = 16):
+                 mode: str | None = None, dgrad: str = "auto", token_group_align: int = DEFAULT_TOKEN_GROUP_ALIGN):
         if wgrad_scaling not in WGRAD_SCALINGS:
             raise ValueError(f"wgrad_scaling must be one of {WGRAD_SCALINGS}, got {wgrad_scaling!r}")
         check_token_group_align(token_group_align, wgrad_scaling)
-        # Rows per expert group the model's routing pads to while this op serves it (see the comment above check_token_group_align).
+        # Rows per expert group the model's routing pads to while this op serves it (see the comment above
+        # check_token_group_align).
         self.token_group_align = token_group_align
         if dgrad not in DGRAD_CHOICES:
             raise ValueError(f"dgrad must be one of {DGRAD_CHOICES}, got {dgrad!r}")

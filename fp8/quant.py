@@ -210,16 +210,14 @@ def quantize_colwise_3d_both_layouts(w_EKN: torch.Tensor, dtype: torch.dtype, po
     cast_rows_transposed_batched would make from the same weight and scales. With the kernels: one kernel over the
     [E, N, K] rows of w's transpose, read where they lie (no copy of a strided w)."""
     e, _, n = w_EKN.shape
+    w_ENK = w_EKN.transpose(-2, -1)
     k = _kernel_fn(w_EKN, "quantize_rows_and_transposed_batched")
-    if k is not None:
-        out = _call("quantize_rows_and_transposed_batched", k, None, w_EKN.transpose(-2, -1), dtype, pow2=pow2)
-        if out is not None:
-            w_fp8_ENK, scale_EN, w_fp8_EKN_rows = out
-            return w_fp8_ENK.transpose(-2, -1), scale_EN.reshape(e, 1, n), w_fp8_EKN_rows
-    from fp8.kernels.reference import quantize_rows_and_transposed_batched_ref
+    out = None if k is None else _call("quantize_rows_and_transposed_batched", k, None, w_ENK, dtype, pow2=pow2)
+    if out is None:
+        from fp8.kernels.reference import quantize_rows_and_transposed_batched_ref
 
-    w_fp8_ENK, scale_EN, w_fp8_EKN_rows = _ref(w_EKN, quantize_rows_and_transposed_batched_ref)(
-        w_EKN.transpose(-2, -1), dtype, pow2)
+        out = _ref(w_EKN, quantize_rows_and_transposed_batched_ref)(w_ENK, dtype, pow2)
+    w_fp8_ENK, scale_EN, w_fp8_EKN_rows = out
     return w_fp8_ENK.transpose(-2, -1), scale_EN.reshape(e, 1, n), w_fp8_EKN_rows
 
 

@@ -258,12 +258,13 @@ def validate(job: JobConfig) -> None:
              f"'{job.precision.moe_wgrad}' is not one of {MOE_WGRADS}")
     _require(job.precision.moe_dgrad in MOE_DGRADS, "precision.moe_dgrad",
              f"'{job.precision.moe_dgrad}' is not one of {MOE_DGRADS}")
-    align = job.precision.moe_token_group_align
-    _require(isinstance(align, int) and not isinstance(align, bool) and align >= 1 and not align & (align - 1),
-             "precision.moe_token_group_align", f"{align!r} is not a power of two >= 1 (16, or 1 with moe_wgrad=hp)")
-    _require(job.precision.moe_wgrad == "hp" or job.precision.recipe == "rowwise_gw_hp" or align % 16 == 0,
-             "precision.moe_token_group_align", f"{align} with moe_wgrad={job.precision.moe_wgrad}: an fp8 weight "
-             "gradient contracts over tokens and needs 16 (or a multiple); use 16 or moe_wgrad=hp")
+    from fp8.grouped import check_token_group_align  # the op's own rule (torch is loaded above by models.registry)
+
+    try:
+        check_token_group_align(job.precision.moe_token_group_align,
+                                "hp" if job.precision.recipe == "rowwise_gw_hp" else job.precision.moe_wgrad)
+    except ValueError as exc:
+        _require(False, "precision.moe_token_group_align", f"{exc} (1 needs precision.moe_wgrad=hp)")
     for key in ("compute_dtype", "fsdp_param_dtype", "fsdp_reduce_dtype"):
         value = getattr(job.precision, key)
         _require(value in DTYPES, f"precision.{key}", f"'{value}' is not one of {DTYPES}")

@@ -327,8 +327,8 @@ def test_token_group_align_is_the_ops_and_bad_values_change_nothing():
                           ({"moe_token_group_align": 3}, "power of two"),
                           ({"moe_token_group_align": 0}, "power of two"),
                           ({"moe_token_group_align": True}, "power of two"),
-                          ({"moe_wgrad": "fp16"}, "moe_wgrad"),
-                          ({"moe_dgrad": "fp16"}, "moe_dgrad")):
+                          ({"moe_wgrad": "fp16"}, "moe_wgrad='fp16'.*wgrad_scaling must be one of"),
+                          ({"moe_dgrad": "fp16"}, "moe_dgrad='fp16'.*dgrad must be one of")):
         model = build()
         with pytest.raises(ValueError, match=match):
             fp8.convert_to_fp8(model, "tensorwise", **kwargs)
