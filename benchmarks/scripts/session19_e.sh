@@ -4,11 +4,8 @@
 # session-19 options (fp8_keep, unpadded token groups: keep only what session19_a/b showed correct and faster), bf16.
 # Session 18 call E: fp8 148,155 vs bf16 125,546 tokens/s = 1.180x.
 #   bash benchmarks/scripts/session19_e.sh   ($OUT set by the device tool; carry .whl for hydra, omegaconf)
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  || exit 1
-export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+source benchmarks/scripts/product_loop_prelude.sh
 mkdir -p $OUT/loop
-ROOT=/tmp/wt; avail=$(df --output=avail -k /dev/shm | tail -1); [ "${avail:-0}" -gt 62000000 ] && ROOT=/dev/shm/wt
 timeout 420 python3 benchmarks/worker_throughput.py --out $OUT/loop --run-root $ROOT --timeout-s 125 --skip-steps 8 \
   --common model=deepseek_moe16b +model.overrides.n_layers=4 data.seq_len=4096 train.micro_batch_size=4 \
     train.global_batch_size=4 train.steps=20 train.warmup_steps=5 train.lr=3e-4 train.log_every=2 \
