@@ -23,7 +23,7 @@ train: setup
 	$(BIN)/python launch.py $(ARGS)
 
 test: setup
-	$(BIN)/python -m pytest -q -ra tests $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -ra --durations=20 tests $(PYTEST_ARGS)
 
 lint: setup
 	$(BIN)/ruff check .
