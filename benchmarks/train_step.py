@@ -18,8 +18,8 @@ mode="reduce-overhead" (CUDA graphs); "+eagerloss" runs the cross-entropy eagerl
 "+fp8dg" runs all their grad-input GEMMs in fp8 with promoted accumulation, "+reusedg" on the forward's quantized
 weights (dgrad="fp8_reuse"), "+keepdg" on them written in the grad-input layout by the forward's cast and kept
 ("fp8_keep"), "+align1" leaves the experts' token groups unpadded (precision.moe_token_group_align=1; default 16),
-"+padgather" builds the padded group layout by one gather (models.deepseek_moe.MoE.pad_by_gather; default: a
-zero-filled buffer the tokens are copied into),
+"+padgather" builds the padded group layout by one gather (models.deepseek_moe.MoE.pad_by_gather, the default since
+session 20) and "+padscatter" as a zero-filled buffer the tokens are copied into (the default before),
 "+fastdg" on the weights cast again (fast accumulation, "fp8_fast") and "+widthdg" in
 bf16 where the width is not a multiple of 256, else so (default: fp8.grouped's dgrad="auto", fp8_reuse since session
 17); "+autogc" leaves Python's automatic garbage collection on
@@ -546,7 +546,7 @@ def bench_config(name: str, cfg: dict, args, device) -> dict:
 
             base_variant, *flags = variant.split("+")
             known = {"nomix", "kern", "ntk", "cg", "eagerloss", "eagergrp", "tracedgrp", "fp8dg", "widthdg", "autogc", "eagerbody", "head",
-                     "cdt", "tadam", "nofce", "reusedg", "keepdg", "fastdg", "nogate", "align1", "padgather"}
+                     "cdt", "tadam", "nofce", "reusedg", "keepdg", "fastdg", "nogate", "align1", "padgather", "padscatter"}
             width_flags = [f for f in flags if f.startswith("minw") and f[4:].isdigit()]
             unknown = set(flags) - known - set(width_flags)
             if unknown:
@@ -572,7 +572,7 @@ def bench_config(name: str, cfg: dict, args, device) -> dict:
                           fused_head_loss="nofce" not in flags, token_group_align=1 if "align1" in flags else None)
             for module in model.modules():
                 if hasattr(module, "pad_by_gather"):
-                    module.pad_by_gather = "padgather" in flags
+                    module.pad_by_gather = "padscatter" not in flags
             vocab = model.args.vocab_size
             if "tadam" in flags:
                 from optim import ChunkedAdamW

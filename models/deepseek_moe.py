@@ -371,12 +371,14 @@ class MoE(nn.Module):
         # re-run). Asking autograd costs a graph break under torch.compile (a host call returning a Python int),
         # so models that are never recomputed turn the question off: see set_forward_recompute.
         self.forward_may_rerun_in_backward = True
-        # How the routed tokens enter a padded group layout (token_group_align > 1, the FP8 experts): True gathers each
-        # padded row from its token (a padding row reads zero) in one pass, whose backward is one index_put into x's
-        # gradient as in the unpadded layout; False (the default until timed on a GPU: benchmarks/train_step.py
-        # "+padgather", session19_b.sh) is a zero-filled buffer that the gathered tokens are copied into (a zero fill
-        # plus a scatter forward, a gather of the padded gradient plus an index_put backward). Same values either way.
-        self.pad_by_gather = False
+        # How the routed tokens enter a padded group layout (token_group_align > 1, the FP8 experts): True (default)
+        # gathers each padded row from its token (a padding row reads zero) in one pass, whose backward is one
+        # index_put into x's gradient as in the unpadded layout; False is a zero-filled buffer that the gathered tokens
+        # are copied into (a zero fill plus a scatter forward, a gather of the padded gradient plus an index_put
+        # backward). Same values either way. The gather is the default for memory, not speed: the H200 MoE step (4
+        # layers, session 20 call B) peaked at 28.46 vs 29.60 GiB at equal speed (97.81 vs 97.56 ms, within the
+        # run's +-1 ms step noise); benchmarks/train_step.py "+padscatter" selects the copy.
+        self.pad_by_gather = True
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
         a = self.args
