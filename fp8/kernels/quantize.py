@@ -427,8 +427,9 @@ if HAS_TRITON:
                                           BR: tl.constexpr, BC: tl.constexpr,
                                           EXACT_ROUND: tl.constexpr, MBITS: tl.constexpr, MIN_NORMAL: tl.constexpr,
                                           SUB_MAGIC: tl.constexpr, NAN_BITS: tl.constexpr):
-        # Rows [pid_r*BR, +BR) of batch b, whole: pass 1 their amax over C, pass 2 (the re-read mostly from L2) the
-        # cast, stored row-major into [B, R, C] (runs of BC bytes) and transposed into [B, C, R] (runs of BR bytes).
+        # Rows [pid_r*BR, +BR) of batch b, whole: pass 1 their amax over C, passes 2 and 3 (the re-reads mostly from
+        # L2) the cast, stored row-major into [B, R, C] (runs of BC bytes), then transposed into [B, C, R] (runs of BR
+        # bytes).
         # The transposed store is why a program holds BR >= 16 rows, not the few rows of the one-tile row cast.
         pid_r = tl.program_id(0)
         b = tl.program_id(1).to(tl.int64)
@@ -444,16 +445,20 @@ if HAS_TRITON:
         tl.store(scale_ptr + b * R + offs_r, scale, mask=mask_r)
         out_dtype = out_ptr.dtype.element_ty
         out_rows = out_ptr + b * R * C + offs_r.to(tl.int64)[:, None] * C
-        out_t_b = out_t_ptr + b * C * R
         for c0 in range(0, C, BC):
             offs_c = c0 + tl.arange(0, BC)
-            mask_c = offs_c < C
-            mask = mask_r[:, None] & mask_c[None, :]
+            mask = mask_r[:, None] & (offs_c < C)[None, :]
             x = tl.load(x_rows + offs_c[None, :] * stride_xc, mask=mask, other=0.0).to(tl.float32)
             y = _to_fp8(x * scale[:, None], out_dtype, FP8_MAX, EXACT_ROUND, MBITS, MIN_NORMAL, SUB_MAGIC, NAN_BITS)
             tl.store(out_rows + offs_c[None, :], y, mask=mask)
-            tl.store(out_t_b + offs_c.to(tl.int64)[:, None] * R + offs_r[None, :], tl.trans(y),
-                     mask=mask_c[:, None] & mask_r[None, :])
+        # The transposed layout in its own pass, tile by tile as the recast kernel writes it. Storing one cast tile
+        # both ways in the same iteration (y, then tl.trans(y)) left parts of the transposed output unwritten on the
+        # H200 at DeepSeek-MoE's shapes (session 20, tests/test_fp8_gpu.py), though the Triton interpreter agreed.
+        for c0 in range(0, C, BC):
+            offs_c = c0 + tl.arange(0, BC)
+            _cast_tile_store_t(x_ptr, out_t_ptr, b, offs_r, offs_c, mask_r, offs_c < C, scale[:, None], R, C,
+                               stride_xb, stride_xr, stride_xc, FP8_MAX, EXACT_ROUND, MBITS, MIN_NORMAL, SUB_MAGIC,
+                               NAN_BITS)
 
     # ---------------------------------------------------------------- jagged per-expert column scales
 
