@@ -34,15 +34,51 @@ def bench_ms(fn, warmup_ms: float = 50.0, rep_ms: float = 200.0) -> float:
 
 
 def bandwidth_row(rows: list, name: str, fn, traffic_bytes: int, reps: int, width: int = 58) -> dict:
-    """One row of a kernel-alone table: fn warmed up once, then the median over `reps` of back_to_back_ms, with GB/s
-    against `traffic_bytes` (the op's least traffic); appended to `rows` and printed."""
+    """One row of a kernel-alone table: the device time per call of fn (graph_ms: 10 calls in one CUDA graph, median
+    of `reps` replays; back_to_back_ms where fn cannot be captured), with GB/s against `traffic_bytes` (the op's least
+    traffic); appended to `rows` and printed. Timed by Python launches, a kernel of < ~0.15 ms reads as the host's
+    launch time (session 20's transpose sweep: most tiles at one 0.15 ms floor); a graph replays without the host."""
     fn()
     torch.cuda.synchronize()
-    ms = statistics.median(back_to_back_ms(fn, calls=10) for _ in range(reps))
-    row = {"case": name, "ms": round(ms, 4), "GBps": round(traffic_bytes / ms / 1e6, 1)}
+    try:
+        ms, timing = graph_ms(fn, calls=10, replays=reps), "cuda_graph"
+    except Exception as exc:  # noqa: BLE001  # some ops cannot be captured: time them launched, and say so
+        print(f"  ({name}: graph capture failed, {type(exc).__name__}: {str(exc)[:100]}; timed back to back)")
+        torch.cuda.synchronize()
+        ms, timing = statistics.median(back_to_back_ms(fn, calls=10) for _ in range(reps)), "back_to_back"
+    row = {"case": name, "ms": round(ms, 4), "GBps": round(traffic_bytes / ms / 1e6, 1), "timing": timing}
     rows.append(row)
     print(f"{name:{width}s} {ms:8.4f} ms {row['GBps']:8.1f} GB/s", flush=True)
     return row
+
+
+def graph_ms(fn, calls: int = 10, replays: int = 7) -> float:
+    """Device milliseconds per call of fn: `calls` calls captured in one CUDA graph, the median over `replays` replays
+    timed by CUDA events. No host launch time is in it, so it is the kernel's own time even where the host launches
+    slower than the kernel runs. fn is run twice on a side stream first (warm-up and lazy initialisation, which
+    capture forbids)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    del graph
+    return statistics.median(times)
 
 
 def back_to_back_ms(fn, calls: int) -> float:

@@ -28,7 +28,6 @@ import json
 import math
 import os
 import platform
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -79,6 +78,7 @@ def main():
     import torch  # after TRITON_INTERPRET is set
 
     fk, q = load_kernels()
+    from benchmarks.common import graph_ms  # load_kernels put the repo on sys.path
     t_start = time.time()
     cuda = torch.cuda.is_available() and not args.smoke
     dev = "cuda" if cuda else "cpu"
@@ -103,31 +103,6 @@ def main():
         import triton.testing
 
         return float(triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median"))
-
-    def graph_ms(fn, reps: int = 10) -> float:
-        """GPU time per call: `reps` calls captured in one CUDA graph, median of 7 replays (no host overhead)."""
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(reps):
-                fn()
-        graph.replay()
-        torch.cuda.synchronize()
-        ts = []
-        for _ in range(7):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            graph.replay()
-            b.record()
-            b.synchronize()
-            ts.append(a.elapsed_time(b) / reps)
-        del graph
-        return statistics.median(ts)
 
     def bench_ms(fn) -> float:
         if cuda:

@@ -26,7 +26,7 @@ from tests.spawned import free_port
 
 pytestmark = pytest.mark.slow
 
-STEPS = 500
+STEPS = 300
 GLOBAL_BATCH = 16
 COMMON = ["model=debug_dense", "precision=bf16", "precision.compute_dtype=float32", f"train.steps={STEPS}",
           f"train.global_batch_size={GLOBAL_BATCH}", "train.micro_batch_size=8", "data.seq_len=128",
