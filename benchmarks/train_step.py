@@ -24,7 +24,10 @@ session 20) and "+padscatter" as a zero-filled buffer the tokens are copied into
 bf16 where the width is not a multiple of 256, else so (default: fp8.grouped's dgrad="auto", fp8_reuse since session
 17); "+noexp" keeps the MoE routed experts in bf16 (precision.fp8_experts=false;
 the dense linears and the head stay FP8: session 18's profile put the experts' FP8 GEMM saving, ~1.5 ms a layer, level
-with their casts, ~1.6 ms); "+autogc" leaves Python's automatic garbage collection on
+with their casts, ~1.6 ms); "+tfwd" has the tensorwise linears write the fp8 transposed copies
+their backward GEMMs read from the casts' own compiled kernels (precision.fp8_tensorwise_transposes=forward: x^T and w^T
+in forward, gy^T with gy's cast) instead of transposing the saved fp8 copies in backward (87 transposes, 2.52 ms of
+session 18's MoE profile); "+autogc" leaves Python's automatic garbage collection on
 during the timed steps (default: the worker's policy, orchestration/gc_policy.py; every row records its GC pauses under "gc"); "+minw<W>" keeps linears
 with K*N/(K+N) < W in bf16 (fp8.convert.min_width_module_filter); "+eagerbody" runs the grouped GEMM custom ops'
 bodies eagerly (FP8_GROUPED_BODY=eager; default: compiled on CUDA); "+head" converts the LM output head too (ours:
@@ -90,7 +93,7 @@ CONFIGS = {
 def build(model_name: str, overrides: dict, variant: str, device: torch.device, compile_blocks: bool,
           dtype: torch.dtype = torch.bfloat16, compile_mode: str | None = None, min_width: float | None = None,
           output_head: bool = False, seed: int = 0, fused_head_loss: bool = True, token_group_align: int | None = None,
-          fp8_experts: bool = True):
+          fp8_experts: bool = True, tensorwise_transposes: str = "backward"):
     from models.deepseek_moe import set_forward_recompute
     from models.registry import build_model
 
@@ -110,7 +113,8 @@ def build(model_name: str, overrides: dict, variant: str, device: torch.device, 
         module_filter = fp8.convert.make_module_filter(min_gemm_width=min_width or 0.0, output_head=output_head,
                                                        experts=fp8_experts)
         fp8.convert_to_fp8(model, recipe, module_filter=module_filter,
-                           moe_token_group_align=token_group_align or fp8.convert.FP8_TOKEN_GROUP_ALIGN)
+                           moe_token_group_align=token_group_align or fp8.convert.FP8_TOKEN_GROUP_ALIGN,
+                           tensorwise_transposes=tensorwise_transposes)
         if output_head:  # precision.fp8_head_fused_loss (fp8/head.py); applies under the tensorwise recipe
             model.output.fused_loss = fused_head_loss
     elif impl == "torchao":
@@ -551,7 +555,7 @@ def bench_config(name: str, cfg: dict, args, device) -> dict:
             base_variant, *flags = variant.split("+")
             known = {"nomix", "kern", "ntk", "cg", "eagerloss", "eagergrp", "tracedgrp", "fp8dg", "widthdg", "autogc", "eagerbody", "head",
                      "cdt", "tadam", "nofce", "reusedg", "keepdg", "fastdg", "nogate", "align1", "padgather", "padscatter",
-                     "noexp"}
+                     "noexp", "tfwd"}
             width_flags = [f for f in flags if f.startswith("minw") and f[4:].isdigit()]
             unknown = set(flags) - known - set(width_flags)
             if unknown:
@@ -575,7 +579,8 @@ def bench_config(name: str, cfg: dict, args, device) -> dict:
                           compile_mode="reduce-overhead" if "cg" in flags else None,
                           min_width=float(width_flags[0][4:]) if width_flags else None, output_head="head" in flags,
                           fused_head_loss="nofce" not in flags, token_group_align=1 if "align1" in flags else None,
-                          fp8_experts="noexp" not in flags)
+                          fp8_experts="noexp" not in flags,
+                          tensorwise_transposes="forward" if "tfwd" in flags else "backward")
             for module in model.modules():
                 if hasattr(module, "pad_by_gather"):
                     module.pad_by_gather = "padscatter" not in flags

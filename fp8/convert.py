@@ -16,7 +16,7 @@ from torch import nn
 
 from fp8.grouped import DEFAULT_TOKEN_GROUP_ALIGN, Fp8GroupedMM
 from fp8.head import Float8LMHead
-from fp8.linear import Float8Linear
+from fp8.linear import TENSORWISE_TRANSPOSES, Float8Linear
 from fp8.recipes import Recipe, get_recipe
 
 PRECISIONS = ("fp8", "bf16")
@@ -133,6 +133,7 @@ def convert_to_fp8(
     moe_wgrad: str = "hp",
     moe_dgrad: str = "auto",
     moe_token_group_align: int = FP8_TOKEN_GROUP_ALIGN,
+    tensorwise_transposes: str = "backward",
 ) -> nn.Module:
     """Swap eligible layers of `model` to FP8 in place and return it.
 
@@ -144,6 +145,8 @@ def convert_to_fp8(
     weights).
     moe_token_group_align: rows per expert group the routing pads to while the experts run in fp8 (16; 1 is allowed
     with the bf16 weight gradient, see fp8.grouped.check_token_group_align).
+    tensorwise_transposes: where the tensorwise linears write the fp8 transposed copies their backward GEMMs read,
+    "backward" | "forward" (fp8.linear.TENSORWISE_TRANSPOSES).
     Converting twice is an error (ValueError) so a recipe change cannot half-apply; so are bad MoE options, checked
     before anything is swapped.
     """
@@ -156,6 +159,8 @@ def convert_to_fp8(
     except ValueError as exc:
         raise ValueError(f"bad MoE options moe_wgrad={moe_wgrad!r}, moe_dgrad={moe_dgrad!r}, "
                          f"moe_token_group_align={moe_token_group_align!r}: {exc}") from None
+    if tensorwise_transposes not in TENSORWISE_TRANSPOSES:
+        raise ValueError(f"tensorwise_transposes={tensorwise_transposes!r}: choose one of {TENSORWISE_TRANSPOSES}")
     keep = module_filter or default_module_filter
     if any(isinstance(m, Float8Linear) or is_fp8_grouped(m) for m in model.modules()):
         raise ValueError("model is already converted to fp8; build a fresh model to change the recipe")
@@ -174,7 +179,9 @@ def convert_to_fp8(
                 setattr(module, _HP_ALIGN, module.token_group_align)
             _set_module(module, True)
     for parent, child, module, cls in swaps:
-        setattr(parent, child, cls.from_float(module, rec))
+        converted = cls.from_float(module, rec)
+        converted.tensorwise_transposes = tensorwise_transposes
+        setattr(parent, child, converted)
     return model
 
 

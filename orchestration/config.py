@@ -30,6 +30,7 @@ ENV_PRESET_NAMES = ("none", "nccl_h100", "nccl_h200", "rccl_mi300x", "rccl_mi350
 
 MOE_WGRADS = ("hp", "global", "per_expert")  # fp8.grouped.WGRAD_SCALINGS, without importing torch here
 MOE_DGRADS = ("auto", "fp8_reuse", "fp8_keep", "fp8_fast", "fp8", "hp", "width")  # fp8.grouped.DGRAD_CHOICES, likewise
+TENSORWISE_TRANSPOSES = ("backward", "forward")  # fp8.linear.TENSORWISE_TRANSPOSES, likewise
 # torch.compile modes for the blocks; "reduce-overhead" = CUDA graphs (see ModelConfig.compile_mode).
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")
 
@@ -81,6 +82,11 @@ class PrecisionConfig:
     # gradient once, in fp8 and in both layouts its GEMMs read (fp8/head.py), instead of a bf16 gradient cast again.
     # false: the unfused head and loss (the same function; for A/B runs).
     fp8_head_fused_loss: bool = True
+    # Tensorwise recipe: where the fp8 transposed copies the backward GEMMs read are written (fp8.linear.
+    # TENSORWISE_TRANSPOSES): backward (from the saved fp8 copies, by the transpose kernel) or forward (by the casts'
+    # own compiled kernels, saved instead of the row-major copies: the same memory). The same function either way;
+    # forward is opt-in until timed on a GPU (benchmarks/train_step.py +tfwd).
+    fp8_tensorwise_transposes: str = "backward"
     # Run the MoE routed experts' grouped GEMMs in FP8 (torch._scaled_grouped_mm). false keeps them bf16 while the
     # rest runs FP8: for GPUs or torch builds without an FP8 grouped GEMM (the worker refuses to emulate it there).
     fp8_experts: bool = True
@@ -258,6 +264,8 @@ def validate(job: JobConfig) -> None:
              f"'{job.precision.moe_wgrad}' is not one of {MOE_WGRADS}")
     _require(job.precision.moe_dgrad in MOE_DGRADS, "precision.moe_dgrad",
              f"'{job.precision.moe_dgrad}' is not one of {MOE_DGRADS}")
+    _require(job.precision.fp8_tensorwise_transposes in TENSORWISE_TRANSPOSES, "precision.fp8_tensorwise_transposes",
+             f"'{job.precision.fp8_tensorwise_transposes}' is not one of {TENSORWISE_TRANSPOSES}")
     from fp8.grouped import check_token_group_align  # the op's own rule (torch is loaded above by models.registry)
 
     try:

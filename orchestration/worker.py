@@ -99,7 +99,8 @@ def build_training_model(job: JobConfig, world_size: int, device: torch.device):
                                                        experts=job.precision.fp8_experts)
         fp8.convert_to_fp8(model, recipe, module_filter=module_filter, moe_wgrad=job.precision.moe_wgrad,
                            moe_dgrad=job.precision.moe_dgrad,
-                           moe_token_group_align=job.precision.moe_token_group_align)
+                           moe_token_group_align=job.precision.moe_token_group_align,
+                           tensorwise_transposes=job.precision.fp8_tensorwise_transposes)
         if not fp8.precision_state(model)["modules"]:
             # An "fp8" run with nothing in fp8 would fail later, at the first shadow check or RetryFP8.
             widths = [fp8.convert.gemm_width(m.in_features, m.out_features) for m in model.modules()

@@ -44,6 +44,7 @@ def test_default_config_composes_and_validates():
     (["data.source=relative/path"], "data.source", "absolute path"),
     (["cluster.storage_path=relative"], "cluster.storage_path", "absolute"),
     (["model.compile_mode=turbo"], "model.compile_mode", "reduce-overhead"),
+    (["precision.fp8_tensorwise_transposes=sideways"], "precision.fp8_tensorwise_transposes", "forward"),
     (["model.compile_mode=reduce-overhead", "cluster.min_workers=1", "cluster.max_workers=2"], "model.compile_mode",
      "cluster.max_workers=1"),
 ])
@@ -237,6 +238,32 @@ def test_fp8_experts_setting_and_gpus_without_an_fp8_grouped_gemm():
         compose_job("precision.fp8_experts=maybe")
 
 
+def test_tensorwise_transposes_setting_reaches_every_fp8_linear():
+    """precision.fp8_tensorwise_transposes is what every Float8Linear of the built model (the head too) runs with;
+    convert_to_fp8 refuses an unknown placement before swapping anything."""
+    import torch
+
+    import fp8
+    from fp8 import Float8Linear
+    from orchestration.worker import build_training_model
+
+    def placements(*overrides):
+        job = compose_job("model=debug_dense", "model.compile=false", "cluster.min_workers=1",
+                          "cluster.max_workers=1", "precision=fp8", "precision.recipe=tensorwise",
+                          "precision.fp8_output_head=true", *overrides)
+        model, _ = build_training_model(job, world_size=1, device=torch.device("cpu"))
+        return {n: m.tensorwise_transposes for n, m in model.named_modules() if isinstance(m, Float8Linear)}
+
+    default = placements()
+    moved = placements("precision.fp8_tensorwise_transposes=forward")
+    assert "output" in moved and len(moved) == len(default) > 2
+    assert set(default.values()) == {"backward"} and set(moved.values()) == {"forward"}
+    plain = torch.nn.Sequential(torch.nn.Linear(32, 32))
+    with pytest.raises(ValueError, match="tensorwise_transposes='sideways'"):
+        fp8.convert_to_fp8(plain, "tensorwise", tensorwise_transposes="sideways")
+    assert type(plain[0]) is torch.nn.Linear
+
+
 def test_adamw_is_fused_on_gpus_and_default_on_cpu():
     """The worker's AdamW runs fused on GPUs (what benchmarks/train_step.py times) with the configured
     hyperparameters; CPU runs keep torch's default implementation."""
@@ -387,3 +414,7 @@ def test_moe_gradient_choices_mirror_fp8_grouped():
 
     assert sorted(MOE_WGRADS) == sorted(WGRAD_SCALINGS)
     assert sorted(MOE_DGRADS) == sorted(DGRAD_CHOICES)
+    from fp8.linear import TENSORWISE_TRANSPOSES as LINEAR_CHOICES
+    from orchestration.config import TENSORWISE_TRANSPOSES
+
+    assert sorted(TENSORWISE_TRANSPOSES) == sorted(LINEAR_CHOICES)

@@ -513,3 +513,37 @@ def test_compiled_tensorwise_float8_linear_launches_its_transposes_inline_in_bac
     assert not callbacks, f"compiled code calls back into the ops: {callbacks[:6]}"
     assert code.count("_transpose_kernel") >= 3, "the three transposes should be launched as kernels"
     torch._dynamo.reset()
+
+
+def test_compiled_tensorwise_transposes_in_forward_match_and_leave_no_transpose_kernel():
+    """tensorwise_transposes="forward" on the GPU, compiled: output and gradients equal the default placement's bit
+    for bit (the same fp8 values, only written elsewhere), and no fp8 transpose kernel is left: Inductor writes the
+    transposed copies itself, from the casts' kernels (whether that is faster is benchmarks/train_step.py +tfwd)."""
+    from torch._inductor.utils import run_and_get_code
+
+    import fp8
+
+    results, codes_by_placement = {}, {}
+    for placement in ("backward", "forward"):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(1024, 512, bias=False), torch.nn.Linear(512, 768, bias=False))
+        model = model.cuda().to(torch.bfloat16)
+        fp8.convert_to_fp8(model, "tensorwise", module_filter=lambda m, fqn: True,
+                           tensorwise_transposes=placement)
+        x = _x(2048, 1024, seed=4).requires_grad_(True)
+        compiled = torch.compile(model)
+
+        def step(compiled=compiled, x=x):
+            y = compiled(x)
+            y.float().square().mean().backward()
+            return y
+
+        y, codes = run_and_get_code(step)
+        results[placement] = [y.detach(), x.grad] + [p.grad for p in model.parameters()]
+        codes_by_placement[placement] = "\n".join(codes)
+    for a, b in zip(results["backward"], results["forward"], strict=True):
+        assert torch.equal(a, b)
+    assert codes_by_placement["backward"].count("_transpose_kernel") >= 3
+    assert "_transpose_kernel" not in codes_by_placement["forward"]
+    torch._dynamo.reset()

@@ -247,3 +247,55 @@ def test_kernel_failure_while_tracing_a_backward_falls_back_without_breaking_the
     with pytest.warns(UserWarning, match="transpose failed"):
         assert quant._call("transpose", broken_kernel, None, x) is None
     assert quant._FAILED == {"transpose"}
+
+
+def _run_placement(placement, x, w, gy, emulate, compiled=False, recipe="tensorwise"):
+    lin = torch.nn.Linear(K, N, bias=False, dtype=w.dtype)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+    mod = Float8Linear.from_float(lin, recipe)
+    mod.emulate = emulate
+    mod.tensorwise_transposes = placement
+    fn = mod
+    if compiled:
+        torch._dynamo.reset()
+        fn = torch.compile(mod, fullgraph=True, dynamic=False)  # fullgraph: the Function must stay in one graph
+    xi = x.clone().requires_grad_()
+    y = fn(xi)
+    y.backward(gy)
+    return y.detach(), xi.grad, lin.weight.grad
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("emulate", [True, False])
+def test_tensorwise_transposes_written_in_forward_compute_the_same_function(emulate, compiled):
+    """tensorwise_transposes="forward" moves where the fp8 transposed copies are made (next to the casts, saved instead
+    of the row-major copies), not what is multiplied: output and both gradients equal the default's bit for bit,
+    eagerly and compiled (Inductor then writes the transposes from the casts' kernels), emulated and through
+    torch._scaled_mm."""
+    x, w, gy = make_inputs(torch.bfloat16, seed=2)
+    default = _run_placement("backward", x, w, gy, emulate, compiled)
+    moved = _run_placement("forward", x, w, gy, emulate, compiled)
+    for a, b in zip(default, moved):
+        assert torch.equal(a, b)
+    # and still FP8 (not a silently high-precision path): the gradient differs from bf16's
+    lin = torch.nn.Linear(K, N, bias=False, dtype=w.dtype)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+    xi = x.clone().requires_grad_()
+    lin(xi).backward(gy)
+    assert not torch.equal(moved[1], xi.grad) and sqnr(moved[1], xi.grad) > 15
+
+
+def test_tensorwise_transposes_forward_saves_the_transposed_layouts():
+    """What backward keeps: x^T [K, M] and w^T [K, N] (contiguous), the same bytes as x and w."""
+    x, w, _ = make_inputs(torch.bfloat16, seed=3)
+    lin = torch.nn.Linear(K, N, bias=False, dtype=w.dtype)
+    mod = Float8Linear.from_float(lin, "tensorwise")
+    mod.tensorwise_transposes = "forward"
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        mod(x.clone().requires_grad_())
+    fp8_saved = [t for t in saved if t.dtype.itemsize == 1]
+    assert [tuple(t.shape) for t in fp8_saved] == [(K, M), (K, N)]
+    assert all(t.is_contiguous() for t in fp8_saved)
