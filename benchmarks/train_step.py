@@ -107,6 +107,10 @@ def build(model_name: str, overrides: dict, variant: str, device: torch.device, 
     impl, _, recipe = variant.partition(":")
     if output_head and impl == "bf16":
         raise ValueError("+head runs the output head in FP8; the bf16 rows keep every linear in bf16 (drop +head)")
+    if impl not in ("ours", "ours_nomon") and (not fp8_experts or tensorwise_transposes != "backward"):
+        raise ValueError(f"+noexp and +tfwd are options of our conversion; {variant!r} does not use it (drop them)")
+    if tensorwise_transposes != "backward" and not recipe.startswith("tensorwise"):
+        raise ValueError(f"+tfwd moves the tensorwise recipe's transposes; {variant!r} is not tensorwise (drop it)")
     if impl in ("ours", "ours_nomon"):
         import fp8
 

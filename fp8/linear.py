@@ -42,9 +42,12 @@ TENSORWISE_TRANSPOSES = ("backward", "forward")
 
 
 def _transposed_with_its_cast(a: torch.Tensor) -> torch.Tensor:
-    """a^T contiguous, for tensors a cast has just written: under torch.compile as plain torch ops, which Inductor
-    fuses into the cast's kernel as a second store; eagerly (no such fusion) by the transpose kernel."""
-    return a.t().contiguous() if torch.compiler.is_compiling() else quant.transposed_copy(a)
+    """a^T contiguous, for tensors a cast has just written: where Inductor traces that cast (torch.compile, unless
+    FP8_KERNELS=always makes every cast a kernel) as plain torch ops, which it fuses into the cast's kernel as a
+    second store; elsewhere (no such fusion to gain) by the transpose kernel."""
+    if torch.compiler.is_compiling() and not quant.casts_are_kernels_under_compile():
+        return a.t().contiguous()
+    return quant.transposed_copy(a)
 
 
 def _as_row_vec(s: torch.Tensor, n: int) -> torch.Tensor:

@@ -87,6 +87,12 @@ def _kernel_fn(x: torch.Tensor, name: str):
     return getattr(mod, name, None)
 
 
+def casts_are_kernels_under_compile() -> bool:
+    """Whether torch.compile runs every cast as our kernel (FP8_KERNELS=always) instead of tracing the tensorwise cast
+    for Inductor to fuse (see _kernel_fn)."""
+    return os.environ.get(_USE_KERNELS_ENV) == "always"
+
+
 def _call(name: str, kernel, ref, *args, **kwargs):
     """Run the kernel; on an exception (an unsupported shape or dtype) warn once and use the reference."""
     try:

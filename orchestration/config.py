@@ -85,7 +85,9 @@ class PrecisionConfig:
     # Tensorwise recipe: where the fp8 transposed copies the backward GEMMs read are written (fp8.linear.
     # TENSORWISE_TRANSPOSES): backward (from the saved fp8 copies, by the transpose kernel) or forward (by the casts'
     # own compiled kernels, saved instead of the row-major copies: the same memory). The same function either way;
-    # forward is opt-in until timed on a GPU (benchmarks/train_step.py +tfwd).
+    # forward is opt-in until timed on a GPU (benchmarks/train_step.py +tfwd). The FP8 head with the loss fused into it
+    # (fp8_head_fused_loss) runs its own kernels, eagerly: it writes its gradient in both layouts itself and keeps
+    # transposing x and w in backward whatever this says.
     fp8_tensorwise_transposes: str = "backward"
     # Run the MoE routed experts' grouped GEMMs in FP8 (torch._scaled_grouped_mm). false keeps them bf16 while the
     # rest runs FP8: for GPUs or torch builds without an FP8 grouped GEMM (the worker refuses to emulate it there).

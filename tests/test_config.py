@@ -239,8 +239,9 @@ def test_fp8_experts_setting_and_gpus_without_an_fp8_grouped_gemm():
 
 
 def test_tensorwise_transposes_setting_reaches_every_fp8_linear():
-    """precision.fp8_tensorwise_transposes is what every Float8Linear of the built model (the head too) runs with;
-    convert_to_fp8 refuses an unknown placement before swapping anything."""
+    """precision.fp8_tensorwise_transposes is what every Float8Linear of the built model runs with (the head too,
+    where it runs unfused from the loss; the fused-loss head has its own kernels and ignores it); convert_to_fp8
+    refuses an unknown placement before swapping anything."""
     import torch
 
     import fp8

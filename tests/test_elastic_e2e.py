@@ -26,7 +26,10 @@ from tests.spawned import free_port
 
 pytestmark = pytest.mark.slow
 
-STEPS = 300
+# Enough steps that the run is still going when the re-added node's group starts: in a 300-step run on a 2-core
+# machine the grow-back resumed from step 100 about 50 s after the node came back, with ~0.3 s a step; 400 leaves
+# ~90 s of slack for slower Ray starts. Each step after that only costs CI time.
+STEPS = 400
 GLOBAL_BATCH = 16
 COMMON = ["model=debug_dense", "precision=bf16", "precision.compute_dtype=float32", f"train.steps={STEPS}",
           f"train.global_batch_size={GLOBAL_BATCH}", "train.micro_batch_size=8", "data.seq_len=128",

@@ -287,6 +287,22 @@ def test_tensorwise_transposes_written_in_forward_compute_the_same_function(emul
     assert not torch.equal(moved[1], xi.grad) and sqnr(moved[1], xi.grad) > 15
 
 
+@pytest.mark.parametrize("placement, transposed_in_scaled_mm", [("backward", 3), ("forward", 0)])
+def test_tensorwise_transposes_forward_hand_scaled_mm_ready_layouts(monkeypatch, placement, transposed_in_scaled_mm):
+    """Through torch._scaled_mm (row-major A, column-major B), "forward" gives every backward GEMM operands already in
+    those layouts: scaled_mm transposes none of them (the default transposes x, w and gy there)."""
+    from fp8 import linear
+
+    copies = []
+    row_major, col_major = linear._row_major, linear._col_major
+    monkeypatch.setattr(linear, "_row_major", lambda a: copies.append(a.stride(-1) != 1) or row_major(a))
+    monkeypatch.setattr(linear, "_col_major", lambda b: copies.append(b.stride(-2) != 1) or col_major(b))
+    x, w, gy = make_inputs(torch.bfloat16, seed=4)
+    _run_placement(placement, x, w, gy, emulate=False)
+    assert len(copies) == 6  # 3 GEMMs x 2 operands
+    assert sum(copies) == transposed_in_scaled_mm
+
+
 def test_tensorwise_transposes_forward_saves_the_transposed_layouts():
     """What backward keeps: x^T [K, M] and w^T [K, N] (contiguous), the same bytes as x and w."""
     x, w, _ = make_inputs(torch.bfloat16, seed=3)
