@@ -155,15 +155,15 @@ class _Fp8LinearFn(torch.autograd.Function):
         gy_dtype = backend.e5m2 if recipe.grad_output_e5m2 else backend.e4m3
         if recipe.granularity == "tensorwise":
             gy_fp8, sg = quant.quantize_tensorwise(gy_MN, gy_dtype, pow2)
+            x_saved, sx, w_saved, sw = ctx.saved_tensors
             if ctx.transposes_in_forward:
-                x_fp8_t_KM, sx, w_fp8_t_KN, sw = ctx.saved_tensors
-                # The .t() views are already in the layouts scaled_mm wants: no transpose runs in there.
-                gx_MK = scaled_mm(gy_fp8, w_fp8_t_KN.t(), sg, sw, out_dtype, use)
-                gw_NK = scaled_mm(_transposed_with_its_cast(gy_fp8), x_fp8_t_KM.t(), sg, sx, out_dtype, use)
+                # Saved as x^T and w^T: their .t() views, and gy^T written with gy's cast, are already in the layouts
+                # scaled_mm wants, so no transpose runs in there.
+                x_MK, w_NK, gy_fp8_t = x_saved.t(), w_saved.t(), _transposed_with_its_cast(gy_fp8)
             else:
-                x_fp8, sx, w_fp8, sw = ctx.saved_tensors
-                gx_MK = scaled_mm(gy_fp8, w_fp8, sg, sw, out_dtype, use)
-                gw_NK = scaled_mm(gy_fp8.t(), x_fp8, sg, sx, out_dtype, use)
+                x_MK, w_NK, gy_fp8_t = x_saved, w_saved, gy_fp8.t()  # scaled_mm transposes these
+            gx_MK = scaled_mm(gy_fp8, w_NK, sg, sw, out_dtype, use)
+            gw_NK = scaled_mm(gy_fp8_t, x_MK, sg, sx, out_dtype, use)
             return gx_MK, gw_NK.to(ctx.w_dtype), None, None, None, None
         x_saved, sx_saved, w_fp8_t_KN, sw_1K = ctx.saved_tensors
         if recipe.grad_weight_hp:

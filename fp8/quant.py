@@ -78,7 +78,7 @@ def _kernel_fn(x: torch.Tensor, name: str):
     # FP8_KERNELS=always puts every cast on the kernels; FP8_KERNELS=no_transposes lets Inductor write the fp8
     # transposed copies too (the session-3 default, kept for A/B runs).
     mode = os.environ.get(_USE_KERNELS_ENV)
-    if torch.compiler.is_compiling() and mode != "always" and (
+    if torch.compiler.is_compiling() and not casts_are_kernels_under_compile() and (
             name not in _KERNELS_UNDER_COMPILE or (mode == "no_transposes" and name == "transpose")):
         return None
     mod = _kernels()
