@@ -30,3 +30,20 @@ lint: setup
 
 clean:
 	rm -rf runs outputs .pytest_cache
+
+# GPU benchmarks (BENCHMARKS.md): run on the GPU machine's own Python, which has torch and triton; what it lacks
+# comes from the wheels in .whl/ (make bench-wheels, here). One JSON per benchmark lands in benchmarks/results/.
+SUITE ?= all
+BENCH_PY ?= python3
+WHEEL_PLATFORMS := --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64
+
+.PHONY: bench-gpu bench-wheels
+
+bench-gpu:
+	$(BENCH_PY) benchmarks/run_suite.py $(SUITE) $(BENCH_ARGS)
+
+bench-wheels: setup
+	mkdir -p .whl
+	$(BIN)/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		$(WHEEL_PLATFORMS) -d .whl torchao==0.18.0 hydra-core==1.3.8 omegaconf==2.3.1
+	$(BIN)/python -m pip wheel -q --no-deps -w .whl antlr4-python3-runtime==4.9.3

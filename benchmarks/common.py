@@ -1,7 +1,8 @@
 """Shared helpers for the GPU benchmarks: timing, environment record, JSON output, time budgets.
 
-Timing follows the device method notes: warm up first, take medians of CUDA-event timings
-(triton.testing.do_bench), compare ratios measured in one run. On CPU (smoke runs) a host clock is used.
+Timing: warm up first, take medians of CUDA-event timings (triton.testing.do_bench, or CUDA-graph replays for
+kernels shorter than their Python launch), compare ratios measured in one run on one GPU. On CPU (smoke runs) a
+host clock is used. write_result is the one format of benchmarks/results/<name>.json (benchmarks/run_suite.py).
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ def bandwidth_row(rows: list, name: str, fn, traffic_bytes: int, reps: int, widt
     """One row of a kernel-alone table: the device time per call of fn (graph_ms: 10 calls in one CUDA graph, median
     of `reps` replays; back_to_back_ms where fn cannot be captured), with GB/s against `traffic_bytes` (the op's least
     traffic); appended to `rows` and printed. Timed by Python launches, a kernel of < ~0.15 ms reads as the host's
-    launch time (session 20's transpose sweep: most tiles at one 0.15 ms floor); a graph replays without the host."""
+    launch time (an fp8 transpose tile sweep timed that way put most tiles on one 0.15 ms floor); a graph replays
+    without the host."""
     fn()
     torch.cuda.synchronize()
     try:
@@ -84,7 +86,7 @@ def graph_ms(fn, calls: int = 10, replays: int = 7) -> float:
 def back_to_back_ms(fn, calls: int) -> float:
     """Milliseconds per call of `calls` calls of fn() queued back to back between two CUDA events: the device time of
     a kernel whose launch (host) takes less than its run. Timed one call at a time (cuda_event_ms), a Python-launched
-    Triton kernel of ~0.2 ms read as 0.5-1.0 ms: the events also caught the host's launch work (session 18 call A)."""
+    Triton kernel of ~0.2 ms read as 0.5-1.0 ms: the events also caught the host's launch work."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(calls):
@@ -139,6 +141,40 @@ def write_json(path: str | os.PathLike, obj) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(obj, indent=1, sort_keys=False, default=str) + "\n")
+
+
+RESULT_KEYS = ("benchmark", "suite", "gpu", "torch", "triton", "torchao", "cuda", "python", "date_utc", "command",
+               "suite_command", "returncode", "wall_s", "results")
+
+
+def write_result(path: str | os.PathLike, *, benchmark: str, suite: str, command: str, suite_command: str,
+                 returncode: int | str, wall_s: float, results, output_tail: str | None = None) -> Path:
+    """Write benchmarks/results/<benchmark>.json: what ran (command, the runner's command), where (GPU name or
+    None on a machine without one, torch/triton/torchao/CUDA/Python versions), when (UTC) and the program's own
+    JSON under "results" (None when it wrote none; then output_tail holds the end of its output). Replaces the
+    previous file: the history of a figure is in git."""
+    env = env_info()
+    record = {
+        "benchmark": benchmark,
+        "suite": suite,
+        "gpu": env["device"] if torch.cuda.is_available() else None,
+        "torch": env["torch"],
+        "triton": env["triton"],
+        "torchao": env["torchao"],
+        "cuda": env["cuda"],
+        "python": env["python"],
+        "date_utc": env["time_utc"],
+        "command": command,
+        "suite_command": suite_command,
+        "returncode": returncode,
+        "wall_s": round(wall_s, 1),
+        "results": results,
+    }
+    if output_tail is not None:
+        record["output_tail"] = output_tail
+    path = Path(path)
+    write_json(path, record)
+    return path
 
 
 def sqnr_db(x: torch.Tensor, ref: torch.Tensor) -> float:

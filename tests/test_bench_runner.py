@@ -1,0 +1,104 @@
+"""benchmarks/run_suite.py: the suite table, the result file it writes, and one real (CPU) benchmark run through it."""
+
+import datetime
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks import run_suite
+from benchmarks.common import RESULT_KEYS, write_result
+
+REPO = Path(__file__).resolve().parent.parent
+GPU_SUITES = ("kernels", "dense", "moe", "loop", "checkpoint")
+
+
+def test_every_suite_runs_existing_programs_with_options_they_define():
+    """A renamed program or option would only fail on the GPU machine; catch it here from the programs' source."""
+    for suite, benchmarks in run_suite.SUITES.items():
+        assert benchmarks, suite
+        for b in benchmarks:
+            source = (REPO / "benchmarks" / b.script).read_text()
+            options = [a for a in b.args if a.startswith("--")] + ["--out"] + (["--run-root"] if b.run_root else [])
+            for option in options:
+                assert re.search(rf"add_argument\(\s*\"{re.escape(option)}\"", source), (suite, b.name, option)
+            assert b.outputs and all(o.endswith(".json") for o in b.outputs), b.name
+            assert 0 < b.timeout_s <= 600, b.name  # one device call runs at most 10 minutes
+
+
+def test_all_is_every_gpu_suite_in_order_with_unique_result_names():
+    expected = [b.name for s in GPU_SUITES for b in run_suite.SUITES[s]]
+    assert [b.name for b in run_suite.SUITES["all"]] == expected
+    assert len(set(expected)) == len(expected)  # one result file per benchmark
+    assert set(run_suite.SUITES) == {*GPU_SUITES, "all", "smoke"}
+
+
+def test_suite_fits_one_device_call():
+    for suite in GPU_SUITES:
+        assert sum(b.timeout_s for b in run_suite.SUITES[suite]) <= 600 + 60, suite  # + start-up slack of the call
+
+
+def test_select_narrows_and_names_what_is_valid():
+    assert [b.name for b in run_suite.select("dense", ["train_step_dense"])] == ["train_step_dense"]
+    with pytest.raises(SystemExit, match="choose one of kernels, dense, moe"):
+        run_suite.select("dens")
+    with pytest.raises(SystemExit, match=r"not in suite 'moe' \(it has moe_grouped, train_step_moe\)"):
+        run_suite.select("moe", ["fp8_linear"])
+
+
+def test_dry_run_lists_each_command_and_result_file(tmp_path, capsys):
+    assert run_suite.main(["loop", "--dry-run", "--results", str(tmp_path), "--scratch", str(tmp_path / "s"),
+                           "--run-root", str(tmp_path / "r")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in lines] == ["loop_dense", "loop_moe"]
+    assert lines[1].endswith(f"-> {tmp_path / 'loop_moe.json'}")
+    assert "--json-name loop_moe.json" in lines[1] and f"--run-root {tmp_path / 'r'}" in lines[1]
+    assert "precision.fp8_output_head=true" in lines[1]
+    assert not list(tmp_path.glob("*.json"))  # a dry run writes nothing
+
+
+def test_write_result_writes_the_documented_record(tmp_path):
+    results = {"cases": [{"case": "bf16", "ms": 1.25}]}
+    before = datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0)
+    path = write_result(tmp_path / "sub" / "x.json", benchmark="x", suite="dense", command="python3 benchmarks/x.py",
+                        suite_command="python3 benchmarks/run_suite.py dense", returncode=0, wall_s=12.345,
+                        results=results)
+    record = json.loads(path.read_text())
+    assert tuple(record) == RESULT_KEYS
+    assert record["results"] == results and record["wall_s"] == 12.3 and record["returncode"] == 0
+    assert record["torch"] == torch.__version__
+    assert record["gpu"] == (torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)
+    written = datetime.datetime.strptime(record["date_utc"], "%Y-%m-%dT%H:%M:%SZ").replace(
+        tzinfo=datetime.timezone.utc)
+    assert 0 <= (written - before).total_seconds() < 60
+    failed = write_result(path, benchmark="x", suite="dense", command="c", suite_command="s", returncode="timeout",
+                          wall_s=1.0, results=None, output_tail="last line")
+    assert json.loads(failed.read_text())["output_tail"] == "last line"  # replaced, not appended
+
+
+def test_missing_required_module_stops_before_running_and_says_what_to_fetch(tmp_path):
+    bench = run_suite.Benchmark("b", "fp8_kernels.py", (), ("b.json",), requires=("omegaconf", "no_such_module_x"))
+    (tmp_path / "wheels").mkdir()
+    with pytest.raises(SystemExit, match=r"need no_such_module_x.*put wheels of no_such_module_x into"):
+        run_suite.prepare_modules([bench], tmp_path / "wheels", tmp_path / "site")
+    assert run_suite.install_wheels(tmp_path / "wheels", tmp_path / "site") == []
+
+
+def test_smoke_suite_writes_a_real_result_through_the_runner(tmp_path):
+    """fp8_kernels.py --smoke (Triton interpreter, tiny shapes) run by the runner: the file holds the program's own
+    checks, all passed."""
+    assert run_suite.main(["smoke", "--results", str(tmp_path), "--scratch", str(tmp_path / "scratch")]) == 0
+    record = json.loads((tmp_path / "fp8_kernels_smoke.json").read_text())
+    assert tuple(record) == RESULT_KEYS and record["returncode"] == 0
+    assert record["command"].endswith(f"benchmarks/fp8_kernels.py --smoke --out {tmp_path / 'scratch' / 'fp8_kernels_smoke'}")
+    checks = record["results"]["checks"]
+    assert len(checks) >= 20 and all(c["ok"] for c in checks) and record["results"]["checks_ok"] is True
+
+
+def test_timeout_kills_the_program_and_still_writes_its_file(tmp_path):
+    bench = run_suite.Benchmark("slow", "fp8_kernels.py", ("--smoke",), ("fp8_kernels_smoke.json",), timeout_s=1)
+    rc, wall, _tail = run_suite.run_one(bench, tmp_path, tmp_path)
+    assert rc == "timeout" and wall < 10
+    assert run_suite.collect(bench, tmp_path / "slow") is None
