@@ -61,7 +61,7 @@ def test_dry_run_lists_each_command_and_result_file(tmp_path, capsys):
 
 def test_write_result_writes_the_documented_record(tmp_path):
     results = {"cases": [{"case": "bf16", "ms": 1.25}]}
-    before = datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0)
+    before = datetime.datetime.now(datetime.UTC).replace(microsecond=0)
     path = write_result(tmp_path / "sub" / "x.json", benchmark="x", suite="dense", command="python3 benchmarks/x.py",
                         suite_command="python3 benchmarks/run_suite.py dense", returncode=0, wall_s=12.345,
                         results=results)
@@ -71,7 +71,7 @@ def test_write_result_writes_the_documented_record(tmp_path):
     assert record["torch"] == torch.__version__
     assert record["gpu"] == (torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)
     written = datetime.datetime.strptime(record["date_utc"], "%Y-%m-%dT%H:%M:%SZ").replace(
-        tzinfo=datetime.timezone.utc)
+        tzinfo=datetime.UTC)
     assert 0 <= (written - before).total_seconds() < 60
     failed = write_result(path, benchmark="x", suite="dense", command="c", suite_command="s", returncode="timeout",
                           wall_s=1.0, results=None, output_tail="last line")
