@@ -131,8 +131,8 @@ def main() -> None:
     ap.add_argument("--blocks", nargs="*", type=int, default=[1024, 512, 2048])
     ap.add_argument("--warps", nargs="*", type=int, default=[4, 2, 8])
     ap.add_argument("--hints", nargs="*", default=["pointer", "none"], choices=("pointer", "none"),
-                    help="16-byte alignment stated on the pointers, or no hint (optim.adamw.HINT_POINTERS); session 15's "
-                         "calls C-E also had 'integer' (the hint on the address before the cast: no effect)")
+                    help="16-byte alignment stated on the pointers, or no hint (optim.adamw.HINT_POINTERS); a hint "
+                         "on the integer address before the cast reached no load (0 vector loads in the PTX)")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--check-steps", type=int, default=3)
     args = ap.parse_args()

@@ -122,7 +122,7 @@ def apply_best(path: str) -> dict:
         ce.CE_FWD_TILE, ce.CE_FWD_WARPS = (int(m[1]), int(m[2])), int(m[3])
         out["forward"] = best["forward"]
     if best.get("backward"):
-        # session-16 files have no "fused_t=": their kernel stored the transposed copy itself
+        # sweeps of the first backward kernel have no "fused_t=": it always stored the transposed copy itself
         m = re.search(r"(?:fused_t=(\w+) )?tile=\((\d+), (\d+)\) warps=(\d+)", best["backward"])
         ce.CE_BWD_FUSED_T = m[1] in (None, "True")
         ce.CE_BWD_TILE, ce.CE_BWD_WARPS = (int(m[2]), int(m[3])), int(m[4])

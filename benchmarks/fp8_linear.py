@@ -1,4 +1,4 @@
-"""Dense FP8 linear benchmark: bf16 vs ours (fp8/) vs torchao, fwd+bwd, Llama3 shapes (ANCHORS.md).
+"""Dense FP8 linear benchmark: bf16 vs ours (fp8/) vs torchao, fwd+bwd, Llama3 shapes.
 
     PYTHONUNBUFFERED=1 python3 benchmarks/fp8_linear.py --out $OUT [--budget-s 300] [--prewarm 12]
 
@@ -40,7 +40,7 @@ SHAPES = {  # name: (K, N); priority order (the targets' shapes first)
     "llama3_8b.w2": (14336, 4096),
     "llama3_8b.wqkv": (4096, 6144),
     "llama3_8b.wo": (4096, 4096),
-    # Session 7: the smaller linears of the two end-to-end models, for the size rule of fp8.convert's "auto" filter
+    # The smaller linears of the two end-to-end models, for the size rule of fp8.convert's "auto" filter
     # (time the DeepSeek ones with --m 16384, its tokens per step).
     "llama3_8b.wk": (4096, 1024),
     "ds16b.attn": (2048, 2048),

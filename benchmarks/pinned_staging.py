@@ -1,10 +1,10 @@
 """How to get a checkpoint's pinned host buffers without stopping training (GPU host; probe for
-orchestration.checkpoint's staging buffers).
+orchestration.checkpoint.manager's staging buffers).
 
     PYTHONUNBUFFERED=1 python3 benchmarks/pinned_staging.py --out $OUT [--gib 13]
 
-Why: session 13's background saves stall training for 7.7-8.6 s on their first save, pinning the host buffers for 13
-GB (torch.empty(pin_memory=True): cudaHostAlloc through torch's caching host allocator). Every restart of a process
+Why: with torch.empty(pin_memory=True) (cudaHostAlloc through torch's caching host allocator) the first background
+save stalled training for 7.7-8.6 s, pinning the host buffers for 13 GB. Every restart of a process
 pays it again. This measures, for buffers shaped like a checkpoint (a few GiB-sized tensors and many small ones):
 - the time to get pinned buffers two ways: "host_alloc" (torch.empty(pin_memory=True)) and "register" (pageable
   torch.empty, pages touched by torch's multithreaded fill, then cudaHostRegister of each buffer's exact bytes),
