@@ -110,12 +110,13 @@ SUITES: dict[str, tuple[Benchmark, ...]] = {
                    "--steps", "8", "--warmup", "3", "--budget-s", "240"), ("train_step.json",),
                   requires=CONFIG_MODULES, optional=("torchao",), timeout_s=320),
     ),
+    # ours_nomon: the same step without the divergence check (BENCHMARKS.md, monitor overhead).
     "moe": (
         Benchmark("moe_grouped", "moe_grouped.py", ("--cases", "bf16_compiled", "ours_hp_compiled", "torchao_compiled",
                                                     "--budget-s", "150"), ("moe_grouped.json",),
                   optional=("torchao",), timeout_s=210),
         Benchmark("train_step_moe", "train_step.py",
-                  ("--configs", "moe", "--only", "bf16+tadam,ours:tensorwise+head+tadam,torchao:moe+tadam",
+                  ("--configs", "moe", "--only", "bf16+tadam,ours:tensorwise+head+tadam,torchao:moe+tadam,ours_nomon:tensorwise+head+tadam",
                    "--steps", "12", "--warmup", "3", "--budget-s", "300"), ("train_step.json",),
                   requires=CONFIG_MODULES, optional=("torchao",), timeout_s=380),
     ),
