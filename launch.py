@@ -13,7 +13,8 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from orchestration.config import ConfigError, load_job_config
+from orchestration.config import ConfigError
+from orchestration.validation import load_job_config
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
@@ -24,7 +25,7 @@ def main(cfg: DictConfig) -> None:
         print(f"config error: {exc}", file=sys.stderr, flush=True)
         sys.exit(2)
 
-    from orchestration.plan import build_job_plan, print_plan
+    from orchestration.driver.plan import build_job_plan, print_plan
 
     plan = build_job_plan(job)
     if job.dry_run:
@@ -38,11 +39,11 @@ def main(cfg: DictConfig) -> None:
             print(f"  - {reason}", file=sys.stderr)
         sys.exit(3)
 
-    from orchestration.trainer import run_job
+    from orchestration.driver.ray_job import run_job
 
     try:
         summary = run_job(job)
-    except ConfigError as exc:  # refused before the run directory changed (orchestration.trainer.check_start)
+    except ConfigError as exc:  # refused before the run directory changed (orchestration.driver.ray_job.check_start)
         print(f"config error: {exc}", file=sys.stderr, flush=True)
         sys.exit(2)
     if summary["status"] not in ("completed",):

@@ -28,7 +28,7 @@ with their casts, ~1.6 ms); "+tfwd" has the tensorwise linears write the fp8 tra
 their backward GEMMs read from the casts' own compiled kernels (precision.fp8_tensorwise_transposes=forward: x^T and w^T
 in forward, gy^T with gy's cast) instead of transposing the saved fp8 copies in backward (87 transposes, 2.52 ms of
 session 18's MoE profile); "+autogc" leaves Python's automatic garbage collection on
-during the timed steps (default: the worker's policy, orchestration/gc_policy.py; every row records its GC pauses under "gc"); "+minw<W>" keeps linears
+during the timed steps (default: the worker's policy, orchestration/training/gc_policy.py; every row records its GC pauses under "gc"); "+minw<W>" keeps linears
 with K*N/(K+N) < W in bf16 (fp8.convert.min_width_module_filter); "+eagerbody" runs the grouped GEMM custom ops'
 bodies eagerly (FP8_GROUPED_BODY=eager; default: compiled on CUDA); "+head" converts the LM output head too (ours:
 precision.fp8_output_head, fp8.convert.make_module_filter; torchao: the same filter without its head exclusion);
@@ -37,7 +37,7 @@ steps with optim.ChunkedAdamW (one Triton launch, the clip folded in) instead of
 "+nofce" keeps an FP8 "+head" unfused from the loss (default: the loss fused into the tensorwise head, fp8/head.py,
 as precision.fp8_head_fused_loss does); "+nogate" steps the optimizer after the guard's host read (default, as the
 worker since session 18: "+tadam" launches the step gated on the device before that read,
-orchestration.agreement.agree_and_decide).
+orchestration.divergence.agreement.agree_and_decide).
 Every row also times the AdamW step alone and checks the gradients' layout
 (`optimizer_probe`), which localises optimizer-time differences between variants.
 
@@ -70,8 +70,8 @@ torch._dynamo.config.accumulated_recompile_limit = 4096
 from benchmarks.common import cuda_event_ms, env_info, write_json
 from models.loss import head_fuses_loss, model_lm_loss
 from optim import clip_and_step
-from orchestration.distributed import global_grad_norm, local_grad_norm
-from orchestration.gc_policy import ManagedGc
+from orchestration.training.distributed import global_grad_norm, local_grad_norm
+from orchestration.training.gc_policy import ManagedGc
 
 # The loss is compiled with the blocks (as the worker does); --eager turns both off.
 COMPILED = True
@@ -127,7 +127,7 @@ def build(model_name: str, overrides: dict, variant: str, device: torch.device, 
         for block in model.layers.values():
             block.compile(dynamic=False, mode=compile_mode)  # static shapes: see the note on CONFIGS
         if output_head and not head_fuses_loss(model.output):
-            # an FP8 head compiles too (its casts fuse), as orchestration.worker.compile_blocks does; one that fuses
+            # an FP8 head compiles too (its casts fuse), as orchestration.training.loop.compile_blocks does; one that fuses
             # the loss runs its own kernels
             model.output.compile(dynamic=False, mode=compile_mode)
     return model
@@ -167,17 +167,18 @@ class Guard:
     """The worker loop's divergence check, world size 1 (agree() is the identity plus its one host read)."""
 
     def __init__(self, fp8_model: bool):
-        from orchestration.monitor import MonitorConfig, StepMonitor
-        from orchestration.policy import DivergencePolicy
+        from orchestration.config import MonitorConfig
+        from orchestration.divergence.monitor import StepMonitor
+        from orchestration.divergence.policy import DivergencePolicy
 
         self.fp8_model = fp8_model
         self.monitor = StepMonitor(MonitorConfig())
         self.policy = DivergencePolicy(MonitorConfig(), precision="fp8" if fp8_model else "bf16")
 
     def check(self, model, loss, grad_norm, step, gated_update=None):
-        """-> (decision, whether gated_update applied the step's update): orchestration.agreement.agree_and_decide,
+        """-> (decision, whether gated_update applied the step's update): orchestration.divergence.agreement.agree_and_decide,
         as the worker's StepGuard calls it."""
-        from orchestration.agreement import agree_and_decide
+        from orchestration.divergence.agreement import agree_and_decide
 
         health = None
         if self.fp8_model:
@@ -203,7 +204,7 @@ def make_step(model, optimizer, guard: Guard | None, compiled_loss: bool, cuda_g
 
     def step(inputs, targets):
         if cuda_graphs:
-            # A new iteration for CUDA-graph trees, as the worker marks it (orchestration/worker.py).
+            # A new iteration for CUDA-graph trees, as the worker marks it (orchestration/training/loop.py).
             torch.compiler.cudagraph_mark_step_begin()
         with record_function("step.forward"):
             loss = model_lm_loss(model, inputs, targets, compiled=compiled_loss) + model.aux_loss()
@@ -538,7 +539,7 @@ def random_batches(vocab: int, batch: int, seq: int, device, n: int = 3):
 
 def bench_config(name: str, cfg: dict, args, device) -> dict:
     from models.planning import plan_model
-    from orchestration.mfu import compute_mfu, peak_flops_per_s
+    from orchestration.observability.mfu import compute_mfu, peak_flops_per_s
 
     plan = plan_model(cfg["model"], world_size=1, seq_len=cfg["seq"], micro_batch=cfg["batch"],
                       overrides=cfg["overrides"])
@@ -602,7 +603,7 @@ def bench_config(name: str, cfg: dict, args, device) -> dict:
                              gated="nogate" not in flags)
             batches = random_batches(vocab, cfg["batch"], cfg["seq"], device)
             gc_timer = GcTimer()
-            # The worker's GC policy (orchestration/gc_policy.py, train.gc_every_steps): automatic collection off
+            # The worker's GC policy (orchestration/training/gc_policy.py, train.gc_every_steps): automatic collection off
             # while training, a young-generation collection every N steps (none inside the few timed steps).
             # "+autogc" keeps Python's automatic GC (every row before session 6).
             with contextlib.nullcontext() if "autogc" in flags else ManagedGc(every_steps=50):
@@ -660,7 +661,7 @@ def bench_config(name: str, cfg: dict, args, device) -> dict:
 
 def loss_parity(args, device) -> dict:
     """Short real-data run: FP8 loss vs BF16 loss at the same steps (same init, same data order)."""
-    from orchestration.data import ByteTextDataset, collect_text_files, python_stdlib_dir
+    from orchestration.data.byte_stream import ByteTextDataset, collect_text_files, python_stdlib_dir
 
     files = collect_text_files(python_stdlib_dir(), "*.py", 400)
     seq, batch = 1024, 8

@@ -1,7 +1,7 @@
 """The product's own training loop on one GPU: tokens/s, MFU and peak memory from the worker's metrics.
 
 benchmarks/train_step.py times the training step's work in isolation (bf16 parameters, no data loader, no
-checkpoints, no FSDP). This script runs what a user runs - `orchestration.torchrun`, i.e. the worker loop of a
+checkpoints, no FSDP). This script runs what a user runs - `orchestration.driver.torchrun`, i.e. the worker loop of a
 Ray run without Ray (FSDP2 mixed precision with fp32 master weights, the real byte-level data, monitors, guard,
 checkpoints, the run directory) - once per variant, in one process tree after another on the same GPU, and reads
 each run's metrics.jsonl and events.jsonl:
@@ -86,7 +86,7 @@ def summarize_run(run_dir: Path, skip_steps: int) -> dict:
 def run_variant(name: str, overrides: list[str], args) -> dict:
     run_name = f"{name}-{int(time.time())}"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
-           "-m", "orchestration.torchrun", *args.common, *overrides,
+           "-m", "orchestration.driver.torchrun", *args.common, *overrides,
            f"run_name={run_name}", f"run_root={args.run_root}"]
     log_path = Path(args.out) / f"{name}.log"
     t0 = time.time()

@@ -2,7 +2,7 @@
 
 A unit's weights depend only on (seed, unit name), not on what was initialised before it, so a model can be
 initialised whole (`init_weights(seed)`) or one unit at a time on the device, shard by shard
-(orchestration.distributed.init_weights_by_unit), with the same result - which is what lets a model too large for
+(orchestration.training.distributed.init_weights_by_unit), with the same result - which is what lets a model too large for
 one device's memory (or a host's) start from the same weights at every world size.
 """
 

@@ -13,12 +13,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
-
-from orchestration.faults import FaultConfig
-from orchestration.monitor import MonitorConfig
-
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 PRECISIONS = ("bf16", "fp8")
@@ -26,6 +20,15 @@ RECIPES = ("auto", "tensorwise", "rowwise", "rowwise_gw_hp")
 DEVICES = ("cpu", "cuda", "rocm", "auto")
 DTYPES = ("float32", "bfloat16")
 ENV_PRESET_NAMES = ("none", "nccl_h100", "nccl_h200", "rccl_mi300x", "rccl_mi350x")
+# Which torch build each preset is for (orchestration/driver/env_presets.py holds their variables); None fits every
+# device.
+PRESET_DEVICE: dict[str, str | None] = {
+    "none": None,
+    "nccl_h100": "cuda",
+    "nccl_h200": "cuda",
+    "rccl_mi300x": "rocm",
+    "rccl_mi350x": "rocm",
+}
 
 
 MOE_WGRADS = ("hp", "global", "per_expert")  # fp8.grouped.WGRAD_SCALINGS, without importing torch here
@@ -141,7 +144,7 @@ class TrainConfig:
     micro_batch_size: int = 4  # sequences per worker per forward; grad accumulation fills the rest
     lr: float | None = None  # None (null): the model flavor's peak_lr (published where known; models/registry.py)
     # Set when the config is loaded, not by users: "model" when lr was null and took the flavor's peak_lr (a resume
-    # then keeps the saved run's lr, orchestration.trainer.check_start), "config" when lr was given.
+    # then keeps the saved run's lr, orchestration.driver.ray_job.check_start), "config" when lr was given.
     lr_source: str = "config"
     min_lr_ratio: float = 0.1
     warmup_steps: int = 10
@@ -153,7 +156,7 @@ class TrainConfig:
     seed: int = 0
     # FSDP2 sharding when world_size > 1 ("fsdp") or plain DDP-style gradient all-reduce ("none").
     sharding: str = "fsdp"
-    # Python GC on a schedule (orchestration/gc_policy.py): automatic collection off while training, a young-
+    # Python GC on a schedule (orchestration/training/gc_policy.py): automatic collection off while training, a young-
     # generation collection every N steps on all ranks at once; 0 = Python's automatic GC.
     gc_every_steps: int = 50
     # The AdamW step: "triton" = optim.ChunkedAdamW (one Triton launch per step over every parameter, the gradient clip
@@ -168,7 +171,7 @@ class CheckpointConfig:
     every_steps: int = 40
     keep_last: int = 3
     keep_good: int = 2
-    # true: a start with an existing run's name resumes it (same RESUME_KEYS settings, orchestration/trainer.py).
+    # true: a start with an existing run's name resumes it (same RESUME_KEYS settings, orchestration/driver/ray_job.py).
     # false: refuse to start over a run that has checkpoints. Restarts within one start always resume.
     resume: bool = True
     report_to_ray: bool = True
@@ -192,6 +195,163 @@ class LoggingConfig:
 
 
 @dataclass
+class MonitorConfig:
+    """Thresholds and windows of the divergence monitors and of the policy (conf/monitor).
+
+    Detector fields come first, policy fields (read by orchestration.divergence.policy.DivergencePolicy) after.
+    All step counts are optimizer steps.
+    """
+
+    enabled: bool = True
+    """Master switch: when False the worker loop should not build verdicts and the policy always proceeds."""
+
+    # --- running baselines -------------------------------------------------------------------------------------
+    warmup_steps: int = 20
+    """Clean steps a baseline must have seen before spike / amax-growth detection is armed (non-finite, FP8
+    saturation/underflow and shadow checks are armed from step 0)."""
+    ema_beta: float = 0.98
+    """Decay of the EMA mean/variance baselines (effective window about 1 / (1 - beta) = 50 steps)."""
+    winsor_z: float = 3.0
+    """After warm-up, a value feeding a baseline is clipped to mean +- winsor_z * std (robustness)."""
+
+    # --- loss spike ----------------------------------------------------------------------------------------------
+    loss_spike_z: float = 6.0
+    """A step's (worst-rank) loss is a spike when loss > mean + loss_spike_z * std."""
+    loss_std_floor_rel: float = 0.01
+    """Floor of the loss std as a fraction of |mean| (a smooth loss must still rise by z * 1% to alarm)."""
+    loss_std_floor_abs: float = 1e-3
+    """Absolute floor of the loss std (loss near zero)."""
+
+    # --- grad-norm spike (log space) -----------------------------------------------------------------------------
+    grad_norm_spike_z: float = 8.0
+    """A grad norm is a spike when log(norm) > mean_log + grad_norm_spike_z * std_log."""
+    grad_norm_log_std_floor: float = 0.25
+    """Floor of the std of log(grad norm): with z = 8 the norm must at least grow exp(2) = 7.4x to alarm. Small
+    batches late in training see 3-5x grad-norm excursions that clipping already absorbs (measured on the debug
+    models: 6.0 / 0.1 skipped 2 healthy steps in 800); a real blow-up is orders of magnitude."""
+
+    # --- FP8 health (fp8.fp8_health: saturated_frac, underflow_frac, amax_max) ------------------------------------
+    fp8_saturated_frac_max: float = 1e-3
+    """Largest tolerated fraction of values clamped to the FP8 max in the last forward (any rank)."""
+    fp8_underflow_frac_max: float = 0.1
+    """Largest tolerated fraction of non-zero values flushed to zero by the FP8 cast."""
+    fp8_amax_growth_max: float = 16.0
+    """amax_max is an overflow risk when it exceeds fp8_amax_growth_max times its running (geometric) baseline."""
+
+    # --- shadow check: recompute one micro-batch in BF16 ----------------------------------------------------------
+    shadow_every: int = 0
+    """Run the BF16 shadow check every N steps while FP8 is on (0 disables it)."""
+    shadow_rel_tol: float = 0.05
+    """Largest tolerated |loss_fp8 - loss_bf16| / |loss_bf16| on the shadow micro-batch."""
+
+    # --- policy: skip ----------------------------------------------------------------------------------------------
+    skips_before_escalation: int = 1
+    """Bad steps inside `escalation_window` that are only skipped; the next one escalates (fallback or rollback)."""
+    escalation_window: int = 50
+    """Steps over which bad steps count as 'repeated'."""
+    max_skips_per_window: int = 5
+    """Skip budget: at most this many skipped steps in any `skip_window` steps, then escalate instead."""
+    skip_window: int = 200
+    """Window of the skip budget."""
+
+    # --- policy: BF16 fallback -------------------------------------------------------------------------------------
+    fallback_scope: str = "model"
+    """'model': fall back to BF16 for the whole model; 'layers': only the offending FP8 layers when the evidence
+    names them (a non-finite loss or a spike is never attributable, it falls back the whole model)."""
+    cooldown_steps: int = 100
+    """Steps in BF16 after a fallback before FP8 is retried."""
+    relapse_window: int = 200
+    """A fallback within this many steps after a retry of FP8 counts as a relapse."""
+    max_relapses: int = 2
+    """After this many relapses the run stays in BF16 for good (0: never retry FP8 after a fallback)."""
+
+    # --- policy: rollback and stop ---------------------------------------------------------------------------------
+    max_rollbacks: int = 3
+    """Rollbacks allowed in a run; one more bad episode after them stops the run with status 'diverged'."""
+    rollback_skip_samples: int = 0
+    """Extra samples skipped after a rollback beyond the data up to the bad step (PaLM skipped 200-500 batches)."""
+    rollback_lr_scale: float = 1.0
+    """Multiplier applied to the LR at each rollback (cumulative; 1.0 keeps the LR)."""
+    good_after_steps: int = 20
+    """A checkpoint is good once this many steps after it passed the monitors with no bad step."""
+
+    def validate(self) -> None:
+        """Raise ValueError naming the key and the allowed values."""
+
+        def need(cond: bool, key: str, what: str) -> None:
+            if not cond:
+                raise ValueError(f"monitor.{key}={getattr(self, key)!r}: must be {what}")
+
+        need(self.warmup_steps >= 0, "warmup_steps", ">= 0")
+        need(0.0 < self.ema_beta < 1.0, "ema_beta", "in (0, 1), e.g. 0.98")
+        need(self.winsor_z > 0, "winsor_z", "> 0")
+        for key in ("loss_spike_z", "grad_norm_spike_z", "fp8_amax_growth_max", "shadow_rel_tol"):
+            need(getattr(self, key) > 0, key, "> 0")
+        need(self.fp8_amax_growth_max > 1, "fp8_amax_growth_max", "> 1 (a growth ratio)")
+        for key in ("loss_std_floor_rel", "loss_std_floor_abs", "grad_norm_log_std_floor"):
+            need(getattr(self, key) >= 0, key, ">= 0")
+        for key in ("fp8_saturated_frac_max", "fp8_underflow_frac_max"):
+            need(0.0 <= getattr(self, key) <= 1.0, key, "a fraction in [0, 1]")
+        for key in ("shadow_every", "skips_before_escalation", "max_relapses", "max_rollbacks",
+                    "rollback_skip_samples", "good_after_steps"):
+            need(getattr(self, key) >= 0, key, ">= 0")
+        for key in ("escalation_window", "skip_window", "cooldown_steps", "relapse_window"):
+            need(getattr(self, key) >= 1, key, ">= 1")
+        need(self.max_skips_per_window >= 0, "max_skips_per_window", ">= 0")
+        need(self.fallback_scope in ("model", "layers"), "fallback_scope", "one of 'model', 'layers'")
+        need(0.0 < self.rollback_lr_scale <= 1.0, "rollback_lr_scale", "in (0, 1]")
+
+
+# Fault injection (orchestration/training/faults.py reads these).
+FAULT_KINDS = ("none", "nan_grad", "loss_spike", "fp8_overflow", "kill_worker", "crash")
+PROCESS_FAULTS = ("kill_worker", "crash")
+DEFAULT_MAGNITUDE = {"loss_spike": 100.0, "fp8_overflow": 1e6}
+
+
+@dataclass
+class FaultConfig:
+    """Which fault to inject, where and when (conf/faults)."""
+
+    kind: str = "none"
+    """none | nan_grad | loss_spike | fp8_overflow | kill_worker | crash.
+    nan_grad: one gradient element of this rank's shard becomes NaN (after backward).
+    loss_spike: the loss (and so every gradient) is multiplied by `magnitude`.
+    fp8_overflow: one element of the input of the hooked layer becomes `magnitude` x its amax, an outlier that
+    crushes the FP8 dynamic range (underflow, amax growth) or saturates with delayed scaling.
+    kill_worker: the process SIGKILLs itself (like a lost node). crash: raises InjectedCrash (a Python failure)."""
+    rank: int = 0
+    """Rank that sees the fault; -1 = every rank."""
+    step: int = 0
+    """First step hit."""
+    num_steps: int = 1
+    """Consecutive steps hit from `step` on (tensor faults; process faults fire at `step` only)."""
+    magnitude: float = 0.0
+    """Scale of loss_spike / fp8_overflow; 0 = the kind's default (loss x100, outlier 1e6 x amax)."""
+    marker_dir: str | None = None
+    """Absolute directory for fired markers; kill_worker and crash need one (FaultInjector defaults it to a
+    directory of the run), optional for the others."""
+
+    def validate(self) -> None:
+        if self.kind not in FAULT_KINDS:
+            raise ValueError(f"faults.kind={self.kind!r}: must be one of {', '.join(FAULT_KINDS)}")
+        if self.rank < -1:
+            raise ValueError(f"faults.rank={self.rank}: must be a rank >= 0, or -1 for every rank")
+        if self.step < 0:
+            raise ValueError(f"faults.step={self.step}: must be >= 0")
+        if self.num_steps < 1:
+            raise ValueError(f"faults.num_steps={self.num_steps}: must be >= 1")
+        if self.magnitude < 0:
+            raise ValueError(f"faults.magnitude={self.magnitude}: must be >= 0 (0 = default for the kind)")
+        if self.marker_dir and not os.path.isabs(self.marker_dir):
+            raise ValueError(f"faults.marker_dir={self.marker_dir!r}: must be absolute (Ray workers run in "
+                             "/tmp/ray/session_*)")
+
+    @property
+    def effective_magnitude(self) -> float:
+        return self.magnitude or DEFAULT_MAGNITUDE.get(self.kind, 0.0)
+
+
+@dataclass
 class JobConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
@@ -207,177 +367,8 @@ class JobConfig:
     dry_run: bool = False
 
 
-def load_job_config(cfg: DictConfig | dict) -> JobConfig:
-    """Merge a composed config onto the schema (unknown keys and wrong types fail) and validate values."""
-    schema = OmegaConf.structured(JobConfig)
-    try:
-        merged = OmegaConf.merge(schema, cfg)
-        job = OmegaConf.to_object(merged)
-    except OmegaConfBaseException as exc:
-        key = getattr(exc, "full_key", None) or "?"
-        raise ConfigError(f"invalid config at '{key}': {exc.msg if hasattr(exc, 'msg') else exc}. "
-                          f"See `python launch.py --help` for the groups and their options.") from None
-    assert isinstance(job, JobConfig)
-    validate(job)
-    return job
-
-
-def resolve_defaults(job: JobConfig) -> None:
-    """Settings whose default depends on others: train.lr=null takes the model flavor's peak_lr (by flavor name;
-    model.overrides do not change it). Resolved when the config is loaded (validate calls this), so config.yaml,
-    W&B and the workers all see the number. Idempotent."""
-    from models.registry import MODEL_FLAVORS
-
-    if job.train.lr is None and job.model.name in MODEL_FLAVORS:  # an unknown model fails in validate
-        job.train.lr = MODEL_FLAVORS[job.model.name].peak_lr
-        job.train.lr_source = "model"
-
-
-def _require(ok: bool, key: str, message: str) -> None:
-    if not ok:
-        raise ConfigError(f"{key}: {message}")
-
-
-def validate(job: JobConfig) -> None:
-    """Value checks that types cannot express (after resolving train.lr=null, see resolve_defaults). Raises
-    ConfigError naming the key and what is allowed."""
-    from models.registry import MODEL_FLAVORS
-
-    resolve_defaults(job)
-
-    _require(job.model.name in MODEL_FLAVORS, "model.name",
-             f"unknown model '{job.model.name}'; known: {', '.join(sorted(MODEL_FLAVORS))}")
-    _require(job.model.compile_mode in COMPILE_MODES, "model.compile_mode",
-             f"'{job.model.compile_mode}' is not one of {COMPILE_MODES}")
-    _require(job.model.compile_mode != "reduce-overhead" or job.cluster.max_workers == 1, "model.compile_mode",
-             "reduce-overhead (CUDA graphs) runs on one worker only (FSDP2's collectives cannot be captured in "
-             f"the block graphs); got cluster.max_workers={job.cluster.max_workers}: set cluster.max_workers=1 or "
-             "model.compile_mode=default")
-    _require(job.precision.name in PRECISIONS, "precision.name",
-             f"'{job.precision.name}' is not one of {PRECISIONS}")
-    _require(job.precision.recipe in RECIPES, "precision.recipe",
-             f"'{job.precision.recipe}' is not one of {RECIPES}")
-    _require(job.precision.fp8_min_gemm_width >= 0, "precision.fp8_min_gemm_width",
-             f"must be >= 0 (0 converts every eligible linear), got {job.precision.fp8_min_gemm_width}")
-    _require(not (job.precision.fp8_output_head and job.precision.name != "fp8"), "precision.fp8_output_head",
-             f"true needs precision=fp8 (got precision={job.precision.name}, which converts nothing): drop "
-             "precision.fp8_output_head or use precision=fp8")
-    _require(job.precision.moe_wgrad in MOE_WGRADS, "precision.moe_wgrad",
-             f"'{job.precision.moe_wgrad}' is not one of {MOE_WGRADS}")
-    _require(job.precision.moe_dgrad in MOE_DGRADS, "precision.moe_dgrad",
-             f"'{job.precision.moe_dgrad}' is not one of {MOE_DGRADS}")
-    _require(job.precision.fp8_tensorwise_transposes in TENSORWISE_TRANSPOSES, "precision.fp8_tensorwise_transposes",
-             f"'{job.precision.fp8_tensorwise_transposes}' is not one of {TENSORWISE_TRANSPOSES}")
-    from fp8.grouped import check_token_group_align  # the op's own rule (torch is loaded above by models.registry)
-
-    try:
-        check_token_group_align(job.precision.moe_token_group_align,
-                                "hp" if job.precision.recipe == "rowwise_gw_hp" else job.precision.moe_wgrad)
-    except ValueError as exc:
-        _require(False, "precision.moe_token_group_align", f"{exc} (1 needs precision.moe_wgrad=hp)")
-    for key in ("compute_dtype", "fsdp_param_dtype", "fsdp_reduce_dtype"):
-        value = getattr(job.precision, key)
-        _require(value in DTYPES, f"precision.{key}", f"'{value}' is not one of {DTYPES}")
-
-    c = job.cluster
-    _require(c.min_workers >= 1, "cluster.min_workers", f"must be >= 1, got {c.min_workers}")
-    _require(c.max_workers >= c.min_workers, "cluster.max_workers",
-             f"must be >= cluster.min_workers ({c.min_workers}), got {c.max_workers}")
-    _require(c.device in DEVICES, "cluster.device", f"'{c.device}' is not one of {DEVICES}")
-    _require(c.cpus_per_worker > 0, "cluster.cpus_per_worker", f"must be > 0, got {c.cpus_per_worker}")
-    _require(c.gpus_per_worker >= 0, "cluster.gpus_per_worker", f"must be >= 0, got {c.gpus_per_worker}")
-    _require(c.device in ("cpu", "auto") or c.gpus_per_worker > 0, "cluster.gpus_per_worker",
-             f"must be > 0 when cluster.device={c.device}")
-    _require(c.memory_per_worker_gb > 0, "cluster.memory_per_worker_gb", "must be > 0")
-    _require(c.env_preset in ENV_PRESET_NAMES, "cluster.env_preset",
-             f"'{c.env_preset}' is not one of {ENV_PRESET_NAMES}")
-    if c.device in ("cuda", "rocm"):  # device=auto is checked by the worker once it knows its GPU's vendor
-        from orchestration.env_presets import check_preset_device
-
-        try:
-            check_preset_device(c.env_preset, c.device)
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
-    _require(c.max_failures >= 0, "cluster.max_failures", "must be >= 0 (-1 is not supported: bound restarts)")
-    _require(c.worker_group_start_timeout_s > 0, "cluster.worker_group_start_timeout_s", "must be > 0")
-    _require(c.health_check_interval_s > 0, "cluster.health_check_interval_s", "must be > 0")
-    _require(c.elastic_resize_interval_s >= 0, "cluster.elastic_resize_interval_s", "must be >= 0")
-    if c.storage_path is not None and "://" not in c.storage_path:
-        _require(os.path.isabs(c.storage_path), "cluster.storage_path",
-                 f"must be absolute (Ray workers run in another cwd), got '{c.storage_path}'")
-
-    d = job.data
-    _require(d.seq_len >= 8, "data.seq_len", f"must be >= 8, got {d.seq_len}")
-    if d.source != "python_stdlib":
-        _require(os.path.isabs(d.source) and os.path.exists(d.source), "data.source",
-                 f"'{d.source}' must be 'python_stdlib' or an absolute path to an existing file or directory")
-    _require(d.max_files >= 1, "data.max_files", "must be >= 1")
-
-    t = job.train
-    _require(t.steps >= 1, "train.steps", f"must be >= 1, got {t.steps}")
-    _require(t.lr is not None and t.lr > 0, "train.lr", f"must be > 0 (or null: the model's peak lr), got {t.lr}")
-    _require(t.lr_source in ("config", "model"), "train.lr_source",
-             f"'{t.lr_source}' is set when the config loads; leave it out")
-    _require(0 <= t.min_lr_ratio <= 1, "train.min_lr_ratio", "must be in [0, 1]")
-    _require(0 <= t.warmup_steps <= t.steps, "train.warmup_steps", f"must be in [0, train.steps={t.steps}]")
-    _require(t.weight_decay >= 0, "train.weight_decay", "must be >= 0")
-    _require(0 <= t.beta1 < 1 and 0 <= t.beta2 < 1, "train.beta1/beta2", "must be in [0, 1)")
-    _require(t.grad_clip > 0, "train.grad_clip", "must be > 0")
-    _require(t.log_every >= 1, "train.log_every", "must be >= 1")
-    _require(t.sharding in ("fsdp", "none"), "train.sharding", f"'{t.sharding}' is not one of ('fsdp', 'none')")
-    _require(t.adamw in ("auto", "triton", "torch"), "train.adamw",
-             f"'{t.adamw}' is not one of ('auto', 'triton', 'torch')")
-    _require(t.gc_every_steps >= 0, "train.gc_every_steps",
-             f"must be >= 0 (0 = Python's automatic garbage collection), got {t.gc_every_steps}")
-    _require(t.micro_batch_size >= 1, "train.micro_batch_size", "must be >= 1")
-    _require(t.global_batch_size >= 1, "train.global_batch_size", "must be >= 1")
-    # Every world size of the elastic range must get at least one sequence per worker.
-    _require(t.global_batch_size >= c.max_workers, "train.global_batch_size",
-             f"{t.global_batch_size} sequences is fewer than cluster.max_workers={c.max_workers}: every worker "
-             f"needs at least one sequence per step; raise it to >= {c.max_workers}")
-
-    k = job.checkpoint
-    _require(k.every_steps >= 1, "checkpoint.every_steps", "must be >= 1")
-    _require(k.keep_last >= 1, "checkpoint.keep_last", "must be >= 1")
-    _require(k.async_save in ("auto", "always", "never"), "checkpoint.async_save",
-             f"'{k.async_save}' is not one of ('auto', 'always', 'never')")
-    _require(k.keep_good >= 1, "checkpoint.keep_good", "must be >= 1")
-
-    lg = job.logging
-    _require(lg.wandb_mode in ("auto", "offline", "online", "disabled"), "logging.wandb_mode",
-             f"'{lg.wandb_mode}' is not one of ('auto', 'offline', 'online', 'disabled')")
-    _require(lg.progress_every_s > 0, "logging.progress_every_s", "must be > 0")
-
-    if job.run_root is not None:
-        _require(os.path.isabs(job.run_root), "run_root", f"must be an absolute path, got '{job.run_root}'")
-    if job.run_name is not None:
-        _require(job.run_name and "/" not in job.run_name and job.run_name not in (".", ".."), "run_name",
-                 f"'{job.run_name}' must be a plain directory name")
-
-    validate_monitor = getattr(job.monitor, "validate", None)
-    if callable(validate_monitor):
-        try:
-            validate_monitor()
-        except ValueError as exc:
-            raise ConfigError(f"monitor: {exc}") from None
-    validate_faults = getattr(job.faults, "validate", None)
-    if callable(validate_faults):
-        try:
-            validate_faults()
-        except ValueError as exc:
-            raise ConfigError(f"faults: {exc}") from None
-
-
 def to_dict(job: JobConfig) -> dict[str, Any]:
     return dataclasses.asdict(job)
-
-
-def from_dict(data: dict[str, Any]) -> JobConfig:
-    """Rebuild a JobConfig inside a worker from the plain dict the driver sent (already validated there)."""
-    job = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(JobConfig), data))
-    assert isinstance(job, JobConfig)
-    resolve_defaults(job)  # a hand-built dict may leave train.lr null
-    return job
 
 
 SECRET_MARKERS = ("key", "token", "password", "secret")

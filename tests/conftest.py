@@ -53,7 +53,7 @@ def restore_grouped_body_mode(monkeypatch):
     import fp8.grouped
 
     monkeypatch.setattr(fp8.grouped, "_body_mode_override", None)
-    worker = sys.modules.get("orchestration.worker")
+    worker = sys.modules.get("orchestration.training.loop")
     if worker is not None:
         monkeypatch.setattr(worker, "_BODIES_SET_EAGER_FOR_GRAPHS", False)
     yield

@@ -264,7 +264,7 @@ def _interp_tensor_subclass_parameters_step_through_torch(small_block):
 
 
 def _interp_gated_step_takes_effect_only_with_gate_one(small_block):
-    # The step launched before the guard's host read (orchestration.agreement.agree_and_decide): gate 0 leaves
+    # The step launched before the guard's host read (orchestration.divergence.agreement.agree_and_decide): gate 0 leaves
     # weights, states and step counts as they were; gate 1 is exactly the ungated step.
     a, b = make(torch.float32), make(torch.float32)
     opt_a, opt_b = ChunkedAdamW(a, **KW), ChunkedAdamW(b, **KW)

@@ -10,7 +10,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from orchestration.agreement import RANK_MASK, AgreedVerdict, DivergenceGuard, agree, decode_keys, encode_keys
+from orchestration.divergence.agreement import RANK_MASK, DivergenceGuard, agree, decode_keys, encode_keys
+from orchestration.divergence.monitor import AgreedVerdict
 from tests.spawned import free_port, rank_process_group
 
 SPECIAL = [0.0, -0.0, 1.0, -1.0, 1e-45, -1e-45, 1e-30, 3.4e38, -3.4e38, float("inf"), float("-inf"), 2.5, -2.5]
@@ -63,8 +64,9 @@ def test_identity_without_process_group():
 
 def _worker(rank: int, world: int, port: int, out_dir: str, backend: str = "gloo") -> None:
     """Each rank runs the same detector + policy; only rank 1 sees a NaN at step 25 and a spike at step 40."""
-    from orchestration.monitor import MonitorConfig, StepMonitor
-    from orchestration.policy import DivergencePolicy
+    from orchestration.config import MonitorConfig
+    from orchestration.divergence.monitor import StepMonitor
+    from orchestration.divergence.policy import DivergencePolicy
 
     torch.set_num_threads(1)
     device = torch.device("cpu")
@@ -140,7 +142,8 @@ def test_two_ranks_agree_when_only_rank1_sees_the_fault(tmp_path, backend):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_detectors_and_key_packing_never_sync_the_host_on_cuda():
     """Only agree()'s final read may synchronise: building the verdict and packing the keys must not."""
-    from orchestration.monitor import MonitorConfig, StepMonitor
+    from orchestration.config import MonitorConfig
+    from orchestration.divergence.monitor import StepMonitor
 
     device = torch.device("cuda")
     mon = StepMonitor(MonitorConfig(shadow_every=1), layer_names=("layers.0",))
@@ -157,7 +160,7 @@ def test_detectors_and_key_packing_never_sync_the_host_on_cuda():
     assert verdict_D.device.type == "cuda" and torch.equal(values_D, verdict_D) and not ranks_D.any()
     # The gated path (agree_and_decide): the agreement, the device gate and starting the read do not sync either;
     # only result() waits, and then for the copy alone.
-    from orchestration.agreement import agree_on_device
+    from orchestration.divergence.agreement import agree_on_device
 
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -177,9 +180,10 @@ HEALTH_GPU = {"saturated_frac": 0.0, "underflow_frac": 0.01, "amax_max": 3.0}
 
 
 def test_agree_and_decide_refuses_a_gate_that_disagrees_and_reports_an_update_it_could_not_gate():
-    from orchestration.agreement import agree_and_decide
-    from orchestration.monitor import MonitorConfig, StepMonitor
-    from orchestration.policy import DivergencePolicy
+    from orchestration.config import MonitorConfig
+    from orchestration.divergence.agreement import agree_and_decide
+    from orchestration.divergence.monitor import StepMonitor
+    from orchestration.divergence.policy import DivergencePolicy
 
     config = MonitorConfig(warmup_steps=2)
     monitor, policy = StepMonitor(config), DivergencePolicy(config)

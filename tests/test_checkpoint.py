@@ -1,4 +1,4 @@
-"""Tests of orchestration/checkpoint.py: DCP round trips (FSDP2 on gloo, plain), RNG, corruption, retention.
+"""Tests of orchestration/checkpoint/manager.py: DCP round trips (FSDP2 on gloo, plain), RNG, corruption, retention.
 
 Legend: sd = state dict; full sd = unsharded tensors gathered on rank 0.
 """
@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from orchestration.checkpoint import (
+from orchestration.checkpoint.manager import (
     MANIFEST,
     CheckpointError,
     CheckpointInfo,
@@ -524,7 +524,7 @@ def test_loading_into_a_model_of_another_shape_names_the_tensor(tmp_path):
 
 def test_an_unreadable_checkpoint_file_is_a_bad_checkpoint_not_a_crash(tmp_path, monkeypatch):
     """An OSError while hashing (I/O error, stale NFS handle) skips that checkpoint like corruption does."""
-    import orchestration.checkpoint as ckpt_module
+    import orchestration.checkpoint.manager as ckpt_module
 
     mgr, events, _ = _saved(tmp_path, [1, 2])
     real_digests = ckpt_module.file_digests
@@ -543,7 +543,7 @@ def test_an_unreadable_checkpoint_file_is_a_bad_checkpoint_not_a_crash(tmp_path,
 def test_chunked_digest_is_the_hash_of_the_chunk_hashes_in_any_thread_count(tmp_path):
     import hashlib
 
-    import orchestration.checkpoint as ckpt_module
+    import orchestration.checkpoint.manager as ckpt_module
 
     data = bytes(range(256)) * 1000 + b"tail"  # 256004 bytes: 3 full chunks of 100000 and a partial one
     (tmp_path / "a").write_bytes(data)
@@ -565,7 +565,7 @@ def test_chunked_digest_is_the_hash_of_the_chunk_hashes_in_any_thread_count(tmp_
 def test_saves_record_chunked_digests_and_older_whole_file_manifests_still_verify(tmp_path):
     import hashlib
 
-    import orchestration.checkpoint as ckpt_module
+    import orchestration.checkpoint.manager as ckpt_module
 
     mgr, events, _ = _saved(tmp_path, [1, 2])
     path = tmp_path / "step_000002"
@@ -600,7 +600,7 @@ def test_save_reports_where_its_time_went(tmp_path):
 
 
 def test_io_threads_share_the_allowed_cpus_among_the_nodes_ranks(monkeypatch):
-    import orchestration.checkpoint as ckpt_module
+    import orchestration.checkpoint.manager as ckpt_module
 
     monkeypatch.setattr(ckpt_module.os, "sched_getaffinity", lambda pid: set(range(32)), raising=False)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)

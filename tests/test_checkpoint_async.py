@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from orchestration.checkpoint import CheckpointError, CheckpointManager, verify_checkpoint
+from orchestration.checkpoint.manager import CheckpointError, CheckpointManager, verify_checkpoint
 from tests.spawned import free_port, rank_process_group
 from tests.test_checkpoint import assert_states_bit_identical, build, build_fsdp, full_state, halving, train_steps
 
@@ -84,7 +84,7 @@ def test_a_staged_synchronous_save_equals_a_direct_one(tmp_path):
 
 
 def test_a_failed_background_write_raises_at_the_next_call_and_keeps_older_checkpoints(tmp_path, monkeypatch):
-    import orchestration.checkpoint as ck
+    import orchestration.checkpoint.manager as ck
 
     mgr = CheckpointManager(tmp_path / "ck")
     model, opt, sched = build(seed=0)
@@ -108,7 +108,7 @@ def _crash_mid_write_script(root: Path) -> str:
         sys.path.insert(0, {str(ROOT)!r})
         import torch
         from torch import nn
-        import orchestration.checkpoint as ck
+        import orchestration.checkpoint.manager as ck
 
         model = nn.Linear(2048, 2048)
         opt = torch.optim.AdamW(model.parameters())
@@ -182,7 +182,8 @@ def test_fsdp2_two_ranks_save_in_the_background(tmp_path):
 
 
 def test_config_rejects_unknown_async_mode():
-    from orchestration.config import ConfigError, JobConfig, validate
+    from orchestration.config import ConfigError, JobConfig
+    from orchestration.validation import validate
 
     job = JobConfig()
     job.checkpoint.async_save = "sometimes"
@@ -196,7 +197,7 @@ def test_mark_good_does_not_wait_for_a_save_in_flight_and_abandon_reports_it(tmp
     desynchronize the ranks; the error comes at wait() instead. abandon() (the loop raised) waits a bounded time."""
     import threading
 
-    import orchestration.checkpoint as ck
+    import orchestration.checkpoint.manager as ck
 
     mgr = CheckpointManager(tmp_path / "ck")
     model, opt, sched = build(seed=0)
@@ -220,7 +221,7 @@ def test_mark_good_does_not_wait_for_a_save_in_flight_and_abandon_reports_it(tmp
 
 
 def test_a_staging_failure_is_an_error_of_the_save(tmp_path, monkeypatch):
-    import orchestration.checkpoint as ck
+    import orchestration.checkpoint.manager as ck
 
     def no_pinned_memory(*args, **kwargs):
         raise RuntimeError("CUDA error: out of memory (pinned host allocation)")
@@ -239,7 +240,7 @@ def test_parallel_reader_reads_each_file_in_its_own_thread_and_loads_bit_identic
 
     import torch.distributed.checkpoint as dcp
 
-    import orchestration.checkpoint as ck
+    import orchestration.checkpoint.manager as ck
 
     monkeypatch.setattr(ck, "io_threads", lambda: 4)  # the save writes 4 files, the load reads with 4 threads
     model, opt, sched = build(seed=0)

@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from models.loss import model_lm_loss
-from orchestration.config import load_job_config
-from orchestration.worker import build_training_model
+from orchestration.training.loop import build_training_model
+from orchestration.validation import load_job_config
 
 
 def _loss_and_grads(precision: str, compile_blocks: bool, fp8_output_head: bool = False, fused_loss: bool = False):

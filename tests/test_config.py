@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from orchestration.config import ConfigError, JobConfig, load_job_config
+from orchestration.config import ConfigError, JobConfig
+from orchestration.validation import load_job_config
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -61,7 +62,7 @@ def test_compile_mode_reaches_every_block(monkeypatch, mode, expected):
     need a GPU, benchmarks/train_step.py's +cg variants run them on the H200)."""
     import torch
 
-    from orchestration.worker import build_training_model
+    from orchestration.training.loop import build_training_model
 
     seen = []
     original = torch.nn.Module.compile
@@ -84,7 +85,7 @@ def test_fp8_min_gemm_width_keeps_narrow_linears_in_bf16():
 
     from fp8 import Float8Linear
     from fp8.convert import gemm_width
-    from orchestration.worker import build_training_model
+    from orchestration.training.loop import build_training_model
 
     def converted(*overrides):
         job = compose_job("model=debug_moe", "model.compile=false", "cluster.min_workers=1", "cluster.max_workers=1",
@@ -110,7 +111,7 @@ def test_fp8_output_head_setting_reaches_the_conversion():
     import torch
 
     from fp8 import Float8Linear
-    from orchestration.worker import build_training_model
+    from orchestration.training.loop import build_training_model
 
     def fp8_layers(*overrides):
         job = compose_job("model=debug_dense", "model.compile=false", "cluster.min_workers=1",
@@ -137,7 +138,7 @@ def test_fp8_output_head_setting_reaches_the_conversion():
 def test_fp8_min_gemm_width_that_leaves_nothing_in_fp8_is_refused():
     import torch
 
-    from orchestration.worker import build_training_model
+    from orchestration.training.loop import build_training_model
 
     job = compose_job("model=debug_dense", "model.compile=false", "cluster.min_workers=1", "cluster.max_workers=1",
                       "precision=fp8", "precision.fp8_min_gemm_width=100000")
@@ -194,7 +195,7 @@ def test_env_preset_of_the_other_vendor_is_refused_for_an_explicit_device():
     assert compose_job("cluster.device=auto", "cluster.env_preset=rccl_mi300x").cluster.env_preset == "rccl_mi300x"
     import yaml
 
-    from orchestration.env_presets import check_preset_device
+    from orchestration.validation import check_preset_device
 
     for path in sorted((REPO / "conf" / "cluster").glob("*.yaml")):  # the shipped cluster configs pair them right
         cluster = yaml.safe_load(path.read_text())
@@ -210,7 +211,7 @@ def test_fp8_experts_setting_and_gpus_without_an_fp8_grouped_gemm():
     import fp8
     from fp8 import Float8Linear
     from fp8.backend import Fp8Backend
-    from orchestration.worker import build_training_model, require_fp8_grouped_gemm
+    from orchestration.training.loop import build_training_model, require_fp8_grouped_gemm
 
     def build(*overrides):
         job = compose_job("model=debug_moe", "model.compile=false", "cluster.min_workers=1", "cluster.max_workers=1",
@@ -246,7 +247,7 @@ def test_tensorwise_transposes_setting_reaches_every_fp8_linear():
 
     import fp8
     from fp8 import Float8Linear
-    from orchestration.worker import build_training_model
+    from orchestration.training.loop import build_training_model
 
     def placements(*overrides):
         job = compose_job("model=debug_dense", "model.compile=false", "cluster.min_workers=1",
@@ -270,7 +271,7 @@ def test_adamw_is_fused_on_gpus_and_default_on_cpu():
     hyperparameters; CPU runs keep torch's default implementation."""
     import torch
 
-    from orchestration.worker import adamw_kwargs
+    from orchestration.training.loop import adamw_kwargs
 
     job = compose_job("train.lr=0.002", "train.beta2=0.9", "train.weight_decay=0.05")
     gpu = adamw_kwargs(job, torch.device("cuda", 0))
@@ -291,7 +292,7 @@ def test_train_adamw_picks_our_triton_step_on_nvidia_gpus_only(monkeypatch):
     import torch
 
     from optim import ChunkedAdamW
-    from orchestration.worker import adamw_implementation, make_optimizer
+    from orchestration.training.loop import adamw_implementation, make_optimizer
 
     auto, triton, torch_impl = compose_job(), compose_job("train.adamw=triton"), compose_job("train.adamw=torch")
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
@@ -312,12 +313,12 @@ def test_train_adamw_picks_our_triton_step_on_nvidia_gpus_only(monkeypatch):
 
 
 def test_a_start_that_cannot_resume_is_refused_before_the_run_directory_changes(tmp_path):
-    """orchestration.trainer.check_start (called by open_run_dir, for Ray and torchrun): a run_root that is a file,
+    """orchestration.driver.ray_job.check_start (called by open_run_dir, for Ray and torchrun): a run_root that is a file,
     resume=false over checkpoints, and a resume with other model/precision/data settings are refused with the
     keys to restore; compatible changes (steps, lr, workers) pass; nothing in the run directory is touched."""
     from orchestration.config import to_dict
-    from orchestration.events import RunDir
-    from orchestration.trainer import check_start, open_run_dir
+    from orchestration.driver.ray_job import check_start, open_run_dir
+    from orchestration.observability.events import RunDir
 
     def job(*overrides):
         return compose_job(f"run_root={tmp_path}", "model=debug_dense", *overrides)
@@ -366,7 +367,8 @@ def test_train_lr_null_takes_the_models_peak_lr_and_an_explicit_one_wins():
     assert compose_job("model=llama3_8b").train.lr_source == "model"
     assert compose_job("model=llama3_8b", "train.lr=1e-4").train.lr_source == "config"
     # validate() resolves too: a JobConfig built in code (lr left null) validates and gets the default
-    from orchestration.config import JobConfig, from_dict, to_dict, validate
+    from orchestration.config import JobConfig, to_dict
+    from orchestration.validation import from_dict, validate
 
     job = JobConfig()
     validate(job)
@@ -381,8 +383,8 @@ def test_a_resume_without_train_lr_keeps_the_saved_runs_lr(tmp_path):
     """The worker re-applies train.lr to every param group on resume: a default that changed since the run started
     (3e-3 for every model before train.lr=null) must not cut the lr mid-schedule; an lr given now wins."""
     from orchestration.config import to_dict
-    from orchestration.events import RunDir
-    from orchestration.trainer import open_run_dir
+    from orchestration.driver.ray_job import open_run_dir
+    from orchestration.observability.events import RunDir
 
     def job(*overrides):
         return compose_job(f"run_root={tmp_path}", "model=llama3_1b", *overrides)

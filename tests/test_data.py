@@ -1,6 +1,6 @@
 import torch
 
-from orchestration.data import ByteTextDataset, collect_text_files, python_stdlib_dir
+from orchestration.data.byte_stream import ByteTextDataset, collect_text_files, python_stdlib_dir
 
 
 def make_dataset(seed=7):

@@ -18,7 +18,8 @@ import pytest
 import yaml
 
 from orchestration.config import DEVICES, ClusterConfig
-from orchestration.env_presets import ENV_PRESETS, check_preset_device, resolve_worker_env
+from orchestration.driver.env_presets import ENV_PRESETS, resolve_worker_env
+from orchestration.validation import check_preset_device
 
 REPO = Path(__file__).resolve().parent.parent
 CONF_CLUSTER = REPO / "conf" / "cluster"

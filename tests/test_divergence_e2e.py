@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from orchestration.events import read_jsonl
+from orchestration.observability.events import read_jsonl
 from tests.conftest import launch
 
 pytestmark = pytest.mark.slow

@@ -54,8 +54,8 @@ def test_dry_run_llama3_8b_counts_and_fits_on_h200_cluster(isolated_env):
 def test_each_cluster_config_builds_the_right_ray_plan(cluster):
     from hydra import compose, initialize_config_dir
 
-    from orchestration.config import load_job_config
-    from orchestration.trainer import ray_plan
+    from orchestration.driver.ray_job import ray_plan
+    from orchestration.validation import load_job_config
     from tests.conftest import REPO
 
     preset = yaml.safe_load((REPO / "conf" / "cluster" / f"{cluster}.yaml").read_text())

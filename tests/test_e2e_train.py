@@ -5,7 +5,7 @@ import json
 import pytest
 import yaml
 
-from orchestration.events import read_jsonl
+from orchestration.observability.events import read_jsonl
 from tests.conftest import launch
 
 pytestmark = pytest.mark.slow
@@ -71,7 +71,7 @@ def test_resume_same_run_name_repeats_no_step(tmp_path, isolated_env, no_ray_lef
     assert summary["final_step"] == 30 and summary["consumed_ranges"] == [[0, 30 * 16]]
 
     # One W&B run across both starts: the same id resumed, its offline history equal to metrics.jsonl.
-    from orchestration.wandb_logger import offline_segments, read_offline_history
+    from orchestration.observability.wandb_logger import offline_segments, read_offline_history
 
     assert len(offline_segments(run_dir)) == 2
     metrics = {m["step"]: m for m in read_jsonl(run_dir / "metrics.jsonl")}
@@ -128,7 +128,7 @@ def test_same_worker_loop_under_torchrun_without_ray(tmp_path, isolated_env):
     from tests.conftest import REPO
 
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           "-m", "orchestration.torchrun", f"run_root={tmp_path}", "run_name=tr", "model=debug_moe",
+                           "-m", "orchestration.driver.torchrun", f"run_root={tmp_path}", "run_name=tr", "model=debug_moe",
                            "train.steps=30", "logging.wandb=false", "logging.ray_metrics=false",
                            "checkpoint.every_steps=10", "checkpoint.async_save=always"], check=False,
                           cwd=REPO, env=isolated_env, capture_output=True, text=True, timeout=300)
@@ -139,7 +139,7 @@ def test_same_worker_loop_under_torchrun_without_ray(tmp_path, isolated_env):
     assert summary["consumed_ranges"] == [[0, 30 * 16]]
     assert summary["final_loss"] < summary["first_loss"] - 1.0
     # Steps 10 and 20 saved in the background by both ranks (a gloo group of their own), step 30 synchronously.
-    from orchestration.checkpoint import verify_checkpoint
+    from orchestration.checkpoint.manager import verify_checkpoint
 
     events = read_jsonl(tmp_path / "tr" / "events.jsonl")
     timing = [e for e in events if e["event"] == "checkpoint_timing"]
@@ -157,7 +157,7 @@ def test_torchrun_without_a_run_id_or_name_is_refused(tmp_path, isolated_env):
 
     from tests.conftest import REPO
 
-    proc = subprocess.run([sys.executable, "-m", "orchestration.torchrun", f"run_root={tmp_path}", "model=debug_dense",
+    proc = subprocess.run([sys.executable, "-m", "orchestration.driver.torchrun", f"run_root={tmp_path}", "model=debug_dense",
                            "logging.wandb=false"], check=False, cwd=REPO,
                           env={**isolated_env, "TORCHELASTIC_RUN_ID": "none"}, capture_output=True, text=True,
                           timeout=120)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestration.events import read_jsonl
+from orchestration.observability.events import read_jsonl
 from tests.conftest import REPO, launch, which_ray
 from tests.spawned import free_port
 

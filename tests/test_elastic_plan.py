@@ -1,6 +1,6 @@
 import pytest
 
-from orchestration.elastic import count_in_ranges, merge_ranges, plan_batch
+from orchestration.training.elastic import count_in_ranges, merge_ranges, plan_batch
 
 
 @pytest.mark.parametrize("global_batch, world", [(32, 1), (32, 2), (32, 4), (32, 8), (16, 3), (64, 31), (7, 7)])

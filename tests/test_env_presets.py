@@ -6,7 +6,9 @@ import re
 
 import pytest
 
-from orchestration.env_presets import ENV_PRESETS, PRESET_DEVICE, check_preset_device, resolve_worker_env
+from orchestration.config import PRESET_DEVICE
+from orchestration.driver.env_presets import ENV_PRESETS, resolve_worker_env
+from orchestration.validation import check_preset_device
 
 AMD_ONLY_PREFIXES = ("HSA_", "RCCL_", "GPU_MAX_HW_QUEUES", "HIP_")
 GPU_PRESETS = [name for name in ENV_PRESETS if name != "none"]

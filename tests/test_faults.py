@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from orchestration.faults import FaultConfig, FaultInjector, FaultPlan, InjectedCrash
+from orchestration.config import FaultConfig
+from orchestration.training.faults import FaultInjector, FaultPlan, InjectedCrash
 
 
 def test_loss_spike_scales_loss_and_grads_only_at_its_rank_and_step():
@@ -92,8 +93,9 @@ def test_fp8_overflow_hook_on_a_layer():
 
 
 def test_fp8_health_corruption_trips_the_fp8_detectors():
-    from orchestration.agreement import agree
-    from orchestration.monitor import MonitorConfig, StepMonitor
+    from orchestration.config import MonitorConfig
+    from orchestration.divergence.agreement import agree
+    from orchestration.divergence.monitor import StepMonitor
 
     inj = FaultInjector(FaultConfig(kind="fp8_overflow", rank=1, step=3), rank=1)
     mon = StepMonitor(MonitorConfig(warmup_steps=2))

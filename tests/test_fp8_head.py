@@ -292,7 +292,7 @@ def _fsdp_rank(rank: int, world: int, init_file: str, result_file: str) -> None:
     from fp8.convert import make_module_filter
     from models.loss import model_lm_loss
     from models.registry import build_model
-    from orchestration.distributed import parallelize
+    from orchestration.training.distributed import parallelize
     from tests.spawned import rank_process_group
 
     with rank_process_group("gloo", f"file://{init_file}", rank, world):

@@ -1,12 +1,13 @@
-"""orchestration.gc_policy: automatic GC off inside the loop, scheduled young collections, state restored."""
+"""orchestration.training.gc_policy: automatic GC off inside the loop, scheduled young collections, state restored."""
 
 import gc
 import weakref
 
 import pytest
 
-from orchestration.config import ConfigError, JobConfig, validate
-from orchestration.gc_policy import ManagedGc
+from orchestration.config import ConfigError, JobConfig
+from orchestration.training.gc_policy import ManagedGc
+from orchestration.validation import validate
 
 
 class _Node:

@@ -1,4 +1,4 @@
-"""The worker's gradient norm and clipping (orchestration.distributed.local_grad_norm, global_grad_norm,
+"""The worker's gradient norm and clipping (orchestration.training.distributed.local_grad_norm, global_grad_norm,
 clip_grads_with_norm_): the same norm and clipped gradients as torch.nn.utils.clip_grad_norm_, on one process and
 under FSDP2 on two (gloo, CPU), from one pass over the gradients instead of two."""
 
@@ -11,7 +11,7 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
-from orchestration.distributed import global_grad_norm, local_grad_norm
+from orchestration.training.distributed import global_grad_norm, local_grad_norm
 from tests.spawned import rank_process_group
 
 

@@ -4,9 +4,10 @@ reach fp8.set_precision for exactly the blocks the evidence names."""
 import pytest
 from hydra import compose, initialize_config_dir
 
-from orchestration.config import load_job_config, to_dict
-from orchestration.events import read_jsonl
-from orchestration.worker import Trainer
+from orchestration.config import to_dict
+from orchestration.observability.events import read_jsonl
+from orchestration.training.loop import Trainer
+from orchestration.validation import load_job_config
 from tests.conftest import REPO
 from tests.interp_child import expose_or_run
 
@@ -295,7 +296,7 @@ def test_a_run_checkpointed_before_the_window_rule_resumes_with_its_own_windows(
     it trained on, instead of being refused or silently reading other samples; a new run uses rule 2."""
     import json
 
-    from orchestration.checkpoint import EXTRA_STATE, file_digests
+    from orchestration.checkpoint.manager import EXTRA_STATE, file_digests
 
     first = make_trainer(tmp_path, "precision=bf16", "train.steps=2")
     first.start()
@@ -325,10 +326,10 @@ def _interp_the_gated_update_skips_exactly_the_step_the_guard_rejects(tmp_path, 
     """The worker launches the step's update (optim.ChunkedAdamW, in the Triton interpreter here, and the MoE router's
     aux-loss-free bias update) before the guard's host read, gated on the device: a NaN gradient at step 2 must leave
     the weights, AdamW's step counts and the router biases as they were (the expert counts carried to the next kept
-    step), and every other step must apply once (orchestration.agreement.agree_and_decide)."""
+    step), and every other step must apply once (orchestration.divergence.agreement.agree_and_decide)."""
     import torch
 
-    import orchestration.worker as worker_mod
+    import orchestration.training.loop as worker_mod
     from optim import ChunkedAdamW
 
     monkeypatch.setattr(worker_mod, "adamw_implementation", lambda job, device: "triton")

@@ -1,4 +1,4 @@
-"""Host staging buffers (orchestration.host_memory): registration bookkeeping, reuse, background preparation.
+"""Host staging buffers (orchestration.checkpoint.host_memory): registration bookkeeping, reuse, background preparation.
 
 cudaHostRegister cannot run on a machine without CUDA: the page-locking calls are replaced by a recorder here (a
 mock of the CUDA runtime, nothing else); the real calls run in tests/test_host_memory_gpu.py on the GPU.
@@ -11,9 +11,9 @@ import threading
 
 import torch
 
-import orchestration.host_memory as hm
-from orchestration.checkpoint import CheckpointManager, stage_to_host
-from orchestration.host_memory import HostStaging, tensor_specs
+import orchestration.checkpoint.host_memory as hm
+from orchestration.checkpoint.host_memory import HostStaging, tensor_specs
+from orchestration.checkpoint.manager import CheckpointManager, stage_to_host
 
 
 class Recorder:

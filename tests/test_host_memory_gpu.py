@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from orchestration.checkpoint import CheckpointManager
-from orchestration.host_memory import HostStaging, tensor_specs
+from orchestration.checkpoint.host_memory import HostStaging, tensor_specs
+from orchestration.checkpoint.manager import CheckpointManager
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

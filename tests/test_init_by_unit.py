@@ -1,4 +1,4 @@
-"""Unit-by-unit initialisation on the device (orchestration.distributed.init_weights_by_unit, what the worker uses):
+"""Unit-by-unit initialisation on the device (orchestration.training.distributed.init_weights_by_unit, what the worker uses):
 the weights are exactly `init_weights(seed)`'s, unsharded or sharded by FSDP2 over two gloo ranks, FP8-converted
 and activation-checkpointed, and no full copy of the model is ever built (the template stays on meta)."""
 
@@ -12,7 +12,7 @@ import torch.multiprocessing as mp
 
 import fp8
 from models.registry import build_model
-from orchestration.distributed import init_weights_by_unit, parallelize
+from orchestration.training.distributed import init_weights_by_unit, parallelize
 from tests.spawned import rank_process_group
 
 SEED = 5
@@ -93,7 +93,7 @@ def test_fsdp2_two_ranks_give_the_same_weights(tmp_path, name):
 
 
 def _run_unsharded_rank(rank: int, world: int, init_file: str, result_file: str) -> None:
-    from orchestration.distributed import broadcast_from_rank0_if_unsharded
+    from orchestration.training.distributed import broadcast_from_rank0_if_unsharded
 
     with rank_process_group("gloo", f"file://{init_file}", rank, world):
         model, template = _meta_model("debug_moe")

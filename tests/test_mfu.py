@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from orchestration import mfu
+from orchestration.observability import mfu
 
 
 @pytest.mark.parametrize(

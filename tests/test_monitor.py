@@ -6,13 +6,14 @@ import math
 import pytest
 import torch
 
-from orchestration.agreement import AgreedVerdict, agree
-from orchestration.monitor import (
+from orchestration.divergence.agreement import agree
+from orchestration.divergence.monitor import (
     BASE_SLOTS,
     NOT_MEASURED,
     SLOT_FP8_AMAX,
     SLOT_GRAD_NORM,
     SLOT_LOSS,
+    AgreedVerdict,
     MonitorConfig,
     StepMonitor,
 )
@@ -222,7 +223,7 @@ def test_update_gate_is_the_decision_evaluate_reaches_at_every_threshold(conside
     the policy acts on" for every slot, at, just below and just above each threshold, armed or not."""
     import copy
 
-    from orchestration.monitor import detector_kind
+    from orchestration.divergence.monitor import detector_kind
 
     mon = StepMonitor(MonitorConfig(warmup_steps=5, shadow_every=1), layer_names=("layers.0", "output"))
     unarmed = copy.deepcopy(mon)

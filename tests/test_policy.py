@@ -4,8 +4,9 @@ import json
 
 import pytest
 
-from orchestration.monitor import Finding, MonitorConfig, MonitorReport
-from orchestration.policy import (
+from orchestration.config import MonitorConfig
+from orchestration.divergence.monitor import Finding, MonitorReport
+from orchestration.divergence.policy import (
     DivergencePolicy,
     FallbackToBF16,
     Proceed,
@@ -245,8 +246,8 @@ def test_full_escalation_from_detectors_to_stop():
     after the rollback a clean run retries FP8; a spike that never goes away exhausts the rollbacks -> stop."""
     import torch
 
-    from orchestration.agreement import agree
-    from orchestration.monitor import StepMonitor
+    from orchestration.divergence.agreement import agree
+    from orchestration.divergence.monitor import StepMonitor
 
     config = cfg(warmup_steps=10, cooldown_steps=10, max_rollbacks=1)
     monitor, policy = StepMonitor(config), DivergencePolicy(config)

@@ -9,7 +9,7 @@ import urllib.request
 
 import pytest
 
-from orchestration import ray_metrics as rm
+from orchestration.observability import ray_metrics as rm
 
 RUN_TAGS = {"run": "unit-run", "model": "debug_moe", "rank": "0"}
 
@@ -102,7 +102,7 @@ def test_metrics_reach_local_prometheus_endpoint(monkeypatch):
         @ray.remote(num_cpus=0)
         class Worker:
             def run(self, tags):
-                from orchestration.ray_metrics import TrainingMetrics
+                from orchestration.observability.ray_metrics import TrainingMetrics
 
                 m = TrainingMetrics(tags)
                 assert m.enabled

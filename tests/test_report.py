@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from orchestration import report
+from orchestration.observability import report
 
 
 def _write(run_dir: Path, config: dict, metrics: list[dict], events: list[dict], summary: dict | None = None):
@@ -160,7 +160,7 @@ def test_summary_of_an_interrupted_run_counts_samples_from_its_last_metrics(tmp_
     ranges stay unknown; with a final state, the final state wins."""
     import json
 
-    from orchestration.events import FINAL_STATE_FILE, RunDir, summarize
+    from orchestration.observability.events import FINAL_STATE_FILE, RunDir, summarize
 
     run = RunDir(tmp_path / "run")
     run.event("worker_group_start", step=0, world_size=2)
@@ -175,7 +175,7 @@ def test_summary_of_an_interrupted_run_counts_samples_from_its_last_metrics(tmp_
 
 def test_summary_counts_what_checkpoints_stalled(tmp_path):
     """summary.json: saves, background saves and the seconds training stood still for them (checkpoint_timing)."""
-    from orchestration.events import RunDir, summarize
+    from orchestration.observability.events import RunDir, summarize
 
     run = RunDir(tmp_path / "run")
     run.event("checkpoint_timing", step=0, seconds=12.25, write_s=10.5)

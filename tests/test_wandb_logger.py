@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestration import wandb_logger as wl
+from orchestration.observability import wandb_logger as wl
 
 CONFIG = {
     "model": {"name": "debug_moe", "overrides": {}},
@@ -240,8 +240,8 @@ def test_reader_rejects_non_wandb_file(tmp_path):
 KILLED_SEGMENT = r"""
 import json, os, signal, sys, time
 from pathlib import Path
-from orchestration.events import RunDir
-from orchestration.wandb_logger import WandbRun
+from orchestration.observability.events import RunDir
+from orchestration.observability.wandb_logger import WandbRun
 run_dir = Path(sys.argv[1])
 rd = RunDir(run_dir)
 run = WandbRun(run_dir, {}, project="p", group=None, tags=[], system_metrics=False)
@@ -260,7 +260,7 @@ def test_restart_after_kill_backfills_from_metrics_jsonl(wandb_env):
     import sys
     import time
 
-    from orchestration.events import RunDir
+    from orchestration.observability.events import RunDir
 
     run_dir = wandb_env / "run"
     repo = Path(__file__).resolve().parents[1]
@@ -296,7 +296,7 @@ def test_restart_after_kill_backfills_from_metrics_jsonl(wandb_env):
 
 def test_wait_until_flushed_treats_a_torn_file_as_not_flushed(tmp_path):
     """A .wandb file shorter than its header (caught mid-write) is 'not flushed yet', not a crash at run end."""
-    from orchestration.wandb_logger import wait_until_flushed
+    from orchestration.observability.wandb_logger import wait_until_flushed
 
     torn = tmp_path / "run.wandb"
     torn.write_bytes(b":W&")

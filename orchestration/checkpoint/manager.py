@@ -69,7 +69,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from orchestration.host_memory import HostStaging, tensor_specs
+from orchestration.checkpoint.host_memory import HostStaging, tensor_specs
 
 try:  # numpy is optional for us; its RNG is saved only when it is importable
     import numpy as np
@@ -582,7 +582,7 @@ class CheckpointManager:
         self.last_save_timing: dict[str, float] = {}  # this rank's share of the last save (see save)
         self._pending: _SaveJob | None = None  # the background save in flight
         self._unreported: _SaveJob | None = None  # finished background save not yet returned by wait()
-        # host buffers of staged saves (orchestration.host_memory), their pages touched by this rank's I/O threads
+        # host buffers of staged saves (orchestration.checkpoint.host_memory), their pages touched by this rank's I/O threads
         self._staging = HostStaging(touch_threads=io_threads())
         self._io_group_handle: Any = None
         self._io_group_for: Any = None

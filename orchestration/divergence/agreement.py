@@ -22,29 +22,18 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-if TYPE_CHECKING:
-    from orchestration.monitor import MonitorReport, StepMonitor
-    from orchestration.policy import Decision, DivergencePolicy
+from orchestration.divergence.monitor import AgreedVerdict, MonitorReport, StepMonitor
+from orchestration.divergence.policy import Decision, DivergencePolicy
 
 RANK_BITS = 20
 RANK_MASK = (1 << RANK_BITS) - 1
 _SIGN = 1 << 31
 _LOW32 = (1 << 32) - 1
 _INF = float("inf")
-
-
-@dataclass(frozen=True)
-class AgreedVerdict:
-    """The verdict every rank agreed on: per slot the max over ranks and the rank holding it."""
-
-    values: tuple[float, ...]
-    ranks: tuple[int, ...]
-    world_size: int = 1
 
 
 def encode_keys(values_D: torch.Tensor, rank: int) -> torch.Tensor:

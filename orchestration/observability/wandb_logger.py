@@ -39,8 +39,8 @@ from pathlib import Path
 from typing import Any, Self
 
 from orchestration.config import is_secret_key
-from orchestration.events import EVENTS_FILE, METRICS_FILE, read_jsonl
-from orchestration.ray_metrics import precision_code  # one mapping for W&B and Ray
+from orchestration.observability.events import EVENTS_FILE, METRICS_FILE, read_jsonl
+from orchestration.observability.ray_metrics import precision_code  # one mapping for W&B and Ray
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """The same worker loop without Ray, for machines that cannot carry Ray (the multi-GPU device image) or for
 debugging:
 
-    torchrun --nproc_per_node=8 -m orchestration.torchrun model=llama3_8b cluster.device=cuda run_name=x ...
+    torchrun --nproc_per_node=8 -m orchestration.driver.torchrun model=llama3_8b cluster.device=cuda run_name=x ...
 
 Hydra overrides as for launch.py. No elasticity here (torchrun restarts are up to the caller); everything else -
 FSDP2, FP8, monitors, checkpoints, the run directory - is the worker loop of a Ray run.
@@ -13,7 +13,8 @@ import os
 import sys
 import time
 
-from orchestration.config import REPO_ROOT, ConfigError, load_job_config, to_dict
+from orchestration.config import REPO_ROOT, ConfigError, to_dict
+from orchestration.validation import load_job_config
 
 
 def main(argv: list[str]) -> int:
@@ -30,8 +31,7 @@ def main(argv: list[str]) -> int:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
 
-    from orchestration.events import RunDir
-    from orchestration.trainer import (
+    from orchestration.driver.ray_job import (
         close_run_dir,
         default_run_name,
         final_status,
@@ -40,7 +40,8 @@ def main(argv: list[str]) -> int:
         resolve_run_root,
         worker_env,
     )
-    from orchestration.worker import train_loop
+    from orchestration.observability.events import RunDir
+    from orchestration.training.loop import train_loop
 
     rank = int(os.environ.get("RANK", "0"))
     # torchrun's run id is the literal "none" unless --rdzv-id (or --standalone) sets one: every such launch would

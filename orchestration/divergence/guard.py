@@ -10,18 +10,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from orchestration.agreement import agree_and_decide
-from orchestration.elastic import merge_ranges
-from orchestration.faults import FaultInjector
-from orchestration.monitor import StepMonitor
-from orchestration.policy import DivergencePolicy, FallbackToBF16, RetryFP8, Rollback, SkipStep, Stop
-
-if TYPE_CHECKING:
-    from orchestration.worker import Trainer
+from orchestration.divergence.agreement import agree_and_decide
+from orchestration.divergence.monitor import StepMonitor
+from orchestration.divergence.policy import DivergencePolicy, FallbackToBF16, RetryFP8, Rollback, SkipStep, Stop
+from orchestration.training.elastic import merge_ranges
+from orchestration.training.faults import FaultInjector
 
 
 def fp8_watch_units(model: torch.nn.Module) -> tuple[str, ...]:
@@ -38,7 +35,7 @@ def fp8_watch_units(model: torch.nn.Module) -> tuple[str, ...]:
 
 
 class StepGuard:
-    def __init__(self, trainer: Trainer):
+    def __init__(self, trainer: Any):  # the worker loop's Trainer (not imported: the loop imports this module)
         self.trainer = trainer
         job = trainer.job
         self.enabled = job.monitor.enabled
@@ -81,7 +78,7 @@ class StepGuard:
               gated_update: Callable[[torch.Tensor], bool] | None = None) -> str:
         """Returns 'proceed' | 'skip' | 'rolled_back' | 'stop'. Identical on every rank (one agreed verdict).
 
-        gated_update: see orchestration.agreement.agree_and_decide (the step's update launched before the host
+        gated_update: see orchestration.divergence.agreement.agree_and_decide (the step's update launched before the host
         read, taking effect only if the decision will apply it). `self.update_applied` then says whether it did:
         on 'proceed' the caller applies the update itself only if it did not."""
         self.update_applied = False
@@ -198,14 +195,14 @@ class StepGuard:
         tags = {"model": job.model.name, "precision": job.precision.name, "run": t.run_dir.path.name}
         if job.logging.ray_metrics:
             try:
-                from orchestration.ray_metrics import TrainingMetrics
+                from orchestration.observability.ray_metrics import TrainingMetrics
 
                 self.ray_metrics = TrainingMetrics(tags)
             except Exception as exc:  # noqa: BLE001  # outside Ray (torchrun, tests) there is no metrics agent
                 print(f"[rank 0] Ray metrics disabled: {exc}", flush=True)
         if job.logging.wandb and job.logging.wandb_mode != "disabled":
             from orchestration.config import to_dict
-            from orchestration.wandb_logger import WandbRun, tags_from_config
+            from orchestration.observability.wandb_logger import WandbRun, tags_from_config
 
             config = to_dict(job)  # WandbRun drops secrets itself
             if t.recipe:

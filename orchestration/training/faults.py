@@ -21,59 +21,14 @@ from __future__ import annotations
 import os
 import signal
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-FAULT_KINDS = ("none", "nan_grad", "loss_spike", "fp8_overflow", "kill_worker", "crash")
-PROCESS_FAULTS = ("kill_worker", "crash")
-DEFAULT_MAGNITUDE = {"loss_spike": 100.0, "fp8_overflow": 1e6}
-
-
-@dataclass
-class FaultConfig:
-    """Which fault to inject, where and when (conf/faults)."""
-
-    kind: str = "none"
-    """none | nan_grad | loss_spike | fp8_overflow | kill_worker | crash.
-    nan_grad: one gradient element of this rank's shard becomes NaN (after backward).
-    loss_spike: the loss (and so every gradient) is multiplied by `magnitude`.
-    fp8_overflow: one element of the input of the hooked layer becomes `magnitude` x its amax, an outlier that
-    crushes the FP8 dynamic range (underflow, amax growth) or saturates with delayed scaling.
-    kill_worker: the process SIGKILLs itself (like a lost node). crash: raises InjectedCrash (a Python failure)."""
-    rank: int = 0
-    """Rank that sees the fault; -1 = every rank."""
-    step: int = 0
-    """First step hit."""
-    num_steps: int = 1
-    """Consecutive steps hit from `step` on (tensor faults; process faults fire at `step` only)."""
-    magnitude: float = 0.0
-    """Scale of loss_spike / fp8_overflow; 0 = the kind's default (loss x100, outlier 1e6 x amax)."""
-    marker_dir: str | None = None
-    """Absolute directory for fired markers; kill_worker and crash need one (FaultInjector defaults it to a
-    directory of the run), optional for the others."""
-
-    def validate(self) -> None:
-        if self.kind not in FAULT_KINDS:
-            raise ValueError(f"faults.kind={self.kind!r}: must be one of {', '.join(FAULT_KINDS)}")
-        if self.rank < -1:
-            raise ValueError(f"faults.rank={self.rank}: must be a rank >= 0, or -1 for every rank")
-        if self.step < 0:
-            raise ValueError(f"faults.step={self.step}: must be >= 0")
-        if self.num_steps < 1:
-            raise ValueError(f"faults.num_steps={self.num_steps}: must be >= 1")
-        if self.magnitude < 0:
-            raise ValueError(f"faults.magnitude={self.magnitude}: must be >= 0 (0 = default for the kind)")
-        if self.marker_dir and not os.path.isabs(self.marker_dir):
-            raise ValueError(f"faults.marker_dir={self.marker_dir!r}: must be absolute (Ray workers run in "
-                             "/tmp/ray/session_*)")
-
-    @property
-    def effective_magnitude(self) -> float:
-        return self.magnitude or DEFAULT_MAGNITUDE.get(self.kind, 0.0)
+from orchestration.config import PROCESS_FAULTS, FaultConfig
 
 
 class InjectedCrash(RuntimeError):

@@ -40,120 +40,20 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-if TYPE_CHECKING:  # agreement.py imports torch.distributed; the monitor only needs the result type
-    from orchestration.agreement import AgreedVerdict
+from orchestration.config import MonitorConfig
 
 
-@dataclass
-class MonitorConfig:
-    """Thresholds and windows of the divergence monitors and of the policy (conf/monitor).
+@dataclass(frozen=True)
+class AgreedVerdict:
+    """The verdict every rank agreed on (agreement.agree): per slot the max over ranks and the rank holding it."""
 
-    Detector fields come first, policy fields (read by orchestration.policy.DivergencePolicy) after.
-    All step counts are optimizer steps.
-    """
-
-    enabled: bool = True
-    """Master switch: when False the worker loop should not build verdicts and the policy always proceeds."""
-
-    # --- running baselines -------------------------------------------------------------------------------------
-    warmup_steps: int = 20
-    """Clean steps a baseline must have seen before spike / amax-growth detection is armed (non-finite, FP8
-    saturation/underflow and shadow checks are armed from step 0)."""
-    ema_beta: float = 0.98
-    """Decay of the EMA mean/variance baselines (effective window about 1 / (1 - beta) = 50 steps)."""
-    winsor_z: float = 3.0
-    """After warm-up, a value feeding a baseline is clipped to mean +- winsor_z * std (robustness)."""
-
-    # --- loss spike ----------------------------------------------------------------------------------------------
-    loss_spike_z: float = 6.0
-    """A step's (worst-rank) loss is a spike when loss > mean + loss_spike_z * std."""
-    loss_std_floor_rel: float = 0.01
-    """Floor of the loss std as a fraction of |mean| (a smooth loss must still rise by z * 1% to alarm)."""
-    loss_std_floor_abs: float = 1e-3
-    """Absolute floor of the loss std (loss near zero)."""
-
-    # --- grad-norm spike (log space) -----------------------------------------------------------------------------
-    grad_norm_spike_z: float = 8.0
-    """A grad norm is a spike when log(norm) > mean_log + grad_norm_spike_z * std_log."""
-    grad_norm_log_std_floor: float = 0.25
-    """Floor of the std of log(grad norm): with z = 8 the norm must at least grow exp(2) = 7.4x to alarm. Small
-    batches late in training see 3-5x grad-norm excursions that clipping already absorbs (measured on the debug
-    models: 6.0 / 0.1 skipped 2 healthy steps in 800); a real blow-up is orders of magnitude."""
-
-    # --- FP8 health (fp8.fp8_health: saturated_frac, underflow_frac, amax_max) ------------------------------------
-    fp8_saturated_frac_max: float = 1e-3
-    """Largest tolerated fraction of values clamped to the FP8 max in the last forward (any rank)."""
-    fp8_underflow_frac_max: float = 0.1
-    """Largest tolerated fraction of non-zero values flushed to zero by the FP8 cast."""
-    fp8_amax_growth_max: float = 16.0
-    """amax_max is an overflow risk when it exceeds fp8_amax_growth_max times its running (geometric) baseline."""
-
-    # --- shadow check: recompute one micro-batch in BF16 ----------------------------------------------------------
-    shadow_every: int = 0
-    """Run the BF16 shadow check every N steps while FP8 is on (0 disables it)."""
-    shadow_rel_tol: float = 0.05
-    """Largest tolerated |loss_fp8 - loss_bf16| / |loss_bf16| on the shadow micro-batch."""
-
-    # --- policy: skip ----------------------------------------------------------------------------------------------
-    skips_before_escalation: int = 1
-    """Bad steps inside `escalation_window` that are only skipped; the next one escalates (fallback or rollback)."""
-    escalation_window: int = 50
-    """Steps over which bad steps count as 'repeated'."""
-    max_skips_per_window: int = 5
-    """Skip budget: at most this many skipped steps in any `skip_window` steps, then escalate instead."""
-    skip_window: int = 200
-    """Window of the skip budget."""
-
-    # --- policy: BF16 fallback -------------------------------------------------------------------------------------
-    fallback_scope: str = "model"
-    """'model': fall back to BF16 for the whole model; 'layers': only the offending FP8 layers when the evidence
-    names them (a non-finite loss or a spike is never attributable, it falls back the whole model)."""
-    cooldown_steps: int = 100
-    """Steps in BF16 after a fallback before FP8 is retried."""
-    relapse_window: int = 200
-    """A fallback within this many steps after a retry of FP8 counts as a relapse."""
-    max_relapses: int = 2
-    """After this many relapses the run stays in BF16 for good (0: never retry FP8 after a fallback)."""
-
-    # --- policy: rollback and stop ---------------------------------------------------------------------------------
-    max_rollbacks: int = 3
-    """Rollbacks allowed in a run; one more bad episode after them stops the run with status 'diverged'."""
-    rollback_skip_samples: int = 0
-    """Extra samples skipped after a rollback beyond the data up to the bad step (PaLM skipped 200-500 batches)."""
-    rollback_lr_scale: float = 1.0
-    """Multiplier applied to the LR at each rollback (cumulative; 1.0 keeps the LR)."""
-    good_after_steps: int = 20
-    """A checkpoint is good once this many steps after it passed the monitors with no bad step."""
-
-    def validate(self) -> None:
-        """Raise ValueError naming the key and the allowed values."""
-
-        def need(cond: bool, key: str, what: str) -> None:
-            if not cond:
-                raise ValueError(f"monitor.{key}={getattr(self, key)!r}: must be {what}")
-
-        need(self.warmup_steps >= 0, "warmup_steps", ">= 0")
-        need(0.0 < self.ema_beta < 1.0, "ema_beta", "in (0, 1), e.g. 0.98")
-        need(self.winsor_z > 0, "winsor_z", "> 0")
-        for key in ("loss_spike_z", "grad_norm_spike_z", "fp8_amax_growth_max", "shadow_rel_tol"):
-            need(getattr(self, key) > 0, key, "> 0")
-        need(self.fp8_amax_growth_max > 1, "fp8_amax_growth_max", "> 1 (a growth ratio)")
-        for key in ("loss_std_floor_rel", "loss_std_floor_abs", "grad_norm_log_std_floor"):
-            need(getattr(self, key) >= 0, key, ">= 0")
-        for key in ("fp8_saturated_frac_max", "fp8_underflow_frac_max"):
-            need(0.0 <= getattr(self, key) <= 1.0, key, "a fraction in [0, 1]")
-        for key in ("shadow_every", "skips_before_escalation", "max_relapses", "max_rollbacks",
-                    "rollback_skip_samples", "good_after_steps"):
-            need(getattr(self, key) >= 0, key, ">= 0")
-        for key in ("escalation_window", "skip_window", "cooldown_steps", "relapse_window"):
-            need(getattr(self, key) >= 1, key, ">= 1")
-        need(self.max_skips_per_window >= 0, "max_skips_per_window", ">= 0")
-        need(self.fallback_scope in ("model", "layers"), "fallback_scope", "one of 'model', 'layers'")
-        need(0.0 < self.rollback_lr_scale <= 1.0, "rollback_lr_scale", "in (0, 1]")
+    values: tuple[float, ...]
+    ranks: tuple[int, ...]
+    world_size: int = 1
 
 
 # Fixed verdict slots (raw statistics, reduced with MAX over ranks). Per-layer FP8 slots follow them.
@@ -474,13 +374,3 @@ class StepMonitor:
 
 def _none_to_inf(x: float | None) -> float:
     return float("inf") if x is None else x
-
-
-def __getattr__(name: str) -> Any:
-    # INTERFACES.md places DivergencePolicy and the Decision types under orchestration.monitor; they live in
-    # policy.py (which imports this module), so re-export them lazily to avoid an import cycle.
-    from orchestration import policy
-
-    if name in policy.__all__:
-        return getattr(policy, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

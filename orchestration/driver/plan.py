@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from orchestration.config import JobConfig
-from orchestration.elastic import plan_batch
+from orchestration.training.elastic import plan_batch
 
 GIB = 1024**3
 
@@ -16,7 +16,7 @@ GIB = 1024**3
 def build_job_plan(job: JobConfig) -> dict[str, Any]:
     from models.planning import plan_model
     from models.registry import resolve_flavor
-    from orchestration.trainer import ray_plan, resolve_run_root
+    from orchestration.driver.ray_job import ray_plan, resolve_run_root
 
     c = job.cluster
     flavor = resolve_flavor(job.model.name, dict(job.model.overrides))

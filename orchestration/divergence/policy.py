@@ -29,7 +29,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from orchestration.monitor import Finding, MonitorConfig, MonitorReport
+from orchestration.config import MonitorConfig
+from orchestration.divergence.monitor import Finding, MonitorReport
 
 __all__ = [
     "Decision",

@@ -11,7 +11,14 @@ from pathlib import Path
 from typing import Any
 
 from orchestration.config import REPO_ROOT, JobConfig, redact_secrets, to_dict
-from orchestration.events import FINAL_STATE_FILE, METRICS_FILE, SUMMARY_FILE, RunDir, read_jsonl, summarize
+from orchestration.observability.events import (
+    FINAL_STATE_FILE,
+    METRICS_FILE,
+    SUMMARY_FILE,
+    RunDir,
+    read_jsonl,
+    summarize,
+)
 
 
 def default_run_name(job: JobConfig) -> str:
@@ -32,7 +39,7 @@ def ray_storage_path(job: JobConfig, run_root: Path) -> str:
 
 
 def worker_env(job: JobConfig) -> dict[str, str]:
-    from orchestration.env_presets import resolve_worker_env
+    from orchestration.driver.env_presets import resolve_worker_env
 
     env = resolve_worker_env(job.cluster.env_preset, dict(job.cluster.env_vars))
     # The user's explicit W&B choices reach the workers; otherwise logging.wandb_mode decides (auto/offline).
@@ -169,7 +176,7 @@ def check_start(job: JobConfig, run_name: str) -> None:
     import yaml
 
     from orchestration.config import ConfigError
-    from orchestration.events import CONFIG_FILE
+    from orchestration.observability.events import CONFIG_FILE
 
     root = resolve_run_root(job)
     if root.exists() and not root.is_dir():
@@ -178,7 +185,7 @@ def check_start(job: JobConfig, run_name: str) -> None:
     checkpoints = run_path / "checkpoints"
     saved = []
     if checkpoints.is_dir():  # the manager's own listing (newest first), without creating anything
-        from orchestration.checkpoint import CheckpointManager
+        from orchestration.checkpoint.manager import CheckpointManager
 
         saved = [p.name for _, p in CheckpointManager(checkpoints, rank=0, world_size=1, create=False,
                                                              clean_tmp=False).finalized()]
@@ -268,7 +275,7 @@ def run_job(job: JobConfig) -> dict[str, Any]:
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    from orchestration.worker import train_loop
+    from orchestration.training.loop import train_loop
 
     progress = ProgressPrinter(run_dir.path, job.logging.progress_every_s, job.train.steps)
     status = "failed"

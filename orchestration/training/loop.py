@@ -23,9 +23,18 @@ from fp8 import grouped as fp8_grouped
 from fp8.linear import Float8Linear
 from models.loss import head_fuses_loss, model_lm_loss
 from optim import ChunkedAdamW, clip_and_step
-from orchestration.config import JobConfig, from_dict
-from orchestration.data import ByteTextDataset, collect_text_files, python_stdlib_dir
-from orchestration.distributed import (
+from orchestration.config import JobConfig
+from orchestration.data.byte_stream import ByteTextDataset, collect_text_files, python_stdlib_dir
+from orchestration.divergence.guard import StepGuard
+from orchestration.observability.events import (
+    CONFIG_FILE,
+    EVENTS_FILE,
+    FINAL_STATE_FILE,
+    METRICS_FILE,
+    RunDir,
+    read_jsonl,
+)
+from orchestration.training.distributed import (
     all_reduce_grads_if_unsharded,
     broadcast_from_rank0_if_unsharded,
     global_grad_norm,
@@ -34,11 +43,9 @@ from orchestration.distributed import (
     local_grad_norm,
     parallelize,
 )
-from orchestration.elastic import BatchPlan, count_in_ranges, merge_ranges, plan_batch
-from orchestration.env_presets import check_preset_device
-from orchestration.events import CONFIG_FILE, EVENTS_FILE, FINAL_STATE_FILE, METRICS_FILE, RunDir, read_jsonl
-from orchestration.gc_policy import ManagedGc
-from orchestration.guard import StepGuard
+from orchestration.training.elastic import BatchPlan, count_in_ranges, merge_ranges, plan_batch
+from orchestration.training.gc_policy import ManagedGc
+from orchestration.validation import check_preset_device, from_dict
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -132,7 +139,7 @@ def require_vocab_covers_data(model: torch.nn.Module, model_name: str) -> None:
     """The byte-level data's token ids (0..255) must be rows of the model's vocabulary: a smaller vocabulary would fail
     at the first step (an index error in the embedding or the loss; on a GPU the fused FP8 head's loss kernel does not
     check targets), so refuse it at start-up, naming the setting."""
-    from orchestration.data import VOCAB_SIZE
+    from orchestration.data.byte_stream import VOCAB_SIZE
 
     vocab = getattr(getattr(model, "args", None), "vocab_size", None)
     if vocab is not None and vocab < VOCAB_SIZE:
@@ -266,7 +273,7 @@ class Trainer:
             check_preset_device(job.cluster.env_preset, "rocm" if torch.version.hip is not None else "cuda")
         self.run_dir = RunDir(config["run_dir"], self.rank)
         self.group_id = config.get("group_id") or f"{int(t_setup)}"
-        # Set by the Ray driver (orchestration.trainer); torchrun and in-process tests run without Ray reports.
+        # Set by the Ray driver (orchestration.driver.ray_job); torchrun and in-process tests run without Ray reports.
         self.under_ray = config.get("launcher") == "ray"
         self.plan: BatchPlan = plan_batch(job.train.global_batch_size, job.train.micro_batch_size, self.world_size)
         self.dataset = build_dataset(job)
@@ -280,7 +287,7 @@ class Trainer:
         self.compute_dtype = _DTYPES[job.precision.compute_dtype]
         self.tokens_per_step = job.train.global_batch_size * job.data.seq_len
 
-        from orchestration.checkpoint import CheckpointManager
+        from orchestration.checkpoint.manager import CheckpointManager
 
         self.ckpt = CheckpointManager(self.run_dir.checkpoints, keep_last=job.checkpoint.keep_last,
                                       keep_good=job.checkpoint.keep_good, rank=self.rank,
@@ -328,7 +335,7 @@ class Trainer:
         previous = [e for e in read_jsonl(self.run_dir.path / EVENTS_FILE)]
         # Collective: every rank must resume from the same checkpoint even if one of them sees a corrupt file.
         # Always, whatever checkpoint.resume says: the driver refuses resume=false over a run that has checkpoints
-        # (orchestration.trainer.check_start), so checkpoints found here are this start's own, and a Ray restart
+        # (orchestration.driver.ray_job.check_start), so checkpoints found here are this start's own, and a Ray restart
         # after a lost worker must continue from them, not train again from step 0.
         info = self.ckpt.latest(collective=True)
         t_load = time.time()
@@ -384,7 +391,7 @@ class Trainer:
         """Refuse, with what to change, a checkpoint of another model or corpus (same run_name reused)."""
         import json
 
-        from orchestration.checkpoint import EXTRA_STATE
+        from orchestration.checkpoint.manager import EXTRA_STATE
 
         extra = json.loads((Path(info.path) / EXTRA_STATE).read_text())
         saved_model = extra.get("model")
@@ -399,7 +406,7 @@ class Trainer:
         saved_sampling = extra.get("data_sampling")  # absent in checkpoints older than this check
         # A run keeps the window rule it started with, on every resume: rule 1 where the checkpoint predates the
         # rule's record (session 13), so a resume replays exactly the samples the run would have read.
-        from orchestration.data import WINDOW_RULES
+        from orchestration.data.byte_stream import WINDOW_RULES
 
         rule = (saved_sampling or {}).get("window_rule", 1)
         if rule not in WINDOW_RULES:
@@ -497,7 +504,7 @@ class Trainer:
             return
         import ray.train
 
-        from orchestration.checkpoint import ray_checkpoint_dir
+        from orchestration.checkpoint.manager import ray_checkpoint_dir
 
         # A background save can finish after a rollback discarded its step: every rank still reports (Ray expects the
         # same number of reports from each), without the directory that is gone.
@@ -675,7 +682,7 @@ class Trainer:
     def mfu(self, tokens_per_s: float) -> float | None:
         if self.device.type != "cuda":
             return None
-        from orchestration.mfu import compute_mfu, peak_flops_per_s
+        from orchestration.observability.mfu import compute_mfu, peak_flops_per_s
 
         peak = peak_flops_per_s(torch.cuda.get_device_name(self.device), self.state.precision)
         return compute_mfu(self.flops_per_token, tokens_per_s / self.world_size, peak) if peak else None

@@ -78,15 +78,6 @@ ENV_PRESETS: dict[str, dict[str, str]] = {
     },
 }
 
-# Which torch build a preset is for; "none" fits every device.
-PRESET_DEVICE: dict[str, str | None] = {
-    "none": None,
-    "nccl_h100": "cuda",
-    "nccl_h200": "cuda",
-    "rccl_mi300x": "rocm",
-    "rccl_mi350x": "rocm",
-}
-
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
@@ -114,14 +105,3 @@ def resolve_worker_env(preset: str, extra: dict[str, str] | None = None) -> dict
         else:
             env[key] = str(value)
     return env
-
-
-def check_preset_device(preset: str, device: str) -> None:
-    """ValueError when a vendor-specific preset meets the other vendor's device (cuda vs rocm)."""
-    if preset not in PRESET_DEVICE:
-        raise ValueError(f"cluster.env_preset: unknown preset '{preset}'; choose one of {sorted(PRESET_DEVICE)}")
-    wanted = PRESET_DEVICE[preset]
-    if wanted is not None and device in ("cuda", "rocm") and device != wanted:
-        raise ValueError(f"cluster.env_preset={preset} is for {wanted} devices but cluster.device={device}; "
-                         f"use a {device} preset ({[p for p, d in PRESET_DEVICE.items() if d == device]}) "
-                         "or env_preset=none")

@@ -1,0 +1,209 @@
+"""Loading and checking a job config: merge a composed Hydra config onto the schema of orchestration/config.py,
+resolve the defaults that depend on other settings, and check what types cannot express (ranges, divisibility, known
+names). Every user error is a ConfigError naming the key and what is allowed.
+
+Separate from config.py because the checks need the model registry and the FP8 ops' own rules (models/, fp8/),
+and config.py stays a leaf that the whole package can import.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from orchestration.config import (
+    COMPILE_MODES,
+    DEVICES,
+    DTYPES,
+    ENV_PRESET_NAMES,
+    MOE_DGRADS,
+    MOE_WGRADS,
+    PRECISIONS,
+    PRESET_DEVICE,
+    RECIPES,
+    TENSORWISE_TRANSPOSES,
+    ConfigError,
+    JobConfig,
+)
+
+
+def load_job_config(cfg: DictConfig | dict) -> JobConfig:
+    """Merge a composed config onto the schema (unknown keys and wrong types fail) and validate values."""
+    schema = OmegaConf.structured(JobConfig)
+    try:
+        merged = OmegaConf.merge(schema, cfg)
+        job = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as exc:
+        key = getattr(exc, "full_key", None) or "?"
+        raise ConfigError(f"invalid config at '{key}': {exc.msg if hasattr(exc, 'msg') else exc}. "
+                          f"See `python launch.py --help` for the groups and their options.") from None
+    assert isinstance(job, JobConfig)
+    validate(job)
+    return job
+
+
+def resolve_defaults(job: JobConfig) -> None:
+    """Settings whose default depends on others: train.lr=null takes the model flavor's peak_lr (by flavor name;
+    model.overrides do not change it). Resolved when the config is loaded (validate calls this), so config.yaml,
+    W&B and the workers all see the number. Idempotent."""
+    from models.registry import MODEL_FLAVORS
+
+    if job.train.lr is None and job.model.name in MODEL_FLAVORS:  # an unknown model fails in validate
+        job.train.lr = MODEL_FLAVORS[job.model.name].peak_lr
+        job.train.lr_source = "model"
+
+
+def _require(ok: bool, key: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}: {message}")
+
+
+def validate(job: JobConfig) -> None:
+    """Value checks that types cannot express (after resolving train.lr=null, see resolve_defaults). Raises
+    ConfigError naming the key and what is allowed."""
+    from models.registry import MODEL_FLAVORS
+
+    resolve_defaults(job)
+
+    _require(job.model.name in MODEL_FLAVORS, "model.name",
+             f"unknown model '{job.model.name}'; known: {', '.join(sorted(MODEL_FLAVORS))}")
+    _require(job.model.compile_mode in COMPILE_MODES, "model.compile_mode",
+             f"'{job.model.compile_mode}' is not one of {COMPILE_MODES}")
+    _require(job.model.compile_mode != "reduce-overhead" or job.cluster.max_workers == 1, "model.compile_mode",
+             "reduce-overhead (CUDA graphs) runs on one worker only (FSDP2's collectives cannot be captured in "
+             f"the block graphs); got cluster.max_workers={job.cluster.max_workers}: set cluster.max_workers=1 or "
+             "model.compile_mode=default")
+    _require(job.precision.name in PRECISIONS, "precision.name",
+             f"'{job.precision.name}' is not one of {PRECISIONS}")
+    _require(job.precision.recipe in RECIPES, "precision.recipe",
+             f"'{job.precision.recipe}' is not one of {RECIPES}")
+    _require(job.precision.fp8_min_gemm_width >= 0, "precision.fp8_min_gemm_width",
+             f"must be >= 0 (0 converts every eligible linear), got {job.precision.fp8_min_gemm_width}")
+    _require(not (job.precision.fp8_output_head and job.precision.name != "fp8"), "precision.fp8_output_head",
+             f"true needs precision=fp8 (got precision={job.precision.name}, which converts nothing): drop "
+             "precision.fp8_output_head or use precision=fp8")
+    _require(job.precision.moe_wgrad in MOE_WGRADS, "precision.moe_wgrad",
+             f"'{job.precision.moe_wgrad}' is not one of {MOE_WGRADS}")
+    _require(job.precision.moe_dgrad in MOE_DGRADS, "precision.moe_dgrad",
+             f"'{job.precision.moe_dgrad}' is not one of {MOE_DGRADS}")
+    _require(job.precision.fp8_tensorwise_transposes in TENSORWISE_TRANSPOSES, "precision.fp8_tensorwise_transposes",
+             f"'{job.precision.fp8_tensorwise_transposes}' is not one of {TENSORWISE_TRANSPOSES}")
+    from fp8.grouped import check_token_group_align  # the op's own rule (torch is loaded above by models.registry)
+
+    try:
+        check_token_group_align(job.precision.moe_token_group_align,
+                                "hp" if job.precision.recipe == "rowwise_gw_hp" else job.precision.moe_wgrad)
+    except ValueError as exc:
+        _require(False, "precision.moe_token_group_align", f"{exc} (1 needs precision.moe_wgrad=hp)")
+    for key in ("compute_dtype", "fsdp_param_dtype", "fsdp_reduce_dtype"):
+        value = getattr(job.precision, key)
+        _require(value in DTYPES, f"precision.{key}", f"'{value}' is not one of {DTYPES}")
+
+    c = job.cluster
+    _require(c.min_workers >= 1, "cluster.min_workers", f"must be >= 1, got {c.min_workers}")
+    _require(c.max_workers >= c.min_workers, "cluster.max_workers",
+             f"must be >= cluster.min_workers ({c.min_workers}), got {c.max_workers}")
+    _require(c.device in DEVICES, "cluster.device", f"'{c.device}' is not one of {DEVICES}")
+    _require(c.cpus_per_worker > 0, "cluster.cpus_per_worker", f"must be > 0, got {c.cpus_per_worker}")
+    _require(c.gpus_per_worker >= 0, "cluster.gpus_per_worker", f"must be >= 0, got {c.gpus_per_worker}")
+    _require(c.device in ("cpu", "auto") or c.gpus_per_worker > 0, "cluster.gpus_per_worker",
+             f"must be > 0 when cluster.device={c.device}")
+    _require(c.memory_per_worker_gb > 0, "cluster.memory_per_worker_gb", "must be > 0")
+    _require(c.env_preset in ENV_PRESET_NAMES, "cluster.env_preset",
+             f"'{c.env_preset}' is not one of {ENV_PRESET_NAMES}")
+    if c.device in ("cuda", "rocm"):  # device=auto is checked by the worker once it knows its GPU's vendor
+        try:
+            check_preset_device(c.env_preset, c.device)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+    _require(c.max_failures >= 0, "cluster.max_failures", "must be >= 0 (-1 is not supported: bound restarts)")
+    _require(c.worker_group_start_timeout_s > 0, "cluster.worker_group_start_timeout_s", "must be > 0")
+    _require(c.health_check_interval_s > 0, "cluster.health_check_interval_s", "must be > 0")
+    _require(c.elastic_resize_interval_s >= 0, "cluster.elastic_resize_interval_s", "must be >= 0")
+    if c.storage_path is not None and "://" not in c.storage_path:
+        _require(os.path.isabs(c.storage_path), "cluster.storage_path",
+                 f"must be absolute (Ray workers run in another cwd), got '{c.storage_path}'")
+
+    d = job.data
+    _require(d.seq_len >= 8, "data.seq_len", f"must be >= 8, got {d.seq_len}")
+    if d.source != "python_stdlib":
+        _require(os.path.isabs(d.source) and os.path.exists(d.source), "data.source",
+                 f"'{d.source}' must be 'python_stdlib' or an absolute path to an existing file or directory")
+    _require(d.max_files >= 1, "data.max_files", "must be >= 1")
+
+    t = job.train
+    _require(t.steps >= 1, "train.steps", f"must be >= 1, got {t.steps}")
+    _require(t.lr is not None and t.lr > 0, "train.lr", f"must be > 0 (or null: the model's peak lr), got {t.lr}")
+    _require(t.lr_source in ("config", "model"), "train.lr_source",
+             f"'{t.lr_source}' is set when the config loads; leave it out")
+    _require(0 <= t.min_lr_ratio <= 1, "train.min_lr_ratio", "must be in [0, 1]")
+    _require(0 <= t.warmup_steps <= t.steps, "train.warmup_steps", f"must be in [0, train.steps={t.steps}]")
+    _require(t.weight_decay >= 0, "train.weight_decay", "must be >= 0")
+    _require(0 <= t.beta1 < 1 and 0 <= t.beta2 < 1, "train.beta1/beta2", "must be in [0, 1)")
+    _require(t.grad_clip > 0, "train.grad_clip", "must be > 0")
+    _require(t.log_every >= 1, "train.log_every", "must be >= 1")
+    _require(t.sharding in ("fsdp", "none"), "train.sharding", f"'{t.sharding}' is not one of ('fsdp', 'none')")
+    _require(t.adamw in ("auto", "triton", "torch"), "train.adamw",
+             f"'{t.adamw}' is not one of ('auto', 'triton', 'torch')")
+    _require(t.gc_every_steps >= 0, "train.gc_every_steps",
+             f"must be >= 0 (0 = Python's automatic garbage collection), got {t.gc_every_steps}")
+    _require(t.micro_batch_size >= 1, "train.micro_batch_size", "must be >= 1")
+    _require(t.global_batch_size >= 1, "train.global_batch_size", "must be >= 1")
+    # Every world size of the elastic range must get at least one sequence per worker.
+    _require(t.global_batch_size >= c.max_workers, "train.global_batch_size",
+             f"{t.global_batch_size} sequences is fewer than cluster.max_workers={c.max_workers}: every worker "
+             f"needs at least one sequence per step; raise it to >= {c.max_workers}")
+
+    k = job.checkpoint
+    _require(k.every_steps >= 1, "checkpoint.every_steps", "must be >= 1")
+    _require(k.keep_last >= 1, "checkpoint.keep_last", "must be >= 1")
+    _require(k.async_save in ("auto", "always", "never"), "checkpoint.async_save",
+             f"'{k.async_save}' is not one of ('auto', 'always', 'never')")
+    _require(k.keep_good >= 1, "checkpoint.keep_good", "must be >= 1")
+
+    lg = job.logging
+    _require(lg.wandb_mode in ("auto", "offline", "online", "disabled"), "logging.wandb_mode",
+             f"'{lg.wandb_mode}' is not one of ('auto', 'offline', 'online', 'disabled')")
+    _require(lg.progress_every_s > 0, "logging.progress_every_s", "must be > 0")
+
+    if job.run_root is not None:
+        _require(os.path.isabs(job.run_root), "run_root", f"must be an absolute path, got '{job.run_root}'")
+    if job.run_name is not None:
+        _require(job.run_name and "/" not in job.run_name and job.run_name not in (".", ".."), "run_name",
+                 f"'{job.run_name}' must be a plain directory name")
+
+    validate_monitor = getattr(job.monitor, "validate", None)
+    if callable(validate_monitor):
+        try:
+            validate_monitor()
+        except ValueError as exc:
+            raise ConfigError(f"monitor: {exc}") from None
+    validate_faults = getattr(job.faults, "validate", None)
+    if callable(validate_faults):
+        try:
+            validate_faults()
+        except ValueError as exc:
+            raise ConfigError(f"faults: {exc}") from None
+
+
+def from_dict(data: dict[str, Any]) -> JobConfig:
+    """Rebuild a JobConfig inside a worker from the plain dict the driver sent (already validated there)."""
+    job = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(JobConfig), data))
+    assert isinstance(job, JobConfig)
+    resolve_defaults(job)  # a hand-built dict may leave train.lr null
+    return job
+
+
+
+def check_preset_device(preset: str, device: str) -> None:
+    """ValueError when a vendor-specific preset meets the other vendor's device (cuda vs rocm)."""
+    if preset not in PRESET_DEVICE:
+        raise ValueError(f"cluster.env_preset: unknown preset '{preset}'; choose one of {sorted(PRESET_DEVICE)}")
+    wanted = PRESET_DEVICE[preset]
+    if wanted is not None and device in ("cuda", "rocm") and device != wanted:
+        raise ValueError(f"cluster.env_preset={preset} is for {wanted} devices but cluster.device={device}; "
+                         f"use a {device} preset ({[p for p, d in PRESET_DEVICE.items() if d == device]}) "
+                         "or env_preset=none")
