@@ -131,7 +131,7 @@ SUITES: dict[str, tuple[Benchmark, ...]] = {
     ),
     "checkpoint": (
         # Training stall per save, background vs synchronous, ~13 GB a save (2 MoE-width layers, fp32 master + AdamW).
-        _loop("checkpoint_stall", MOE_LOOP + ("+model.overrides.n_layers=2",), 24,
+        _loop("checkpoint_async", MOE_LOOP + ("+model.overrides.n_layers=2",), 24,
               (("async", "checkpoint.async_save=always"), ("sync", "checkpoint.async_save=never")),
               timeout_s=420, extra=("precision=fp8", "precision.fp8_output_head=true", "checkpoint.every_steps=8", "checkpoint.keep_last=2")),
         Benchmark("pinned_staging", "pinned_staging.py", ("--gib", "13"), ("pinned_staging.json",), timeout_s=150),
