@@ -1,12 +1,12 @@
-"""The kernels of fp8.grouped's dgrad="fp8_reuse" alone, with tile sweeps: never tuned since they were written
-(session 16). Session 17's MoE profile: the gradient's group-scaled row cast 0.30 ms a call (the plain row cast of
-the same tensors ~0.17) and the weights' recast into the grad-input layout 0.19 ms a call.
+"""The kernels of fp8.grouped's dgrad="fp8_reuse" (the default grad input of the experts) alone, with tile sweeps.
+In a profiled MoE step the gradient's group-scaled row cast took 0.30 ms a call (the plain row cast of the same
+tensors ~0.17) and the weights' recast into the grad-input layout 0.19 ms a call.
 
     PYTHONUNBUFFERED=1 python3 benchmarks/reuse_kernels.py --out $OUT
 
 Shapes: DeepSeek-MoE-16B routed experts at 16384 tokens x top-6 (98304 rows, 64 experts): the gradients of w13's
 output (98304 x 2816) and of w2's (98304 x 2048), and w2's input width (1408); the weights w13 [64, 2816, 2048] and w2 [64, 2048, 1408] as stored
-([E, N, K]). Rows (ms, median of CUDA-event timings; GB/s against each op's least traffic):
+([E, N, K]). Rows (ms per call, 10 calls in one CUDA graph, median of the replays; GB/s against each op's least traffic):
 - copy of the gradient (bandwidth yardstick); the plain row cast (quantize_rowwise) of it, over tile budgets and warps;
 - the group-scaled row cast with fp32 multipliers (what fp8.grouped passes) and with bf16 ones (exact for powers of
   two: must give the same bytes), over rowwise tile budgets and warps;
@@ -14,7 +14,7 @@ output (98304 x 2816) and of w2's (98304 x 2048), and w2's input width (1408); t
 - dgrad="fp8_keep"'s forward weight cast (quantize_rows_and_transposed_batched: the row cast written in both layouts by
   one kernel) over tiles and warps, checked equal to the row cast + recast it replaces, next to those two timed back
   to back (what fp8_reuse spends on the weight per layer: the forward's row cast and the backward's recast).
-- the fp8 transpose (tensorwise linears' backward operands; 87 calls, 2.52 ms of session 18's MoE step profile) at the
+- the fp8 transpose (tensorwise linears' backward operands; 87 calls, 2.52 ms of a profiled MoE step) at the
   MoE model's activation and weight shapes, over tiles and warps, next to a copy of the same bytes.
 --sections picks a subset (rowcast, group, recast, both, transpose). Writes reuse_kernels.json to --out.
 """
