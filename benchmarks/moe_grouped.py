@@ -9,9 +9,8 @@ is the models' GroupedExperts (models/deepseek_moe.py) forward + backward (grads
     y_MJ = gmm(x_MD, w13_EJD^T);  h_MI = silu(y[:, :I]) * y[:, I:];  out_MD = gmm(h_MI, w2_EDI^T)
 
 Every variant runs that same module, weights stored [E, out, in] (torchtitan's layout, torchao's preferred one),
-swapping only its `grouped_mm`: bf16 torch._grouped_mm; ours fp8.Fp8GroupedMM with "hp" (ours_hp: bf16 weight
-gradient, the product's default), "global" (ours) or "per_expert" (ours_pe) fp8 grad-weight GEMMs; torchao's FP8
-rowwise grouped GEMM. --breakdown also times each grouped GEMM
+swapping only its `grouped_mm`: bf16 torch._grouped_mm; ours fp8.Fp8GroupedMM (fp8 forward and grad input, bf16 weight
+gradient); torchao's FP8 rowwise grouped GEMM. --breakdown also times each grouped GEMM
 alone (bf16 vs fp8 operands already cast) and each cast, so the step time can be split into GEMMs and casts.
 Writes moe_grouped.json to --out.
 
@@ -42,10 +41,8 @@ torch._dynamo.config.accumulated_recompile_limit = 4096
 
 from benchmarks.common import Budget, bench_ms, env_info, kernel_times, run_workers, sqnr_db, write_json
 
-CASES = ("bf16_compiled", "ours_eager", "ours_compiled", "ours_pe_compiled", "ours_hp_compiled", "ours_hp_w_compiled",
-         "ours_hp_r_compiled", "ours_hp_k_compiled", "ours_hp_f_compiled", "torchao_compiled", "torchao_eager", "bf16_eager")
-COMPILED = ("bf16_compiled", "ours_compiled", "ours_pe_compiled", "ours_hp_compiled", "ours_hp_w_compiled",
-            "ours_hp_r_compiled", "ours_hp_k_compiled", "ours_hp_f_compiled", "torchao_compiled")
+CASES = ("bf16_compiled", "ours_compiled", "torchao_compiled", "ours_eager", "torchao_eager", "bf16_eager")
+COMPILED = ("bf16_compiled", "ours_compiled", "torchao_compiled")
 
 
 def group_offsets(m: int, e: int, align: int, device: str, seed: int = 0) -> torch.Tensor:
@@ -68,15 +65,7 @@ def grouped_fn(impl: str):
     if impl.startswith("ours"):
         from fp8 import Fp8GroupedMM
 
-        base = impl.rsplit("_", 1)[0]
-        scaling = "per_expert" if base == "ours_pe" else "hp" if base.startswith("ours_hp") else "global"
-        # ours_hp_w: bf16 grad input where the width is not a multiple of 256, promoted fp8 elsewhere
-        # (dgrad="width"); ours_hp_r: on the forward's quantized weight (dgrad="fp8_reuse", what "auto" picks with
-        # power-of-two scales); ours_hp_f: the weight cast again, fast accumulation ("fp8_fast"); ours_hp_k:
-        # fp8_reuse's operand written by the forward's weight cast and kept ("fp8_keep"); the others "auto".
-        dgrad = {"ours_hp_w": "width", "ours_hp_r": "fp8_reuse", "ours_hp_f": "fp8_fast",
-                 "ours_hp_k": "fp8_keep"}.get(base, "auto")
-        return Fp8GroupedMM(wgrad_scaling=scaling, dgrad=dgrad)
+        return Fp8GroupedMM()
     from torchao.prototype.moe_training.fp8_grouped_mm import _to_fp8_rowwise_then_scaled_grouped_mm
 
     return lambda x, w, offs: _to_fp8_rowwise_then_scaled_grouped_mm(
@@ -116,7 +105,7 @@ def numerics(device: str) -> dict:
     m, e, d, i = (8192, 8, 1024, 512) if device == "cuda" else (256, 4, 64, 32)
     res = {}
     ref = None
-    for impl in ("bf16_eager", "ours_eager", "ours_pe_eager", "ours_hp_eager", "ours_hp_w_eager", "torchao_eager"):
+    for impl in ("bf16_eager", "ours_eager", "torchao_eager"):
         try:
             _, (x, experts, offs, gy) = build_step(impl, m, e, d, i, device)
             with torch.no_grad():
@@ -152,10 +141,6 @@ def _breakdown_cases(name, a_MK, w_ENK, g_MN, offs, one_m, q, quant, f8) -> dict
     a8_t, g8_t = q(a_MK.t().contiguous()), q(g_MN.t().contiguous())
     ones_en, ones_ek = torch.ones(e, n, device=device), torch.ones(e, k, device=device)
     ones_e_n, ones_e_k = torch.ones(e * n, device=device), torch.ones(e * k, device=device)
-    kp = -(-k // 256) * 256
-    w8_EKN_pad = torch.nn.functional.pad(w8_EKN.view(torch.uint8), (0, 0, 0, kp - k)).view(w8_EKN.dtype)
-    a8_t_pad = torch.nn.functional.pad(a8_t.view(torch.uint8), (0, 0, 0, kp - k)).view(a8_t.dtype)
-    ones_ekp, ones_e_kp = torch.ones(e, kp, device=device), torch.ones(e * kp, device=device)
     bf16 = torch.bfloat16
     return {
         f"fwd{name}_bf16": lambda: torch._grouped_mm(a_MK, w_ENK.transpose(-2, -1), offs),
@@ -166,23 +151,18 @@ def _breakdown_cases(name, a_MK, w_ENK, g_MN, offs, one_m, q, quant, f8) -> dict
                                                                out_dtype=bf16),
         f"wgrad{name}_bf16": lambda: torch._grouped_mm(g_MN.t(), a_MK, offs),
         f"wgrad{name}_fp8": lambda: torch._scaled_grouped_mm(g8_t, a8_t.t(), ones_e_n, ones_e_k, offs, out_dtype=bf16),
-        # The fp8 dgrad / wgrad GEMMs with fast accumulation, and with their output dim k padded to a multiple of
-        # 256 (zero rows in the fp8 weight / activation copy): at w2's k = 1408 the promoted fp8 dgrad ran at 0.56x
-        # of bf16 (1.794 vs 1.007 ms), fast accumulation at 1.63x (0.616 ms), padding changed nothing.
+        # The fp8 dgrad / wgrad GEMMs with fast accumulation (fp8.grouped runs its grad input so; its weight gradient
+        # stays bf16): at w2's k = 1408 the promoted fp8 dgrad ran at 0.56x of bf16 (1.794 vs 1.007 ms), fast
+        # accumulation at 1.63x (0.616 ms).
         f"dgrad{name}_fp8_fa": lambda: torch._scaled_grouped_mm(g8, w8_EKN.transpose(-2, -1), one_m, ones_ek, offs,
                                                                   out_dtype=bf16, use_fast_accum=True),
-        f"dgrad{name}_fp8_pad": lambda: torch._scaled_grouped_mm(g8, w8_EKN_pad.transpose(-2, -1), one_m, ones_ekp,
-                                                                   offs, out_dtype=bf16),
         f"wgrad{name}_fp8_fa": lambda: torch._scaled_grouped_mm(g8_t, a8_t.t(), ones_e_n, ones_e_k, offs,
                                                                   out_dtype=bf16, use_fast_accum=True),
-        f"wgrad{name}_fp8_pad": lambda: torch._scaled_grouped_mm(g8_t, a8_t_pad.t(), ones_e_n, ones_e_kp, offs,
-                                                                   out_dtype=bf16),
         f"cast_rowcol_act{name}": lambda: quant.quantize_rowwise_and_colwise(a_MK, f8, True),
         f"cast_rowcol_grad{name}": lambda: quant.quantize_rowwise_and_colwise(g_MN, f8, True),
         f"cast_rowwise_act{name}": lambda: quant.quantize_rowwise(a_MK, f8, -1, True),
         f"cast_w_fwd{name}": lambda: quant.quantize_colwise_3d(w_ENK.transpose(-2, -1), f8, True),
         f"cast_w_bwd{name}": lambda: quant.quantize_rowwise(w_ENK.transpose(-2, -1), f8, -1, True)[0].contiguous(),
-        f"cast_jagged_act{name}": lambda: quant.quantize_jagged_colwise(a_MK, offs, f8, True),
     }
 
 

@@ -112,7 +112,7 @@ SUITES: dict[str, tuple[Benchmark, ...]] = {
     ),
     # ours_nomon: the same step without the divergence check (BENCHMARKS.md, monitor overhead).
     "moe": (
-        Benchmark("moe_grouped", "moe_grouped.py", ("--cases", "bf16_compiled", "ours_hp_compiled", "torchao_compiled",
+        Benchmark("moe_grouped", "moe_grouped.py", ("--cases", "bf16_compiled", "ours_compiled", "torchao_compiled",
                                                     "--budget-s", "150"), ("moe_grouped.json",),
                   optional=("torchao",), timeout_s=210),
         Benchmark("train_step_moe", "train_step.py",
