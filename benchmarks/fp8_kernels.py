@@ -1,21 +1,23 @@
-"""FP8 quantize kernels on the GPU: correctness against the references, then bandwidth against a copy.
+"""FP8 quantize kernels on the GPU: correctness against fp8.reference, then bandwidth against a copy.
 
-Run on the H200 (one call does everything, a short table is printed last):
-    PYTHONUNBUFFERED=1 python3 benchmarks/fp8_kernels.py --out $OUT
-CPU smoke run of the same code path (Triton interpreter, tiny shapes, host timer):
-    python benchmarks/fp8_kernels.py --smoke --out /tmp/fp8k
+    PYTHONUNBUFFERED=1 python3 benchmarks/fp8_kernels.py --out $OUT     # one GPU, a short table printed last
+    python benchmarks/fp8_kernels.py --smoke --out /tmp/fp8k            # CPU: Triton interpreter, tiny shapes
 
-What is measured (triton.testing.do_bench medians, inputs rotated so that repeated calls do not hit L2):
+What is measured (GPU time per call from CUDA-graph replays, 10 calls a graph, median of 7 replays: a Python launch
+costs 25-30 us, more than the small shapes' kernels run; inputs rotated so that repeated calls stream from HBM):
 - copy: dst.copy_(src) of a bf16 tensor of x's size, bytes read + written: the bandwidth ceiling.
 - per op: the Triton path (public function, all its launches), the eager reference, the torch.compile'd
   reference (dynamic=True: one compile per op). GB/s counts the op's least traffic (x read once, each output
-  written once: tensorwise and rowwise 3 bytes/elem, rowwise+colwise 4, jagged 3); "moved" is what the
-  two-pass designs really read (tensorwise without amax and rowwise+colwise read x twice).
+  written once: tensorwise, rowwise and the MoE grad-input casts 3 bytes/elem, rowwise+colwise 4); "moved" is what
+  the two-pass designs really read (tensorwise without amax and rowwise+colwise read x twice).
 - kernel-only rows: the single cast kernels (tensorwise with a given amax, the rowwise+colwise cast pass with
-  given amaxes) at their real traffic: these are the fused casts the >= 80 % of copy target applies to.
-- correctness: every Triton output against the eager reference, counting mismatched elements and the largest
+  given amaxes) at their real traffic, and the fp8 transpose against torch's .t().contiguous().
+- the MoE grad-input casts of fp8.grouped: the gradient's group-scaled row cast and the expert weight's recast
+  into the grad-input layout, at DeepSeek-MoE-16B's shapes.
+- correctness: every Triton output against the reference, counting mismatched elements and the largest
   difference in fp8 grid steps (outputs are poisoned first, so unwritten elements show up).
 - sweep: candidate tile sizes / warps per kernel and shape (the autotune key is the row length and dtype).
+Writes fp8_kernels.json (fp8_kernels_smoke.json with --smoke) to --out.
 
 Legend: M rows, N (K) columns, E experts.
 """
@@ -23,7 +25,6 @@ Legend: M rows, N (K) columns, E experts.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import os
@@ -34,18 +35,19 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 DENSE_SHAPES = [(8192, 4096), (8192, 14336), (16384, 2048)]
-# DeepSeek-MoE-16B routed experts: 16384 tokens x top-6 = 98304 rows, hidden 2048 and expert inter 1408.
-JAGGED_SHAPES = [(98304, 2048, 64), (98304, 1408, 64)]
-# Its expert weights as stored [E, out, in]: w13 [64, 2816, 2048] and w2 [64, 2048, 1408].
+# DeepSeek-MoE-16B routed experts at 16384 tokens x top-6: the gradients of w13's and w2's outputs (98304 rows,
+# 2816 and 2048 columns, 64 experts) for the group-scaled row cast of the grad input.
+GRADIENT_SHAPES = [(98304, 2816, 64), (98304, 2048, 64)]
+# Its expert weights as stored [E, out, in]: w13 [64, 2816, 2048] and w2 [64, 2048, 1408], recast for the grad input.
 EXPERT_WEIGHT_SHAPES = [(64, 2816, 2048), (64, 2048, 1408)]
-SMOKE_EXPERT_WEIGHTS = [(3, 80, 48)]
 SMOKE_DENSE = [(37, 70), (64, 33)]
-SMOKE_JAGGED = [(50, 20, 4)]
+SMOKE_GRADIENTS = [(50, 20, 4)]
+SMOKE_EXPERT_WEIGHTS = [(3, 80, 48)]
 
 
 def parse_args():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="benchmarks/results", help="directory for fp8_kernels*.json")
+    ap.add_argument("--out", default="benchmarks/results", help="directory for fp8_kernels.json")
     ap.add_argument("--smoke", action="store_true", help="CPU: interpreter, tiny shapes (checks the script)")
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--no-compile", action="store_true", help="skip torch.compile'd references")
@@ -54,21 +56,14 @@ def parse_args():
 
 
 def load_kernels():
-    """fp8.kernels, or the same files loaded standalone if the rest of fp8/ fails to import on this image."""
+    """fp8.kernels (the public casts), its quantize module (the tile settings the sweeps change) and fp8.reference
+    (what every kernel output must equal)."""
     sys.path.insert(0, str(REPO))
-    try:
-        import fp8.kernels as fk
+    import fp8.kernels as fk
+    from fp8 import reference
+    from fp8.kernels import quantize
 
-        return fk, sys.modules["fp8.kernels.quantize"]
-    except Exception as e:  # noqa: BLE001 - the fp8 package is another engineer's moving target: do not let it block us
-        print(f"import fp8.kernels failed ({type(e).__name__}: {e}); loading fp8/kernels standalone")
-        spec = importlib.util.spec_from_file_location(
-            "fp8_kernels_standalone", REPO / "fp8/kernels/__init__.py",
-            submodule_search_locations=[str(REPO / "fp8/kernels")])
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = mod
-        spec.loader.exec_module(mod)
-        return mod, sys.modules["fp8_kernels_standalone.quantize"]
+    return fk, quantize, reference
 
 
 def main():
@@ -77,20 +72,17 @@ def main():
         os.environ["TRITON_INTERPRET"] = "1"
     import torch  # after TRITON_INTERPRET is set
 
-    fk, q = load_kernels()
+    fk, q, reference = load_kernels()
     from benchmarks.common import graph_ms  # load_kernels put the repo on sys.path
     t_start = time.time()
     cuda = torch.cuda.is_available() and not args.smoke
     dev = "cuda" if cuda else "cpu"
     use_triton = True
     dense = SMOKE_DENSE if args.smoke else DENSE_SHAPES
-    jagged = SMOKE_JAGGED if args.smoke else JAGGED_SHAPES
-    try:  # the fnuz pair on MI300 (e4m3fnuz max 240), the OCP pair elsewhere
-        from fp8.backend import fp8_dtypes
+    gradients = SMOKE_GRADIENTS if args.smoke else GRADIENT_SHAPES
+    from fp8.backend import fp8_dtypes
 
-        check_dtypes = list(fp8_dtypes(dev))
-    except ImportError:  # fp8/kernels loaded standalone (see load_kernels): no backend detection, OCP
-        check_dtypes = [torch.float8_e4m3fn, torch.float8_e5m2]
+    check_dtypes = list(fp8_dtypes(dev))  # the fnuz pair on MI300 (e4m3fnuz max 240), the OCP pair elsewhere
     dt8 = check_dtypes[0]
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -280,13 +272,13 @@ def main():
         for d in check_dtypes:
             for op, tri, ref in [
                 ("tensorwise", lambda x, d=d: fk.quantize_tensorwise(x, d, use_triton=use_triton),
-                 lambda x, d=d: fk.quantize_tensorwise_ref(x, d)),
+                 lambda x, d=d: reference.quantize_tensorwise_ref(x, d)),
                 ("rowwise", lambda x, d=d: fk.quantize_rowwise(x, d, use_triton=use_triton),
-                 lambda x, d=d: fk.quantize_rowwise_ref(x, d)),
+                 lambda x, d=d: reference.quantize_rowwise_ref(x, d)),
                 ("rowwise_nopow2", lambda x, d=d: fk.quantize_rowwise(x, d, pow2=False, use_triton=use_triton),
-                 lambda x, d=d: fk.quantize_rowwise_ref(x, d, pow2=False)),
+                 lambda x, d=d: reference.quantize_rowwise_ref(x, d, pow2=False)),
                 ("rowwise_and_colwise", lambda x, d=d: fk.quantize_rowwise_and_colwise(x, d, use_triton=use_triton),
-                 lambda x, d=d: fk.quantize_rowwise_and_colwise_ref(x, d)),
+                 lambda x, d=d: reference.quantize_rowwise_and_colwise_ref(x, d)),
             ]:
                 poison(((M, N), torch.float8_e4m3fn), ((N, M), torch.float8_e4m3fn))
                 rec = compare(tri(x), ref(x))
@@ -297,13 +289,13 @@ def main():
 
         MN = M * N
         time_op("tensorwise", key, M, N, xs, lambda x: fk.quantize_tensorwise(x, dt8, use_triton=use_triton),
-                lambda f, x: f(x, dt8), fk.quantize_tensorwise_ref, 3 * MN, 5 * MN)
+                lambda f, x: f(x, dt8), reference.quantize_tensorwise_ref, 3 * MN, 5 * MN)
         time_op("rowwise", key, M, N, xs, lambda x: fk.quantize_rowwise(x, dt8, use_triton=use_triton),
-                lambda f, x: f(x, dt8), fk.quantize_rowwise_ref, 3 * MN + 4 * M, 3 * MN + 4 * M,
+                lambda f, x: f(x, dt8), reference.quantize_rowwise_ref, 3 * MN + 4 * M, 3 * MN + 4 * M,
                 {"tile": list(q.rowwise_tile(N))})
         time_op("rowwise_and_colwise", key, M, N, xs,
                 lambda x: fk.quantize_rowwise_and_colwise(x, dt8, use_triton=use_triton),
-                lambda f, x: f(x, dt8), fk.quantize_rowwise_and_colwise_ref, 4 * MN + 4 * (M + N), 6 * MN)
+                lambda f, x: f(x, dt8), reference.quantize_rowwise_and_colwise_ref, 4 * MN + 4 * (M + N), 6 * MN)
 
         # Single cast kernels at their real traffic.
         amax = x.abs().amax().float()
@@ -314,17 +306,16 @@ def main():
         row_amax, col_amax = x.abs().amax(1).float(), x.abs().amax(0).float()
         outs = (torch.empty(M, N, dtype=dt8, device=dev), torch.empty(M, 1, device=dev),
                 torch.empty(N, M, dtype=dt8, device=dev), torch.empty(1, N, device=dev))
-        if True:  # kept as a block: the smoke run covers these kernels too
-            ms = bench_ms(lambda: q.row_col_cast_into(nxt(), row_amax, col_amax, dt8, True, outs[0], outs[1],
-                                                      outs[2], outs[3]))
-            kernels.append({"kernel": "rowwise+colwise cast pass", "shape": key, "ms": ms, "bytes": 4 * MN,
-                            "pct_copy": 100 * 4 * MN / ms / 1e6 / copy_gbps[key]})
-            ms = bench_ms(lambda: q.row_col_amax_triton(nxt()))
-            kernels.append({"kernel": "rowwise+colwise amax pass", "shape": key, "ms": ms, "bytes": 2 * MN,
-                            "pct_copy": 100 * 2 * MN / ms / 1e6 / copy_gbps[key]})
-            ms = bench_ms(lambda: q.tensorwise_amax(nxt()))
-            kernels.append({"kernel": "tensorwise amax pass", "shape": key, "ms": ms, "bytes": 2 * MN,
-                            "pct_copy": 100 * 2 * MN / ms / 1e6 / copy_gbps[key]})
+        ms = bench_ms(lambda: q.row_col_cast_into(nxt(), row_amax, col_amax, dt8, True, outs[0], outs[1], outs[2],
+                                                  outs[3]))
+        kernels.append({"kernel": "rowwise+colwise cast pass", "shape": key, "ms": ms, "bytes": 4 * MN,
+                        "pct_copy": 100 * 4 * MN / ms / 1e6 / copy_gbps[key]})
+        ms = bench_ms(lambda: q.row_col_amax_triton(nxt()))
+        kernels.append({"kernel": "rowwise+colwise amax pass", "shape": key, "ms": ms, "bytes": 2 * MN,
+                        "pct_copy": 100 * 2 * MN / ms / 1e6 / copy_gbps[key]})
+        ms = bench_ms(lambda: q.tensorwise_amax(nxt()))
+        kernels.append({"kernel": "tensorwise amax pass", "shape": key, "ms": ms, "bytes": 2 * MN,
+                        "pct_copy": 100 * 2 * MN / ms / 1e6 / copy_gbps[key]})
         for kr in kernels[-4:]:
             if kr["shape"] == key:
                 print(f"  kernel {kr['kernel']:30s} {kr['ms']*1e3:8.1f} us {kr['pct_copy']:5.1f}% copy")
@@ -348,65 +339,57 @@ def main():
         if cuda:
             torch.cuda.empty_cache()
 
-    # ------------------------------------------------------------------ jagged (MoE grad-weight operand)
-    def run_jagged(M, K, E):
-        key = f"{M}x{K}/E{E}"
-        measure_copy(M, K)
-        copy_gbps[key] = copy_gbps[f"{M}x{K}"]
-        g = torch.Generator().manual_seed(0)
-        probs = torch.softmax(torch.randn(E, generator=g), 0)
-        probs[3] = probs[E // 2] = 0.0  # two empty experts
-        counts = torch.bincount(torch.multinomial(probs, M, replacement=True, generator=g), minlength=E)
-        offs = torch.cumsum(counts, 0, dtype=torch.int32).to(dev)
-        xs = rotated(lambda i, M=M, K=K: make_x(M, K, seed=10 + i), M * K * 2)
-        x = xs[0]
-        for d in check_dtypes:
-            for tr in (True, False):
-                poison(((K, M), torch.float8_e4m3fn))
-                rec = compare(fk.quantize_jagged_per_expert(x, offs, d, transpose_out=tr, use_triton=use_triton),
-                              fk.quantize_jagged_per_expert_ref(x, offs, d, transpose_out=tr))
-                rec.update(op=f"jagged transpose_out={tr}", shape=key, dtype=str(d))
-                checks.append(rec)
-                if not rec["ok"]:
-                    print("  MISMATCH", rec)
-        time_op("jagged_per_expert", key, M, K, xs,
-                lambda x: fk.quantize_jagged_per_expert(x, offs, dt8, use_triton=use_triton),
-                lambda f, x: f(x, offs, dt8), fk.quantize_jagged_per_expert_ref, 3 * M * K + 4 * E * K, 3 * M * K,
-                {"experts": E, "empty_experts": int((counts == 0).sum())})
-        sweep_op("jagged", key, [{"JAGGED_TILE": t, "JAGGED_CHUNK": c, "JAGGED_WARPS": w}
-                                 for t, c, w in (((128, 64), 512, 4), ((128, 64), 256, 4), ((128, 64), 1024, 4),
-                                                 ((64, 64), 512, 4), ((128, 128), 512, 8), ((128, 32), 512, 4))],
-                 lambda x: fk.quantize_jagged_per_expert(x, offs, dt8, use_triton=use_triton), xs, 3 * M * K)
+    # ------------------------------------------------------------------ MoE grad input (fp8.grouped)
+    # The gradient's row cast with the forward weight's power-of-two row scales folded onto its columns, expert by
+    # expert (one multiplier row per group), and the expert weight recast by those scales into the [E, K, N] layout
+    # the grad-input GEMM reads (no amax pass): what fp8.grouped runs in place of a second amax + cast of the weight.
+    def pow2_scales(*shape, seed):
+        g = torch.Generator(device=dev).manual_seed(seed)
+        return torch.exp2(torch.randint(-4, 5, shape, generator=g, device=dev).float())
 
-    for M, K, E in jagged:
-        run_jagged(M, K, E)
-
-    # ------------------------------------------------------------------ expert weights (MoE grad-input operand)
-    # [E, N, K] storage scaled along N per (e, k), written [E, K, N]: the batched column kernel on the storage vs
-    # what it replaced (a transposed bf16 copy, then the row kernel).
-    def run_expert_weight(E, N, K):
-        key = f"{E}x{N}x{K}"
-        measure_copy(E * N, K)
-        copy_gbps[key] = copy_gbps[f"{E * N}x{K}"]
-        xs = rotated(lambda i, E=E, N=N, K=K: make_x(E * N, K, seed=30 + i).view(E, N, K), E * N * K * 2)
+    def run_group_scaled(M, N, E):
+        key = f"{M}x{N}/E{E}"
+        measure_copy(M, N)
+        copy_gbps[key] = copy_gbps[f"{M}x{N}"]
+        gid = torch.sort(torch.randint(0, E, (M,), generator=torch.Generator().manual_seed(0)))[0]
+        gid = gid.to(torch.int32).to(dev)
+        mul = pow2_scales(E, N, seed=1)
+        xs = rotated(lambda i, M=M, N=N: make_x(M, N, seed=20 + i), M * N * 2)
         for d in check_dtypes:
-            poison(((E, K, N), torch.float8_e4m3fn))
-            rec = compare(fk.quantize_colwise_batched(xs[0], d, use_triton=use_triton),
-                          fk.quantize_colwise_batched_ref(xs[0], d))
-            rec.update(op="colwise_batched", shape=key, dtype=str(d))
+            poison(((M, N), torch.float8_e4m3fn))
+            rec = compare(fk.quantize_rowwise_group_scaled(xs[0], mul, gid, d, use_triton=use_triton),
+                          reference.quantize_rowwise_group_scaled_ref(xs[0], mul, gid, d))
+            rec.update(op="rowwise_group_scaled", shape=key, dtype=str(d))
             checks.append(rec)
             if not rec["ok"]:
                 print("  MISMATCH", rec)
-        nxt = cycle(xs)
-        old_ms = bench_ms(lambda: fk.quantize_rowwise(nxt().transpose(-2, -1).contiguous().view(E * K, N), dt8,
-                                                      use_triton=use_triton))
-        time_op("colwise_batched_t", key, E * N, K, xs,
-                lambda w: fk.quantize_colwise_batched(w, dt8, use_triton=use_triton),
-                lambda f, w: f(w, dt8), fk.quantize_colwise_batched_ref, 3 * E * N * K + 4 * E * K, 5 * E * N * K,
-                {"transposed_copy_then_rowwise_ms": old_ms})
+        time_op("rowwise_group_scaled", key, M, N, xs,
+                lambda x: fk.quantize_rowwise_group_scaled(x, mul, gid, dt8, use_triton=use_triton),
+                lambda f, x: f(x, mul, gid, dt8), reference.quantize_rowwise_group_scaled_ref, 3 * M * N + 4 * M,
+                3 * M * N + 4 * M, {"experts": E})
 
+    def run_recast(E, N, K):
+        key = f"{E}x{N}x{K}"
+        measure_copy(E * N, K)
+        copy_gbps[key] = copy_gbps[f"{E * N}x{K}"]
+        scale = pow2_scales(E, N, seed=2)
+        xs = rotated(lambda i, E=E, N=N, K=K: make_x(E * N, K, seed=30 + i).view(E, N, K), E * N * K * 2)
+        for d in check_dtypes:
+            poison(((E, K, N), torch.float8_e4m3fn))
+            rec = compare((fk.cast_rows_transposed_batched(xs[0], scale, d, use_triton=use_triton),),
+                          (reference.cast_rows_transposed_batched_ref(xs[0], scale, d),))
+            rec.update(op="cast_rows_transposed_batched", shape=key, dtype=str(d))
+            checks.append(rec)
+            if not rec["ok"]:
+                print("  MISMATCH", rec)
+        time_op("cast_rows_transposed_batched", key, E * N, K, xs,
+                lambda w: fk.cast_rows_transposed_batched(w, scale, dt8, use_triton=use_triton),
+                lambda f, w: f(w, scale, dt8), reference.cast_rows_transposed_batched_ref, 3 * E * N * K, 3 * E * N * K)
+
+    for M, N, E in gradients:
+        run_group_scaled(M, N, E)
     for E, N, K in (SMOKE_EXPERT_WEIGHTS if args.smoke else EXPERT_WEIGHT_SHAPES):
-        run_expert_weight(E, N, K)
+        run_recast(E, N, K)
 
     # ------------------------------------------------------------------ fp8 transposed copies (_scaled_mm layouts)
     for M, N in dense:
@@ -425,45 +408,43 @@ def main():
 
     # ------------------------------------------------------------------ torch.compile of the custom ops, layouts
     extra = {}
-    if True:  # on CPU (smoke) the same checks run: interpreter kernels, aot_eager, CPU torch._scaled_mm
-        sz = 1 if cuda else 16  # smaller in the interpreter
-        xa = make_x(1024 // sz, 512 // sz, seed=99)  # grad_y [M, N] of a linear layer
-        xb = make_x(1024 // sz, 256 // sz, seed=98)  # its input x [M, K]
+    # On CPU (smoke) the same checks run: interpreter kernels, aot_eager, CPU torch._scaled_mm.
+    sz = 1 if cuda else 16  # smaller in the interpreter
+    xa = make_x(1024 // sz, 512 // sz, seed=99)  # grad_y [M, N] of a linear layer
+    xb = make_x(1024 // sz, 256 // sz, seed=98)  # its input x [M, K]
 
-        def fwd(x):
-            return fk.quantize_rowwise_and_colwise(x, dt8, use_triton=use_triton)
+    def fwd(x):
+        return fk.quantize_rowwise_and_colwise(x, dt8, use_triton=use_triton)
 
-        try:
-            torch._dynamo.reset()
-            got = torch.compile(fwd, fullgraph=True, backend="inductor" if cuda else "aot_eager")(xa)
-            extra["compile_custom_op"] = compare(got, fwd(xa))
-        except Exception as e:  # noqa: BLE001 - recorded as a failed check
-            extra["compile_custom_op"] = {"ok": False, "error": f"{type(e).__name__}: {e}"[:500]}
-        try:
-            # grad_w[N, K] = grad_y^T @ x through torch._scaled_mm with the documented layouts.
-            _, _, gy_t, gy_s = fwd(xa)
-            _, _, x_t, x_s = fwd(xb)
-            gw = torch._scaled_mm(gy_t, x_t.t(), scale_a=gy_s.reciprocal().reshape(-1, 1),
-                                  scale_b=x_s.reciprocal(), out_dtype=torch.bfloat16)
-            want = xa.float().t() @ xb.float()
-            rel = float((gw.float() - want).norm() / want.norm())
-            extra["scaled_mm_grad_w_layout"] = {"ok": rel < 0.1, "rel_err": rel}
-        except Exception as e:  # noqa: BLE001 - recorded as a failed check
-            extra["scaled_mm_grad_w_layout"] = {"ok": False, "error": f"{type(e).__name__}: {e}"[:500]}
-        print("extra", json.dumps(extra))
+    try:
+        torch._dynamo.reset()
+        got = torch.compile(fwd, fullgraph=True, backend="inductor" if cuda else "aot_eager")(xa)
+        extra["compile_custom_op"] = compare(got, fwd(xa))
+    except Exception as e:  # noqa: BLE001 - recorded as a failed check
+        extra["compile_custom_op"] = {"ok": False, "error": f"{type(e).__name__}: {e}"[:500]}
+    try:
+        # grad_w[N, K] = grad_y^T @ x through torch._scaled_mm with the documented layouts.
+        _, _, gy_t, gy_s = fwd(xa)
+        _, _, x_t, x_s = fwd(xb)
+        gw = torch._scaled_mm(gy_t, x_t.t(), scale_a=gy_s.reciprocal().reshape(-1, 1),
+                              scale_b=x_s.reciprocal(), out_dtype=torch.bfloat16)
+        want = xa.float().t() @ xb.float()
+        rel = float((gw.float() - want).norm() / want.norm())
+        extra["scaled_mm_grad_w_layout"] = {"ok": rel < 0.1, "rel_err": rel}
+    except Exception as e:  # noqa: BLE001 - recorded as a failed check
+        extra["scaled_mm_grad_w_layout"] = {"ok": False, "error": f"{type(e).__name__}: {e}"[:500]}
+    print("extra", json.dumps(extra))
 
     # ------------------------------------------------------------------ output
     all_ok = all(c["ok"] for c in checks) and all(v.get("ok", True) for v in extra.values())
     report = {"env": info, "defaults": {k: getattr(q, k) for k in (
         "TENSORWISE_BLOCK", "TENSORWISE_WARPS", "ROWWISE_MAX_TILE", "ROWWISE_WARPS", "ROW_COL_AMAX_TILE",
-        "ROW_COL_AMAX_WARPS", "ROW_COL_CAST_TILE", "ROW_COL_WARPS", "JAGGED_TILE", "JAGGED_CHUNK", "JAGGED_WARPS")},
+        "ROW_COL_AMAX_WARPS", "ROW_COL_CAST_TILE", "ROW_COL_WARPS")},
         "timing": "graph: CUDA-graph replay, GPU time only; eager_launch: do_bench, includes host launch time",
         "copy_GBps": copy_gbps, "results": results, "kernels": kernels, "checks_ok": all_ok, "checks": checks,
-        "extra": extra, "elapsed_s": elapsed()}
+        "extra": extra, "sweep": sweep, "elapsed_s": elapsed()}
     name = "fp8_kernels_smoke.json" if args.smoke else "fp8_kernels.json"
     (out_dir / name).write_text(json.dumps(report, indent=1, default=str) + "\n")
-    if sweep:
-        (out_dir / "fp8_kernels_sweep.json").write_text(json.dumps(sweep, indent=1, default=str) + "\n")
 
     print(f"\n{'op':22s} {'shape':>14s} {'triton us':>10s} {'GB/s':>7s} {'%copy':>6s} {'%copy moved':>11s} "
           f"{'launch us':>9s} {'compiled us':>11s} {'%copy':>6s} {'speedup':>7s}")

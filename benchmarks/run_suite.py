@@ -62,12 +62,12 @@ DENSE_LOOP = ("model=llama3_8b", "+model.overrides.n_layers=4", "data.seq_len=81
 
 @dataclass(frozen=True)
 class Benchmark:
-    """One program run: `python3 benchmarks/<script> <args> --out DIR` writes `outputs` into DIR."""
+    """One program run: `python3 benchmarks/<script> <args> --out DIR` writes the JSON file `output` into DIR."""
 
     name: str  # benchmarks/results/<name>.json
     script: str
     args: tuple[str, ...]
-    outputs: tuple[str, ...]  # JSON files the program writes into its --out directory
+    output: str  # the JSON file the program writes into its --out directory
     requires: tuple[str, ...] = ()  # modules it cannot run without
     optional: tuple[str, ...] = ()  # modules whose absence only drops rows
     timeout_s: int = 600
@@ -86,38 +86,37 @@ def _loop(name: str, model: tuple[str, ...], steps: int, variants: tuple[tuple[s
             "--common", *model, *LOOP_COMMON, f"train.steps={steps}", *extra)
     for variant in variants:
         args += ("--variant", *variant)
-    return Benchmark(name, "worker_throughput.py", args, (f"{name}.json",), requires=CONFIG_MODULES,
+    return Benchmark(name, "worker_throughput.py", args, f"{name}.json", requires=CONFIG_MODULES,
                      timeout_s=timeout_s, run_root=True)
 
 
 # Each suite fits one 10-minute device call; their order inside a suite is the order they run in.
 SUITES: dict[str, tuple[Benchmark, ...]] = {
     "kernels": (
-        Benchmark("fp8_kernels", "fp8_kernels.py", ("--budget-s", "150"), ("fp8_kernels.json", "fp8_kernels_sweep.json"),
-                  timeout_s=240),
-        Benchmark("ce_head", "ce_head.py", (), ("ce_head.json",), timeout_s=150),
-        Benchmark("reuse_kernels", "reuse_kernels.py", (), ("reuse_kernels.json",), timeout_s=120),
+        Benchmark("fp8_kernels", "fp8_kernels.py", ("--budget-s", "150"), "fp8_kernels.json", timeout_s=240),
+        Benchmark("ce_head", "ce_head.py", (), "ce_head.json", timeout_s=150),
+        Benchmark("reuse_kernels", "reuse_kernels.py", (), "reuse_kernels.json", timeout_s=120),
         Benchmark("adamw", "adamw.py", ("--models", "llama3_8b:8", "deepseek_moe16b:4", "--blocks", "512",
-                                        "--warps", "4", "--hints", "pointer"), ("adamw.json",), timeout_s=90),
+                                        "--warps", "4", "--hints", "pointer"), "adamw.json", timeout_s=90),
     ),
     "dense": (
         Benchmark("fp8_linear", "fp8_linear.py", ("--impls", "bf16", "torchao", "ours_compiled", "--prewarm", "12",
-                                                  "--budget-s", "200"), ("fp8_linear.json",),
+                                                  "--budget-s", "200"), "fp8_linear.json",
                   optional=("torchao",), timeout_s=270),
         Benchmark("train_step_dense", "train_step.py",
                   ("--configs", "dense", "--only",
                    "bf16+tadam,ours:tensorwise+head+tadam,ours:rowwise+tadam,torchao:tensorwise+head+tadam",
-                   "--steps", "8", "--warmup", "3", "--budget-s", "240"), ("train_step.json",),
+                   "--steps", "8", "--warmup", "3", "--budget-s", "240"), "train_step.json",
                   requires=CONFIG_MODULES, optional=("torchao",), timeout_s=320),
     ),
     # ours_nomon: the same step without the divergence check (BENCHMARKS.md, monitor overhead).
     "moe": (
         Benchmark("moe_grouped", "moe_grouped.py", ("--cases", "bf16_compiled", "ours_compiled", "torchao_compiled",
-                                                    "--budget-s", "150"), ("moe_grouped.json",),
+                                                    "--budget-s", "150"), "moe_grouped.json",
                   optional=("torchao",), timeout_s=210),
         Benchmark("train_step_moe", "train_step.py",
                   ("--configs", "moe", "--only", "bf16+tadam,ours:tensorwise+head+tadam,torchao:moe+tadam,ours_nomon:tensorwise+head+tadam",
-                   "--steps", "12", "--warmup", "3", "--budget-s", "300"), ("train_step.json",),
+                   "--steps", "12", "--warmup", "3", "--budget-s", "300"), "train_step.json",
                   requires=CONFIG_MODULES, optional=("torchao",), timeout_s=380),
     ),
     "loop": (
@@ -134,12 +133,12 @@ SUITES: dict[str, tuple[Benchmark, ...]] = {
         _loop("checkpoint_async", MOE_LOOP + ("+model.overrides.n_layers=2",), 24,
               (("async", "checkpoint.async_save=always"), ("sync", "checkpoint.async_save=never")),
               timeout_s=420, extra=("precision=fp8", "precision.fp8_output_head=true", "checkpoint.every_steps=8", "checkpoint.keep_last=2")),
-        Benchmark("pinned_staging", "pinned_staging.py", ("--gib", "13"), ("pinned_staging.json",), timeout_s=150),
+        Benchmark("pinned_staging", "pinned_staging.py", ("--gib", "13"), "pinned_staging.json", timeout_s=150),
     ),
 }
 SUITES["all"] = tuple(b for suite in ("kernels", "dense", "moe", "loop", "checkpoint") for b in SUITES[suite])
 # CPU check of the runner itself: the kernels benchmark in the Triton interpreter at tiny shapes (no GPU needed).
-SUITES["smoke"] = (Benchmark("fp8_kernels_smoke", "fp8_kernels.py", ("--smoke",), ("fp8_kernels_smoke.json",),
+SUITES["smoke"] = (Benchmark("fp8_kernels_smoke", "fp8_kernels.py", ("--smoke",), "fp8_kernels_smoke.json",
                              timeout_s=600),)
 
 
@@ -238,12 +237,9 @@ def run_one(bench: Benchmark, scratch: Path, run_root: Path) -> tuple[int | str,
 
 
 def collect(bench: Benchmark, out_dir: Path):
-    """The program's JSON output: one file's content, or {file name: content} for several; None when none was
-    written."""
-    found = {name: json.loads((out_dir / name).read_text()) for name in bench.outputs if (out_dir / name).exists()}
-    if not found:
-        return None
-    return found[bench.outputs[0]] if len(bench.outputs) == 1 else found
+    """The program's JSON output, None when it wrote none."""
+    path = out_dir / bench.output
+    return json.loads(path.read_text()) if path.exists() else None
 
 
 def main(argv: list[str] | None = None) -> int:

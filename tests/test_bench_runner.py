@@ -24,7 +24,7 @@ def test_every_suite_runs_existing_programs_with_options_they_define():
             options = [a for a in b.args if a.startswith("--")] + ["--out"] + (["--run-root"] if b.run_root else [])
             for option in options:
                 assert re.search(rf"add_argument\(\s*\"{re.escape(option)}\"", source), (suite, b.name, option)
-            assert b.outputs and all(o.endswith(".json") for o in b.outputs), b.name
+            assert b.output.endswith(".json"), b.name
             assert 0 < b.timeout_s <= 600, b.name  # one device call runs at most 10 minutes
 
 
@@ -79,7 +79,7 @@ def test_write_result_writes_the_documented_record(tmp_path):
 
 
 def test_missing_required_module_stops_before_running_and_says_what_to_fetch(tmp_path):
-    bench = run_suite.Benchmark("b", "fp8_kernels.py", (), ("b.json",), requires=("omegaconf", "no_such_module_x"))
+    bench = run_suite.Benchmark("b", "fp8_kernels.py", (), "b.json", requires=("omegaconf", "no_such_module_x"))
     (tmp_path / "wheels").mkdir()
     with pytest.raises(SystemExit, match=r"need no_such_module_x.*put wheels of no_such_module_x into"):
         run_suite.prepare_modules([bench], tmp_path / "wheels", tmp_path / "site")
@@ -98,7 +98,7 @@ def test_smoke_suite_writes_a_real_result_through_the_runner(tmp_path):
 
 
 def test_timeout_kills_the_program_and_still_writes_its_file(tmp_path):
-    bench = run_suite.Benchmark("slow", "fp8_kernels.py", ("--smoke",), ("fp8_kernels_smoke.json",), timeout_s=1)
+    bench = run_suite.Benchmark("slow", "fp8_kernels.py", ("--smoke",), "fp8_kernels_smoke.json", timeout_s=1)
     rc, wall, _tail = run_suite.run_one(bench, tmp_path, tmp_path)
     assert rc == "timeout" and wall < 10
     assert run_suite.collect(bench, tmp_path / "slow") is None
