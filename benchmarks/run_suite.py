@@ -95,7 +95,7 @@ SUITES: dict[str, tuple[Benchmark, ...]] = {
     "kernels": (
         Benchmark("fp8_kernels", "fp8_kernels.py", ("--budget-s", "150"), "fp8_kernels.json", timeout_s=240),
         Benchmark("ce_head", "ce_head.py", (), "ce_head.json", timeout_s=150),
-        Benchmark("reuse_kernels", "reuse_kernels.py", (), "reuse_kernels.json", timeout_s=120),
+        Benchmark("tile_sweeps", "tile_sweeps.py", (), "tile_sweeps.json", timeout_s=120),
         Benchmark("adamw", "adamw.py", ("--models", "llama3_8b:8", "deepseek_moe16b:4", "--blocks", "512",
                                         "--warps", "4", "--hints", "pointer"), "adamw.json", timeout_s=90),
     ),

@@ -1,22 +1,21 @@
-"""The kernels of fp8.grouped's dgrad="fp8_reuse" (the default grad input of the experts) alone, with tile sweeps.
-In a profiled MoE step the gradient's group-scaled row cast took 0.30 ms a call (the plain row cast of the same
-tensors ~0.17) and the weights' recast into the grad-input layout 0.19 ms a call.
+"""Tile sweeps of the Triton casts the MoE step runs most, alone on one GPU, each tile checked against the shipped one.
 
-    PYTHONUNBUFFERED=1 python3 benchmarks/reuse_kernels.py --out $OUT
+    PYTHONUNBUFFERED=1 python3 benchmarks/tile_sweeps.py --out $OUT [--sections rowcast,group,recast,transpose]
 
 Shapes: DeepSeek-MoE-16B routed experts at 16384 tokens x top-6 (98304 rows, 64 experts): the gradients of w13's
-output (98304 x 2816) and of w2's (98304 x 2048), and w2's input width (1408); the weights w13 [64, 2816, 2048] and w2 [64, 2048, 1408] as stored
-([E, N, K]). Rows (ms per call, 10 calls in one CUDA graph, median of the replays; GB/s against each op's least traffic):
-- copy of the gradient (bandwidth yardstick); the plain row cast (quantize_rowwise) of it, over tile budgets and warps;
-- the group-scaled row cast with fp32 multipliers (what fp8.grouped passes) and with bf16 ones (exact for powers of
-  two: must give the same bytes), over rowwise tile budgets and warps;
-- the recast (cast_rows_transposed_batched) over tiles and warps, checked equal to the shipped tile's output;
-- dgrad="fp8_keep"'s forward weight cast (quantize_rows_and_transposed_batched: the row cast written in both layouts by
-  one kernel) over tiles and warps, checked equal to the row cast + recast it replaces, next to those two timed back
-  to back (what fp8_reuse spends on the weight per layer: the forward's row cast and the backward's recast).
-- the fp8 transpose (tensorwise linears' backward operands; 87 calls, 2.52 ms of a profiled MoE step) at the
-  MoE model's activation and weight shapes, over tiles and warps, next to a copy of the same bytes.
---sections picks a subset (rowcast, group, recast, both, transpose). Writes reuse_kernels.json to --out.
+output (98304 x 2816) and of w2's (98304 x 2048), and w2's input width (1408); the weights w13 [64, 2816, 2048] and
+w2 [64, 2048, 1408] as stored ([E, N, K]). Rows (ms per call, 10 calls in one CUDA graph, median of the replays;
+GB/s against each op's least traffic):
+- rowcast: a copy of the gradient (bandwidth yardstick) and the plain row cast (quantize_rowwise) over tile budgets
+  and warps;
+- group: the gradient's group-scaled row cast of fp8.grouped's grad input, with fp32 multipliers and with bf16 ones
+  (exact for powers of two: must give the same bytes), over tile budgets and warps. In a profiled MoE step it took
+  0.30 ms a call against ~0.17 for the plain row cast of the same tensors;
+- recast: the expert weight cast by the forward's row scales into the grad-input layout
+  (cast_rows_transposed_batched), over tiles and warps (0.19 ms a call in that profile);
+- transpose: the fp8 transpose of the tensorwise linears' backward operands (87 calls, 2.52 ms of that profile) at
+  the MoE model's activation and weight shapes, next to a copy of the same bytes.
+Writes tile_sweeps.json to --out.
 """
 
 from __future__ import annotations
@@ -36,7 +35,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--reps", type=int, default=9)
-    all_sections = ("rowcast", "group", "recast", "both", "transpose")
+    all_sections = ("rowcast", "group", "recast", "transpose")
     ap.add_argument("--sections", default=",".join(all_sections), help=f"comma-separated subset of {all_sections}")
     args = ap.parse_args()
     sections = set(args.sections.split(","))
@@ -44,11 +43,12 @@ def main() -> None:
     if unknown:
         ap.error(f"--sections: unknown {sorted(unknown)}; choose from {all_sections}")
     from fp8.kernels import quantize as q
+    from fp8.kernels import transposed as t
 
     e4m3 = torch.float8_e4m3fn
     E, M = 64, 98304
     g = torch.Generator(device="cuda").manual_seed(0)
-    # expert groups of slightly uneven sizes (multiples of 16, as the model pads them), sorted by expert
+    # expert groups of slightly uneven sizes, sorted by expert
     sizes = torch.full((E,), M // E, dtype=torch.int64)
     sizes[: E // 2] += 16
     sizes[E // 2:] -= 16
@@ -89,46 +89,23 @@ def main() -> None:
                     lambda gy=gy, mul=mul: q.quantize_rowwise_group_scaled_triton(gy, mul, gid, e4m3), nbytes * 3 // 2)
         q.ROWWISE_MAX_TILE, q.ROWWISE_MAX_ROW, q.ROWWISE_WARPS = shipped
 
-    tile_shipped, warps_shipped = q.BATCHED_ROW_CAST_TILE, q.TRANSPOSE_WARPS
-    both_shipped = (q.BATCHED_BOTH_LAYOUTS_TILE, q.BATCHED_BOTH_LAYOUTS_WARPS)
-    for N, K in ((2816, 2048), (2048, 1408)) if sections & {"recast", "both"} else ():
+    tile_shipped, warps_shipped = t.BATCHED_ROW_CAST_TILE, t.TRANSPOSE_WARPS
+    for N, K in ((2816, 2048), (2048, 1408)) if "recast" in sections else ():
         w_ENK = (torch.randn(E, N, K, device="cuda", generator=g) * 0.02).bfloat16()
         scale = torch.exp2(torch.randint(4, 12, (E, N), device="cuda", generator=g).float())
-        ref = q.cast_rows_transposed_batched_triton(w_ENK, scale, e4m3)
+        ref = t.cast_rows_transposed_batched_triton(w_ENK, scale, e4m3)
         for tile, warps in (((64, 128), 4), ((32, 128), 4), ((64, 64), 4), ((128, 64), 4), ((64, 256), 8),
-                            ((128, 128), 8), ((32, 256), 4)) if "recast" in sections else ():
-            q.BATCHED_ROW_CAST_TILE, q.TRANSPOSE_WARPS = tile, warps
-            out = q.cast_rows_transposed_batched_triton(w_ENK, scale, e4m3)
+                            ((128, 128), 8), ((32, 256), 4)):
+            t.BATCHED_ROW_CAST_TILE, t.TRANSPOSE_WARPS = tile, warps
+            out = t.cast_rows_transposed_batched_triton(w_ENK, scale, e4m3)
             same = torch.equal(out.view(torch.int8), ref.view(torch.int8))
             row(f"recast w [{E},{N},{K}] tile={tile} warps={warps} same={same}",
-                lambda w_ENK=w_ENK, scale=scale: q.cast_rows_transposed_batched_triton(w_ENK, scale, e4m3), w_ENK.numel() * 3)
-        q.BATCHED_ROW_CAST_TILE, q.TRANSPOSE_WARPS = tile_shipped, warps_shipped
-        if "both" not in sections:
-            continue
-        # fp8_reuse's weight work per layer (the forward's row cast, the backward's recast by its scales) against
-        # fp8_keep's one kernel writing both layouts; least traffic 6 vs 4 bytes a parameter.
-        w_rows = w_ENK.reshape(E * N, K)
-
-        def reuse_pair(w_rows=w_rows, w_ENK=w_ENK):
-            fwd, s_M1 = q.quantize_rowwise_triton(w_rows, e4m3)
-            return fwd, q.cast_rows_transposed_batched_triton(w_ENK, s_M1.reshape(w_ENK.shape[:2]), e4m3)
-
-        fwd_ref, t_ref = reuse_pair()
-        row(f"w [{E},{N},{K}] forward row cast alone (shipped)", lambda w_rows=w_rows: q.quantize_rowwise_triton(
-            w_rows, e4m3), w_ENK.numel() * 3)
-        row(f"w [{E},{N},{K}] fp8_reuse: row cast + recast", reuse_pair, w_ENK.numel() * 6)
-        for tile, warps in (((32, 128), 4), ((16, 128), 4), ((64, 128), 4), ((64, 128), 8), ((32, 256), 4),
-                            ((32, 256), 8), ((16, 256), 4), ((64, 64), 4), ((128, 64), 8)):
-            q.BATCHED_BOTH_LAYOUTS_TILE, q.BATCHED_BOTH_LAYOUTS_WARPS = tile, warps
-            out, _, out_t = q.quantize_rows_and_transposed_batched_triton(w_ENK, e4m3)
-            same = (torch.equal(out.reshape(E * N, K).view(torch.int8), fwd_ref.view(torch.int8))
-                    and torch.equal(out_t.view(torch.int8), t_ref.view(torch.int8)))
-            row(f"w [{E},{N},{K}] fp8_keep both layouts tile={tile} warps={warps} same={same}",
-                lambda w_ENK=w_ENK: q.quantize_rows_and_transposed_batched_triton(w_ENK, e4m3), w_ENK.numel() * 4)
-        q.BATCHED_BOTH_LAYOUTS_TILE, q.BATCHED_BOTH_LAYOUTS_WARPS = both_shipped
+                lambda w_ENK=w_ENK, scale=scale: t.cast_rows_transposed_batched_triton(w_ENK, scale, e4m3),
+                w_ENK.numel() * 3)
+        t.BATCHED_ROW_CAST_TILE, t.TRANSPOSE_WARPS = tile_shipped, warps_shipped
     # Activations [16384 tokens, width] (x and the output gradient of the MLA, shared-expert and dense-FFN linears of the
     # MoE 4-layer step) and weights [out, in]; every transpose moves 1 byte in and 1 out per element.
-    transpose_shipped = (q.TRANSPOSE_TILE, q.TRANSPOSE_WARPS)
+    transpose_shipped = (t.TRANSPOSE_TILE, t.TRANSPOSE_WARPS)
     for M, N in ((16384, 2048), (16384, 2816), (16384, 576), (16384, 10944), (3072, 2048), (2816, 2048)
                  ) if "transpose" in sections else ():
         x8 = torch.randn(M, N, device="cuda", generator=g).to(e4m3).view(torch.int8)
@@ -136,12 +113,12 @@ def main() -> None:
         row(f"copy int8 {M}x{N}", lambda x8=x8: x8.clone(), 2 * x8.numel())
         for tile, warps in (((128, 128), 4), ((128, 128), 8), ((64, 128), 4), ((128, 64), 4), ((64, 64), 4),
                             ((256, 128), 8), ((128, 256), 8), ((64, 256), 4), ((256, 64), 4), ((32, 128), 2)):
-            q.TRANSPOSE_TILE, q.TRANSPOSE_WARPS = tile, warps
-            same = torch.equal(q.transpose_triton(x8), ref)
-            row(f"transpose {M}x{N} tile={tile} warps={warps} same={same}", lambda x8=x8: q.transpose_triton(x8),
+            t.TRANSPOSE_TILE, t.TRANSPOSE_WARPS = tile, warps
+            same = torch.equal(t.transpose_triton(x8), ref)
+            row(f"transpose {M}x{N} tile={tile} warps={warps} same={same}", lambda x8=x8: t.transpose_triton(x8),
                 2 * x8.numel())
-        q.TRANSPOSE_TILE, q.TRANSPOSE_WARPS = transpose_shipped
-    write_json(os.path.join(args.out, "reuse_kernels.json"),
+        t.TRANSPOSE_TILE, t.TRANSPOSE_WARPS = transpose_shipped
+    write_json(os.path.join(args.out, "tile_sweeps.json"),
                {"command": "python3 " + " ".join(sys.argv), "env": env_info(), "rows": rows})
 
 
