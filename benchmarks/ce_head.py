@@ -33,6 +33,7 @@ def main() -> None:
     args = ap.parse_args()
     from fp8 import kernels as K
     from fp8.kernels import cross_entropy as ce
+    from fp8.reference import cross_entropy_fwd_ref, cross_entropy_grad_cast_ref
     from models.loss import token_cross_entropy
 
     M, V = args.tokens, args.vocab
@@ -65,7 +66,7 @@ def main() -> None:
     row("unfused head: amax + cast e5m2 + fp8 transpose of the gradient", unfused_chain,
         2 * nbytes_in + nbytes_in // 2 + nbytes_in)
 
-    lse_r, _, gam_r = K.cross_entropy_fwd_ref(logits[:256], targets[:256])
+    lse_r, _, gam_r = cross_entropy_fwd_ref(logits[:256], targets[:256])
     fwd_default = (ce.CE_FWD_TILE, ce.CE_FWD_WARPS)
     for tile, warps in (((1, 2048), 4), ((1, 4096), 8), ((1, 1024), 4), ((1, 1024), 2), ((2, 2048), 8),
                         ((2, 1024), 4), ((1, 8192), 8), ((4, 512), 4)):
@@ -78,7 +79,7 @@ def main() -> None:
     lse, _, gam = K.cross_entropy_fwd(logits, targets)
     coef = torch.tensor(1.0 / M, device="cuda")
     gamax = gam.amax()
-    ref = K.cross_entropy_grad_cast_ref(logits[:512], targets[:512], lse[:512], gamax, coef, torch.float8_e5m2)
+    ref = cross_entropy_grad_cast_ref(logits[:512], targets[:512], lse[:512], gamax, coef, torch.float8_e5m2)
     g8_full = K.cross_entropy_grad_cast(logits, targets, lse, gamax, coef, torch.float8_e5m2)[0]
     row("fp8 transpose of the gradient alone", lambda: K.transpose(g8_full), nbytes_in)
     bwd_default = (ce.CE_BWD_TILE, ce.CE_BWD_WARPS, ce.CE_BWD_FUSED_T)

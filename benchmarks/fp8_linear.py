@@ -5,7 +5,7 @@
 Per shape (M = 8192 tokens, K -> N) and recipe it times one forward + backward (grad input and grad weight)
 of: bf16 nn.Linear compiled; ours eager (quantization through fp8/kernels Triton kernels when present) and
 ours compiled (whole layer through torch.compile/inductor); torchao 0.18 Float8Linear compiled. It also
-checks numerics (SQNR vs a float64 reference) and measures copy bandwidth vs the fused casts.
+checks numerics (SQNR vs a float64 reference); the casts alone are fp8_kernels.py's.
 Compilation is the slow part on a fresh machine: `--prewarm N` first compiles every case in N parallel
 processes to fill the inductor caches, then one process times every case in sequence.
 Writes benchmarks/results-style JSON (fp8_linear.json) to --out.
@@ -136,35 +136,6 @@ def numerics(k: int, n: int, m: int, device: str) -> dict:
     return out
 
 
-def cast_bandwidth(device: str) -> dict:
-    """Copy bandwidth vs the quantize casts (bytes = one read of bf16 + each fp8 output written once)."""
-    from fp8 import quant
-    from fp8.backend import get_backend
-
-    e4m3 = get_backend(device).e4m3
-    m, k = 16384, 16384
-    x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
-    y = torch.empty_like(x)
-    numel = x.numel()
-    res = {"shape": [m, k], "kernels_active": quant.kernels_active(device)}
-    t = bench_ms(lambda: y.copy_(x))
-    res["copy"] = {"ms": t, "GBps": 4 * numel / t / 1e6}
-    ops = {
-        "tensorwise": (lambda: quant.quantize_tensorwise(x, e4m3), 3),
-        "rowwise": (lambda: quant.quantize_rowwise(x, e4m3, -1, True), 3),
-        "rowwise_and_colwise": (lambda: quant.quantize_rowwise_and_colwise(x, e4m3, True), 4),
-    }
-    for name, (fn, bytes_per_el) in ops.items():
-        try:
-            fn()
-            t = bench_ms(fn)
-            gbps = bytes_per_el * numel / t / 1e6
-            res[name] = {"ms": t, "GBps": gbps, "frac_of_copy": gbps / res["copy"]["GBps"]}
-        except Exception as e:  # noqa: BLE001
-            res[name] = {"error": f"{type(e).__name__}: {e}"[:300]}
-    return res
-
-
 def kernel_table(step, steps: int = 5) -> list[dict]:
     """GPU time per step by kernel (torch.profiler over `steps` steps): where a variant's fixed costs are."""
     rows = kernel_times(step, steps)
@@ -195,7 +166,6 @@ def main() -> None:
     p.add_argument("--shapes", nargs="*", default=list(SHAPES)[:5])
     p.add_argument("--impls", nargs="*", default=list(IMPLS), choices=IMPLS)
     p.add_argument("--recipes", nargs="*", default=list(OUR_RECIPES), choices=OUR_RECIPES)
-    p.add_argument("--skip-bandwidth", action="store_true")
     p.add_argument("--budget-s", type=float, default=300.0)
     p.add_argument("--prewarm", type=int, default=0, help="parallel compile-cache warmers (0: none)")
     p.add_argument("--skip-numerics", action="store_true")
@@ -210,9 +180,6 @@ def main() -> None:
     budget = Budget(args.budget_s)
     result = {"env": env_info(), "m": args.m, "shapes": {s: SHAPES[s] for s in args.shapes}, "cases": []}
     print(result["env"], flush=True)
-    if device == "cuda" and not args.skip_bandwidth:
-        result["cast_bandwidth"] = cast_bandwidth(device)
-        print("cast bandwidth", result["cast_bandwidth"], flush=True)
     if not args.skip_numerics:
         t0 = time.time()
         result["numerics"] = numerics(4096, 1024, 2048 if device == "cuda" else 64, device)
