@@ -137,9 +137,14 @@ SUITES: dict[str, tuple[Benchmark, ...]] = {
     ),
 }
 SUITES["all"] = tuple(b for suite in ("kernels", "dense", "moe", "loop", "checkpoint") for b in SUITES[suite])
-# CPU check of the runner itself: the kernels benchmark in the Triton interpreter at tiny shapes (no GPU needed).
-SUITES["smoke"] = (Benchmark("fp8_kernels_smoke", "fp8_kernels.py", ("--smoke",), "fp8_kernels_smoke.json",
-                             timeout_s=600),)
+# CPU check of the runner and two programs at tiny shapes (no GPU needed): the kernels in the Triton interpreter,
+# the MoE FFN on fp8.grouped's emulated path.
+SUITES["smoke"] = (
+    Benchmark("fp8_kernels_smoke", "fp8_kernels.py", ("--smoke",), "fp8_kernels_smoke.json", timeout_s=300),
+    Benchmark("moe_grouped_smoke", "moe_grouped.py", ("--m", "512", "--experts", "4", "--dim", "64", "--hidden", "32",
+                                                      "--cases", "bf16_eager", "ours_eager", "--budget-s", "60"),
+              "moe_grouped.json", timeout_s=300),
+)
 
 
 def select(suite: str, only: list[str] | None = None) -> tuple[Benchmark, ...]:
