@@ -2,7 +2,10 @@
 
 import datetime
 import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -84,6 +87,30 @@ def test_missing_required_module_stops_before_running_and_says_what_to_fetch(tmp
     with pytest.raises(SystemExit, match=r"need no_such_module_x.*put wheels of no_such_module_x into"):
         run_suite.prepare_modules([bench], tmp_path / "wheels", tmp_path / "site")
     assert run_suite.install_wheels(tmp_path / "wheels", tmp_path / "site") == []
+
+
+def test_missing_module_is_installed_from_the_wheel_dir_for_the_runner_and_its_programs(tmp_path, monkeypatch):
+    """What the GPU image lacks comes from wheels: a real wheel built here, installed into --site by pip, importable
+    by the runner and on the PYTHONPATH its programs inherit."""
+    project = tmp_path / "project"
+    (project / "src" / "bench_probe_mod").mkdir(parents=True)
+    (project / "src" / "bench_probe_mod" / "__init__.py").write_text("VALUE = 42\n")
+    (project / "pyproject.toml").write_text(
+        '[build-system]\nrequires = ["setuptools"]\nbuild-backend = "setuptools.build_meta"\n'
+        '[project]\nname = "bench-probe-mod"\nversion = "1.0"\n[tool.setuptools.packages.find]\nwhere = ["src"]\n')
+    wheels = tmp_path / "wheels"
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "--no-index",
+                    "-w", str(wheels), str(project)], check=True)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setenv("PYTHONPATH", "")
+    bench = run_suite.Benchmark("b", "fp8_kernels.py", (), "b.json", requires=("bench_probe_mod",))
+    assert run_suite.missing(["bench_probe_mod"]) == ["bench_probe_mod"]
+    assert run_suite.prepare_modules([bench], wheels, tmp_path / "site") == []
+    assert run_suite.missing(["bench_probe_mod"]) == []
+    out = subprocess.run([sys.executable, "-c", "import bench_probe_mod; print(bench_probe_mod.VALUE)"],
+                         env=dict(os.environ), capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "42"
+    sys.modules.pop("bench_probe_mod", None)
 
 
 def test_smoke_suite_writes_real_results_through_the_runner(tmp_path):
