@@ -103,6 +103,10 @@ def validate(job: JobConfig) -> None:
         _require(value in DTYPES, f"precision.{key}", f"'{value}' is not one of {DTYPES}")
 
     c = job.cluster
+    from models.scaling import FABRICS
+
+    _require(c.fabric == "none" or c.fabric in FABRICS, "cluster.fabric",
+             f"'{c.fabric}' is not one of {('none', *FABRICS)}")
     _require(c.min_workers >= 1, "cluster.min_workers", f"must be >= 1, got {c.min_workers}")
     _require(c.max_workers >= c.min_workers, "cluster.max_workers",
              f"must be >= cluster.min_workers ({c.min_workers}), got {c.max_workers}")

@@ -55,9 +55,80 @@ def build_job_plan(job: JobConfig) -> dict[str, Any]:
         "memory_per_worker_bytes": memory_bytes,
         "fits": fits,
         "reasons": reasons,
+        "scaling": scaling_plan(job) if c.fabric != "none" else None,
         "model_plan": mp,
         "ray": ray_plan(job, run_name, resolve_run_root(job)).to_dict(),
     }
+
+
+def scaling_workload(job: JobConfig):
+    """models.scaling.Workload of this job on one GPU: parameter counts and FLOPs from a meta-built model, compute
+    from the product's single-GPU step measured for the model family (models.scaling.MEASURED_STEPS; a family without
+    one has none: the job's model must be one of those or derive from their flavors)."""
+    from torch import nn
+
+    from models import scaling
+    from models.planning import count_params, flops_per_token
+    from models.registry import build_model, resolve_flavor
+
+    flavor = resolve_flavor(job.model.name, dict(job.model.overrides))
+    measured = next((m for m in scaling.MEASURED_STEPS.values()
+                     if resolve_flavor(m.flavor).family == flavor.family), None)
+    if measured is None:
+        raise ValueError(f"no single-GPU step measured for the {flavor.family} family: scaling needs one "
+                         f"(models.scaling.MEASURED_STEPS: {sorted(scaling.MEASURED_STEPS)})")
+    model = build_model(flavor, device="meta")
+    counts = count_params(model)
+    root = sum(p.numel() for name, p in model.named_parameters() if not name.startswith("layers."))
+    # What the FP8 all-gather sends in fp8: the weights of the blocks' dense linears (not the routed experts, not
+    # routers), when the recipe is tensorwise (fp8.fsdp_allgather).
+    linear = sum(m.weight.numel() for name, m in model.named_modules()
+                 if name.startswith("layers.") and type(m) is nn.Linear and not name.endswith(("gate", "router")))
+    layer_params = counts.total - root
+    m_model = build_model(resolve_flavor(measured.flavor, measured.overrides), device="meta")
+    tokens = job.train.micro_batch_size * job.data.seq_len
+    recipe = job.precision.recipe if job.precision.recipe != "auto" else (
+        "rowwise_gw_hp" if job.cluster.device == "rocm" else "tensorwise")
+    w = scaling.workload_from_measurement(
+        job.model.name, measured, flops_per_token(m_model, measured.seq_len), flops_per_token(model, job.data.seq_len),
+        tokens, len(model.layers), counts.total, root, linear / layer_params if recipe == "tensorwise" else 0.0)
+    return w, recipe, measured
+
+
+def scaling_plan(job: JobConfig) -> dict[str, Any]:
+    """Predicted step time, tokens/s per GPU, MFU and scaling efficiency from 1 to 1,024 GPUs on cluster.fabric, for
+    bf16 and fp8 (with and without the FP8 all-gather), at micro_batch_size x seq_len tokens per GPU (weak scaling)."""
+    from models import scaling
+
+    fabric = scaling.FABRICS[job.cluster.fabric]
+    w, recipe, measured = scaling_workload(job)
+    gather = 4 if job.precision.fsdp_param_dtype == "float32" else 2
+    reduce = 4 if job.precision.fsdp_reduce_dtype == "float32" else 2
+    precisions = [scaling.Precision(False, False, gather, reduce), scaling.Precision(True, False, gather, reduce)]
+    if recipe == "tensorwise":
+        precisions.append(scaling.Precision(True, True, gather, reduce))
+    curves = {p.label: [s.to_dict() for s in scaling.scaling_curve(w, p, fabric)] for p in precisions}
+    at = job.cluster.max_workers
+    return {"fabric": fabric.name, "fabric_description": fabric.description, "accelerator": fabric.accelerator,
+            "tokens_per_gpu": w.tokens_per_gpu, "measured_from": measured.source, "world_size": at,
+            "at_world_size": {p.label: scaling.predict_step(w, p, fabric, at).to_dict() for p in precisions},
+            "curves": curves}
+
+
+def print_scaling(scaling_plan_: dict[str, Any]) -> None:
+    sp = scaling_plan_
+    print(f"scaling on {sp['fabric']} ({sp['fabric_description']}), {sp['tokens_per_gpu']:,} tokens per GPU a step, "
+          f"compute from {sp['measured_from']}")
+    labels = list(sp["curves"])
+    print("GPUs  " + "  ".join(f"{label:>34s}" for label in labels))
+    print("      " + "  ".join(f"{'step s  tok/s/GPU   MFU  scaling':>34s}" for _ in labels))
+    for i, row in enumerate(sp["curves"][labels[0]]):
+        cells = []
+        for label in labels:
+            r = sp["curves"][label][i]
+            cells.append(f"{r['step_s']:7.3f} {r['tokens_per_s_per_gpu']:10,.0f} {r['mfu']:5.2f} "
+                         f"{r['scaling_efficiency']:8.2f}")
+        print(f"{row['world_size']:4d}  " + "  ".join(f"{c:>34s}" for c in cells))
 
 
 def _suggestion(job: JobConfig) -> str:
@@ -83,3 +154,5 @@ def print_plan(plan: dict[str, Any]) -> None:
         print(f"GiB per worker: {parts}")
     for reason in plan["reasons"]:
         print(reason)
+    if plan.get("scaling"):
+        print_scaling(plan["scaling"])

@@ -326,6 +326,49 @@ def plot_throughput(series: list[RunSeries], path: Path):
     return fig
 
 
+def plot_scaling(scaling: dict[str, Any], path: Path):
+    """Predicted tokens/s per GPU, MFU and scaling efficiency against GPUs, one line per precision: the "scaling"
+    section of a dry-run plan (cluster.fabric set; orchestration.driver.plan.scaling_plan)."""
+    fig, axes = _figure(3, height=3.0)
+    for i, (label, rows) in enumerate(scaling["curves"].items()):
+        gpus = [r["world_size"] for r in rows]
+        for ax, key, scale in ((axes[0], "tokens_per_s_per_gpu", 1.0), (axes[1], "mfu", 100.0),
+                               (axes[2], "scaling_efficiency", 100.0)):
+            ax.plot(gpus, [scale * r[key] for r in rows], marker="o", color=_color(i), label=label, gid=f"data:{label}")
+    axes[0].set_title(f"Predicted scaling on {scaling['fabric']} ({scaling['tokens_per_gpu']:,} tokens per GPU a step)")
+    for ax, ylabel in zip(axes, ("tokens/s per GPU", "MFU (% of bf16 peak)", "scaling efficiency (% of 1 GPU)")):
+        ax.set_xscale("log", base=2)
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    axes[-1].set_xlabel("GPUs")
+    fig.savefig(path, dpi=100)
+    return fig
+
+
+def read_plan(path: Path) -> dict[str, Any]:
+    """The plan JSON of a dry run: a file holding it, or the dry run's output (its line starting with "PLAN ")."""
+    text = path.read_text()
+    for line in text.splitlines():
+        if line.startswith("PLAN "):
+            return json.loads(line[len("PLAN "):])
+    return json.loads(text)
+
+
+def scaling_main(plan_path: Path, out: Path | None) -> int:
+    plan = read_plan(plan_path)
+    if not plan.get("scaling"):
+        print(f"error: {plan_path} has no scaling prediction: run the dry run with cluster.fabric=<preset>",
+              file=sys.stderr)
+        return 2
+    out = out or plan_path.resolve().parent
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "scaling.png"
+    plot_scaling(plan["scaling"], path)
+    print(f"plot: {path}")
+    return 0
+
+
 def plot_precision_timeline(series: list[RunSeries], path: Path):
     fig, (ax,) = _figure(height=max(2.0, 0.8 * len(series) + 1.2))
     for i, s in enumerate(series):
@@ -452,10 +495,17 @@ def build_report(run_dirs: list[Path], out_dir: Path) -> Path:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m orchestration.report", description=__doc__.split("\n\n")[0])
-    parser.add_argument("run_dirs", nargs="+", type=Path, help="run directories (or a sweep directory of them)")
+    parser.add_argument("run_dirs", nargs="*", type=Path, help="run directories (or a sweep directory of them)")
     parser.add_argument("--out", type=Path, default=None,
                         help="output directory (default: <first run directory's parent>/report, or <sweep dir>/report)")
+    parser.add_argument("--scaling", type=Path, metavar="PLAN",
+                        help="plot the scaling prediction of a dry run's plan (its output or PLAN json; dry_run=true "
+                             "cluster.fabric=<preset>) into --out/scaling.png instead of the report")
     args = parser.parse_args(argv)
+    if args.scaling:
+        return scaling_main(args.scaling, args.out)
+    if not args.run_dirs:
+        parser.error("give run directories to report on")
     first = args.run_dirs[0].resolve()
     out = args.out or (first.parent / "report" if is_run_dir(first) else first / "report")
     try:
