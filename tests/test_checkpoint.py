@@ -17,14 +17,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from orchestration.checkpoint.manager import (
-    MANIFEST,
-    CheckpointError,
-    CheckpointInfo,
-    CheckpointManager,
-    derive_rng_seed,
-    ray_checkpoint_dir,
-)
+from orchestration.checkpoint.directory import MANIFEST, CheckpointError, CheckpointInfo, ray_checkpoint_dir
+from orchestration.checkpoint.manager import CheckpointManager
+from orchestration.checkpoint.rng import derive_rng_seed
 from tests.spawned import free_port, rank_process_group
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -524,7 +519,7 @@ def test_loading_into_a_model_of_another_shape_names_the_tensor(tmp_path):
 
 def test_an_unreadable_checkpoint_file_is_a_bad_checkpoint_not_a_crash(tmp_path, monkeypatch):
     """An OSError while hashing (I/O error, stale NFS handle) skips that checkpoint like corruption does."""
-    import orchestration.checkpoint.manager as ckpt_module
+    import orchestration.checkpoint.directory as ckpt_module
 
     mgr, events, _ = _saved(tmp_path, [1, 2])
     real_digests = ckpt_module.file_digests
@@ -543,7 +538,7 @@ def test_an_unreadable_checkpoint_file_is_a_bad_checkpoint_not_a_crash(tmp_path,
 def test_chunked_digest_is_the_hash_of_the_chunk_hashes_in_any_thread_count(tmp_path):
     import hashlib
 
-    import orchestration.checkpoint.manager as ckpt_module
+    import orchestration.checkpoint.directory as ckpt_module
 
     data = bytes(range(256)) * 1000 + b"tail"  # 256004 bytes: 3 full chunks of 100000 and a partial one
     (tmp_path / "a").write_bytes(data)
@@ -554,37 +549,30 @@ def test_chunked_digest_is_the_hash_of_the_chunk_hashes_in_any_thread_count(tmp_
     paths = [tmp_path / "a", tmp_path / "empty"]
     for threads in (1, 4):
         assert ckpt_module.file_digests(paths, "sha256", 100000, threads) == [expected, empty]
-    # chunk_bytes=None: the whole-file digest older manifests recorded
-    assert ckpt_module.file_digests(paths, "sha256", None) == [hashlib.sha256(data).hexdigest(),
-                                                               hashlib.sha256(b"").hexdigest()]
     # a file shorter than asked for is an I/O error, not a digest of fewer bytes
     with pytest.raises(OSError, match="ended"):
         ckpt_module._chunk_digest(tmp_path / "a", len(data) - 10, 20, "sha256")
 
 
-def test_saves_record_chunked_digests_and_older_whole_file_manifests_still_verify(tmp_path):
-    import hashlib
-
-    import orchestration.checkpoint.manager as ckpt_module
+def test_saves_record_chunked_digests_and_a_manifest_without_them_is_refused(tmp_path):
+    import orchestration.checkpoint.directory as ckpt_directory
 
     mgr, events, _ = _saved(tmp_path, [1, 2])
     path = tmp_path / "step_000002"
     manifest = json.loads((path / MANIFEST).read_text())
-    assert manifest["chunk_bytes"] == ckpt_module.DIGEST_CHUNK_BYTES
+    assert manifest["chunk_bytes"] == ckpt_directory.DIGEST_CHUNK_BYTES
     assert mgr.latest().step == 2
-    # A manifest as session 11 wrote it: no chunk_bytes, digests over whole files.
-    del manifest["chunk_bytes"]
-    for rel, meta in manifest["files"].items():
-        meta["digest"] = hashlib.sha256((path / rel).read_bytes()).hexdigest()
-    (path / MANIFEST).write_text(json.dumps(manifest))
-    assert mgr.latest().step == 2
-    # ... and a flipped byte is still found under either scheme.
+    # A flipped byte is found by the chunked digests.
     _flip_byte(next((path / "dcp").glob("*.distcp")))
     events.clear()
     assert mgr.latest().step == 1
     assert [n for n, _ in events] == ["checkpoint_corrupt"] and "sha256 mismatch" in events[0][1]["reason"]
     first = tmp_path / "step_000001" / MANIFEST
-    first.write_text(json.dumps({**json.loads(first.read_text()), "chunk_bytes": "64MiB"}))
+    saved = json.loads(first.read_text())
+    first.write_text(json.dumps({**saved, "chunk_bytes": "64MiB"}))
+    with pytest.raises(CheckpointError, match="chunk_bytes"):
+        mgr.verify(tmp_path / "step_000001")
+    first.write_text(json.dumps({k: v for k, v in saved.items() if k != "chunk_bytes"}))
     with pytest.raises(CheckpointError, match="chunk_bytes"):
         mgr.verify(tmp_path / "step_000001")
 
@@ -600,7 +588,7 @@ def test_save_reports_where_its_time_went(tmp_path):
 
 
 def test_io_threads_share_the_allowed_cpus_among_the_nodes_ranks(monkeypatch):
-    import orchestration.checkpoint.manager as ckpt_module
+    import orchestration.checkpoint.directory as ckpt_module
 
     monkeypatch.setattr(ckpt_module.os, "sched_getaffinity", lambda pid: set(range(32)), raising=False)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)

@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from orchestration.checkpoint.manager import CheckpointError, CheckpointManager, verify_checkpoint
+from orchestration.checkpoint.directory import CheckpointError, verify_checkpoint
+from orchestration.checkpoint.manager import CheckpointManager
 from tests.spawned import free_port, rank_process_group
 from tests.test_checkpoint import assert_states_bit_identical, build, build_fsdp, full_state, halving, train_steps
 
@@ -84,7 +85,7 @@ def test_a_staged_synchronous_save_equals_a_direct_one(tmp_path):
 
 
 def test_a_failed_background_write_raises_at_the_next_call_and_keeps_older_checkpoints(tmp_path, monkeypatch):
-    import orchestration.checkpoint.manager as ck
+    import orchestration.checkpoint.writer as ck
 
     mgr = CheckpointManager(tmp_path / "ck")
     model, opt, sched = build(seed=0)
@@ -109,6 +110,7 @@ def _crash_mid_write_script(root: Path) -> str:
         import torch
         from torch import nn
         import orchestration.checkpoint.manager as ck
+        import orchestration.checkpoint.writer as ck_writer
 
         model = nn.Linear(2048, 2048)
         opt = torch.optim.AdamW(model.parameters())
@@ -116,12 +118,12 @@ def _crash_mid_write_script(root: Path) -> str:
         opt.step()
         mgr = ck.CheckpointManager({str(root)!r})
         mgr.save(0, model, opt)
-        real = ck.file_digests
+        real = ck_writer.file_digests
         def slow(*a, **k):  # hold the thread between the write and the manifest, where a crash hurts most
             print("WRITING", flush=True)
             time.sleep(30)
             return real(*a, **k)
-        ck.file_digests = slow
+        ck_writer.file_digests = slow
         mgr.save(1, model, opt, background=True)
         for _ in range(300):
             if any(p.name.startswith(".tmp-") for p in mgr.root.iterdir()) and mgr.save_in_flight(1):
@@ -197,7 +199,8 @@ def test_mark_good_does_not_wait_for_a_save_in_flight_and_abandon_reports_it(tmp
     desynchronize the ranks; the error comes at wait() instead. abandon() (the loop raised) waits a bounded time."""
     import threading
 
-    import orchestration.checkpoint.manager as ck
+    import orchestration.checkpoint.directory as ck_directory
+    import orchestration.checkpoint.writer as ck
 
     mgr = CheckpointManager(tmp_path / "ck")
     model, opt, sched = build(seed=0)
@@ -212,7 +215,7 @@ def test_mark_good_does_not_wait_for_a_save_in_flight_and_abandon_reports_it(tmp
     mgr.save(1, model, opt, sched, background=True)
     assert mgr.save_in_flight(1) and mgr.save_in_flight() and not mgr.save_in_flight(0)
     mgr.mark_good(0)  # returns while step 1 is still being written
-    assert mgr.save_in_flight(1) and ck.read_manifest(tmp_path / "ck" / "step_000000")["good"]
+    assert mgr.save_in_flight(1) and ck_directory.read_manifest(tmp_path / "ck" / "step_000000")["good"]
     assert mgr.abandon(0.05) == (1, False)  # still writing after the bounded wait
     release.set()
     assert mgr.abandon(30) == (1, False)  # finished, with its error: not finalized, and abandon does not raise
@@ -221,7 +224,7 @@ def test_mark_good_does_not_wait_for_a_save_in_flight_and_abandon_reports_it(tmp
 
 
 def test_a_staging_failure_is_an_error_of_the_save(tmp_path, monkeypatch):
-    import orchestration.checkpoint.manager as ck
+    import orchestration.checkpoint.writer as ck
 
     def no_pinned_memory(*args, **kwargs):
         raise RuntimeError("CUDA error: out of memory (pinned host allocation)")
@@ -241,8 +244,10 @@ def test_parallel_reader_reads_each_file_in_its_own_thread_and_loads_bit_identic
     import torch.distributed.checkpoint as dcp
 
     import orchestration.checkpoint.manager as ck
+    import orchestration.checkpoint.writer as ck_writer
 
-    monkeypatch.setattr(ck, "io_threads", lambda: 4)  # the save writes 4 files, the load reads with 4 threads
+    monkeypatch.setattr(ck_writer, "io_threads", lambda: 4)  # the save writes 4 files,
+    monkeypatch.setattr(ck, "io_threads", lambda: 4)  # the load reads them with 4 threads
     model, opt, sched = build(seed=0)
     train_steps(model, opt, sched, 2)
     mgr = CheckpointManager(tmp_path / "ck")

@@ -139,7 +139,7 @@ def test_same_worker_loop_under_torchrun_without_ray(tmp_path, isolated_env):
     assert summary["consumed_ranges"] == [[0, 30 * 16]]
     assert summary["final_loss"] < summary["first_loss"] - 1.0
     # Steps 10 and 20 saved in the background by both ranks (a gloo group of their own), step 30 synchronously.
-    from orchestration.checkpoint.manager import verify_checkpoint
+    from orchestration.checkpoint.directory import verify_checkpoint
 
     events = read_jsonl(tmp_path / "tr" / "events.jsonl")
     timing = [e for e in events if e["event"] == "checkpoint_timing"]

@@ -296,7 +296,7 @@ def test_a_run_checkpointed_before_the_window_rule_resumes_with_its_own_windows(
     it trained on, instead of being refused or silently reading other samples; a new run uses rule 2."""
     import json
 
-    from orchestration.checkpoint.manager import EXTRA_STATE, file_digests
+    from orchestration.checkpoint.directory import EXTRA_STATE, file_digests
 
     first = make_trainer(tmp_path, "precision=bf16", "train.steps=2")
     first.start()

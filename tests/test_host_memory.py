@@ -13,7 +13,8 @@ import torch
 
 import orchestration.checkpoint.host_memory as hm
 from orchestration.checkpoint.host_memory import HostStaging, tensor_specs
-from orchestration.checkpoint.manager import CheckpointManager, stage_to_host
+from orchestration.checkpoint.manager import CheckpointManager
+from orchestration.checkpoint.state import stage_to_host
 
 
 class Recorder:

@@ -2,7 +2,7 @@
 
 Why not torch.empty(pin_memory=True): it goes through cudaHostAlloc, which on the H200 host took 5 s for 13 GiB and
 held a driver lock the whole time - a training loop beside it ran 2x slower, with single kernel launches blocked for
-1.1 s (benchmarks/pinned_staging.py, BENCHMARKS.md session 14). Torch's caching host allocator also rounds each block
+1.1 s (benchmarks/pinned_staging.py, BENCHMARKS.md). Torch's caching host allocator also rounds each block
 up to a power of two. Here the buffers of one allocation batch are views into one ordinary pageable allocation (an
 "arena") whose pages are first faulted in by several threads, then page-locked with ONE cudaHostRegister
 for its exact, page-aligned size: 0.95 s for 13 GiB, 8% slower steps while it runs in a thread, the same 55 GB/s

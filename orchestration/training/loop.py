@@ -391,7 +391,7 @@ class Trainer:
         """Refuse, with what to change, a checkpoint of another model or corpus (same run_name reused)."""
         import json
 
-        from orchestration.checkpoint.manager import EXTRA_STATE
+        from orchestration.checkpoint.directory import EXTRA_STATE
 
         extra = json.loads((Path(info.path) / EXTRA_STATE).read_text())
         saved_model = extra.get("model")
@@ -504,7 +504,7 @@ class Trainer:
             return
         import ray.train
 
-        from orchestration.checkpoint.manager import ray_checkpoint_dir
+        from orchestration.checkpoint.directory import ray_checkpoint_dir
 
         # A background save can finish after a rollback discarded its step: every rank still reports (Ray expects the
         # same number of reports from each), without the directory that is gone.
