@@ -7,9 +7,9 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | md5sum | cut -c1-12)
 # Never let pip resolve torch unpinned: that pulls a multi-GB CUDA build. 2.13.0 is the CPU wheel on disk.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: setup train test lint clean
+.PHONY: setup system-tools train test lint clean monitor
 
-setup: $(STAMP)
+setup: $(STAMP) system-tools
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -19,8 +19,29 @@ $(STAMP): pyproject.toml
 	@rm -f $(VENV)/.installed-*
 	@touch $(STAMP)
 
+# Programs the dashboard tests and `make monitor` run besides Python: Prometheus (scrapes Ray's metrics) and headless
+# Chromium (renders the Ray dashboard). Installed with apt-get when missing and run as root (CI); otherwise a message
+# says what to install.
+SYSTEM_TOOLS := prometheus chromium
+
+system-tools:
+	@missing=""; for tool in $(SYSTEM_TOOLS); do command -v $$tool >/dev/null || missing="$$missing $$tool"; done; \
+	if [ -z "$$missing" ]; then exit 0; fi; \
+	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "installing$$missing with apt-get"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq$$missing; \
+	else \
+		echo "warning: missing$$missing (Debian/Ubuntu: sudo apt-get install -y$$missing); make monitor and" \
+			"tests/test_dashboard_*.py need them" >&2; \
+	fi
+
 train: setup
 	$(BIN)/python launch.py $(ARGS)
+
+# Prometheus on 127.0.0.1:9090 scraping the newest local Ray session's metrics targets, until Ctrl-C
+# (orchestration/observability/prometheus.py; MONITOR_ARGS="--port 9091 --data-dir /tmp/prom" and so on).
+monitor: setup
+	$(BIN)/python -m orchestration.observability.prometheus $(MONITOR_ARGS)
 
 test: setup
 	$(BIN)/python -m pytest -q -ra --durations=20 tests $(PYTEST_ARGS)

@@ -45,6 +45,12 @@ def test_event_metrics():
         {"restart_downtime_s": 44.0, "restart_setup_s": 3.0, "checkpoint_load_s": 0.5, "world_size": 1.0})
     assert rm.event_metrics({"event": "worker_group_start", "world_size": 2, "grad_accum": 4}) == (
         {}, {"world_size": 2.0, "grad_accum": 4.0})
+    # The stall is what training waited; a background save's whole write is its thread's time.
+    assert rm.event_metrics({"event": "checkpoint_timing", "seconds": 0.5, "state_s": 0.1}) == (
+        {}, {"checkpoint_stall_s": 0.5, "checkpoint_save_s": 0.5})
+    assert rm.event_metrics({"event": "checkpoint_timing", "checkpoint_step": 20, "background": True,
+                             "seconds": 0.25, "background_s": 3.0}) == (
+        {}, {"checkpoint_stall_s": 0.25, "checkpoint_save_s": 3.0})
 
 
 def test_names_and_noop_outside_ray():

@@ -50,6 +50,7 @@ class StepGuard:
         self.last_bad_step: int | None = None
         self.wandb = None
         self.ray_metrics = None
+        self.last_fp8_health: dict[str, torch.Tensor] | None = None  # of the last check; None while in BF16
         self.check_seconds = 0.0
         self.update_applied = False  # by the last check(), through its gated_update
         if trainer.rank == 0:
@@ -95,6 +96,7 @@ class StepGuard:
             if self.layer_names:
                 layer_health = {name: fp8.fp8_health(t.model.get_submodule(name))["saturated_frac"]
                                 for name in self.layer_names}
+        self.last_fp8_health = health
         shadow = self.shadow_losses()
         verdict = self.monitor.local_verdict(loss, grad_norm, health, shadow, layer_health)
         decision, _, self.update_applied = agree_and_decide(self.monitor, self.policy, verdict, step,
@@ -236,6 +238,19 @@ class StepGuard:
         self._wandb("log_metrics", record["step"], record)
         if self.ray_metrics is not None:
             self.ray_metrics.update(record)
+            for name, value in self.fp8_health_gauges().items():
+                self.ray_metrics.set(name, value)
+
+    def fp8_health_gauges(self) -> dict[str, float]:
+        """FP8 saturation/underflow of the last checked step for the dashboards (read at log steps only: one host
+        read of two scalars). 0 while the run is in BF16: no value goes through an FP8 cast then."""
+        if not (self.enabled and self.fp8_run):
+            return {}
+        health = self.last_fp8_health
+        if health is None:
+            return {"fp8_saturated_frac": 0.0, "fp8_underflow_frac": 0.0}
+        return {"fp8_saturated_frac": float(health["saturated_frac"]),
+                "fp8_underflow_frac": float(health["underflow_frac"])}
 
     def finish(self, status: str) -> None:
         self._wandb("finish", {"status": status, **self.policy.counters()})

@@ -26,7 +26,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ def prometheus_config(sd_file: Path, scrape_interval_s: float = DEFAULT_SCRAPE_I
     """prometheus.yml scraping the Ray metrics targets listed in `sd_file` (pure). JSON is valid YAML."""
     if scrape_interval_s <= 0:
         raise ValueError(f"scrape_interval_s={scrape_interval_s} must be > 0 (seconds between scrapes)")
-    interval = f"{int(round(scrape_interval_s * 1000))}ms"
+    interval = f"{round(scrape_interval_s * 1000)}ms"
     config = {
         "global": {"scrape_interval": interval, "evaluation_interval": interval},
         "scrape_configs": [{
@@ -88,10 +88,10 @@ class Prometheus:
             # Its own process group, so stop() ends it and nothing it started outlives it.
             self.proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
 
-    def __enter__(self) -> Prometheus:
+    def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()
 
     def wait_ready(self, timeout_s: float = 60.0) -> None:

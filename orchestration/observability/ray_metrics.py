@@ -6,8 +6,10 @@ and Prometheus appends "_total" to counters, so `TrainingMetrics(...).update({"l
 They reach the endpoint about one export interval (`metrics_report_interval_ms`, 10 s by default) after being set.
 
 Gauges (last value): step, loss, lr, grad_norm, tokens_per_s (global), tokens_per_s_per_device, mfu (0..1),
-gpu_mem_peak_gib (rank 0, GPUs only), world_size, grad_accum, precision_fp8 (1 fp8, 0 bf16, 0.5 partly fallen back), samples_consumed, and timings
-checkpoint_save_s, checkpoint_load_s, restart_downtime_s, restart_setup_s.
+gpu_mem_peak_gib (rank 0, GPUs only), world_size, grad_accum, precision_fp8 (1 fp8, 0 bf16, 0.5 partly fallen
+back), samples_consumed, eval_loss, fp8_saturated_frac and fp8_underflow_frac (rank 0, while in FP8), and timings
+checkpoint_stall_s, checkpoint_save_s, checkpoint_load_s, restart_downtime_s, restart_setup_s.
+deploy/grafana/elastic-fp8.json charts them; tests/test_dashboard_grafana.py checks its queries against these names.
 Counters: divergences, fallbacks, rollbacks, restarts, workers_lost, checkpoints_saved, steps_skipped (or any
 name given to `count`).
 
@@ -31,6 +33,7 @@ PREFIX = "elastic_fp8_"
 GAUGES: dict[str, str] = {
     "step": "Optimizer step of the last logged step",
     "loss": "Training loss (LM loss) of the last logged step",
+    "eval_loss": "Loss on the held-out eval split at the last evaluation",
     "lr": "Learning rate",
     "grad_norm": "Global gradient norm before clipping",
     "tokens_per_s": "Training throughput, tokens per second over all workers",
@@ -41,6 +44,9 @@ GAUGES: dict[str, str] = {
     "grad_accum": "Gradient accumulation steps (recomputed at each (re)start)",
     "precision_fp8": "Precision state: 1 all FP8, 0 BF16, 0.5 partly fallen back",
     "samples_consumed": "Training samples consumed so far",
+    "fp8_saturated_frac": "Mean over FP8 layers of the sampled FP8 values at +-max (rank 0)",
+    "fp8_underflow_frac": "Mean over FP8 layers of the sampled nonzero inputs cast to zero (rank 0)",
+    "checkpoint_stall_s": "Seconds training stood still for the last checkpoint save (background: the host copy)",
     "checkpoint_save_s": "Seconds the last checkpoint save took",
     "checkpoint_load_s": "Seconds the last checkpoint load took (at a restart)",
     "restart_downtime_s": "Seconds from the last worker group's last step to the new group's first",
@@ -129,6 +135,13 @@ def event_metrics(event: Mapping[str, Any]) -> tuple[dict[str, int], dict[str, f
             if num(key) is not None:
                 gauges["checkpoint_save_s"] = num(key)
                 break
+    elif name == "checkpoint_timing":
+        if num("seconds") is not None:
+            gauges["checkpoint_stall_s"] = num("seconds")
+        # a background save's whole write took background_s; a synchronous save's is its stall
+        total = num("background_s") if event.get("background") else num("seconds")
+        if total is not None:
+            gauges["checkpoint_save_s"] = total
     elif name == "resume":
         counts["restarts"] = 1
         for src, dst in (("downtime_s", "restart_downtime_s"), ("setup_s", "restart_setup_s"),
