@@ -52,11 +52,15 @@ def worker_env(job: JobConfig) -> dict[str, str]:
 
 
 def driver_env(job: JobConfig) -> dict[str, str]:
-    """Ray Train knobs read by the controller and the worker group (ENV.md: report latency, start timeout)."""
+    """Ray Train knobs read by the controller and the worker group (ENV.md: report latency, start timeout), and
+    the state tracking behind the dashboard's Train view (read where the trainer is built: this driver)."""
+    from orchestration.observability.dashboard import state_tracking_env
+
     return {
         "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": str(job.cluster.health_check_interval_s),
         "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": str(job.cluster.worker_group_start_timeout_s),
         "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled"),
+        **state_tracking_env(),
     }
 
 
@@ -130,19 +134,25 @@ class ProgressPrinter:
 def start_ray(job: JobConfig, plan: RayPlan) -> bool:
     """Join plan.address, or start an embedded local cluster. Returns True when we started it (we stop it)."""
     import ray
+    from ray.job_config import JobConfig as RayJobConfig
+
+    from orchestration.observability.dashboard import job_metadata
 
     env = driver_env(job)
     os.environ.update(env)
     runtime_env = dict(job.cluster.runtime_env)
     runtime_env.setdefault("env_vars", {}).update(env)
+    # The run's name in the Name column of the dashboard's Jobs page (a job submitted with its own metadata keeps it).
+    job_config = RayJobConfig(metadata=job_metadata(plan.name))
     if plan.address:
-        ctx = ray.init(address=plan.address, runtime_env=runtime_env, log_to_driver=True)
+        ctx = ray.init(address=plan.address, runtime_env=runtime_env, job_config=job_config, log_to_driver=True)
         started = False
     else:
         cpus = max(job.cluster.max_workers * job.cluster.cpus_per_worker + 1, os.cpu_count() or 1)
-        # address="local": always a fresh cluster of our own, never a stray one found via /tmp/ray.
-        ctx = ray.init(address="local", num_cpus=int(cpus), runtime_env=runtime_env, include_dashboard=True,
-                       dashboard_host="127.0.0.1", log_to_driver=True)
+        # address="local": always a fresh cluster of our own, never a stray one found via /tmp/ray. The dashboard
+        # reads RAY_PROMETHEUS_HOST / RAY_GRAFANA_HOST from this process's environment (docs/deploy.md).
+        ctx = ray.init(address="local", num_cpus=int(cpus), runtime_env=runtime_env, job_config=job_config,
+                       include_dashboard=True, dashboard_host="127.0.0.1", log_to_driver=True)
         started = True
     url = getattr(ctx, "dashboard_url", None)
     if url:
