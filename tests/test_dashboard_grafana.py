@@ -108,3 +108,25 @@ def test_prometheus_config():
         "/tmp/ray/prom_metrics_service_discovery.json"]
     with pytest.raises(ValueError, match="must be > 0"):
         prometheus_config(Path("x.json"), scrape_interval_s=0)
+
+
+def test_kuberay_heads_point_the_dashboard_at_prometheus_and_grafana():
+    import yaml
+
+    from orchestration.observability.dashboard import MONITORING_ENV_KEYS
+
+    kuberay = REPO / "deploy" / "kuberay"
+    names = []
+    for manifest in ("raycluster-nvidia.yaml", "raycluster-amd.yaml"):
+        cluster = yaml.safe_load((kuberay / manifest).read_text())
+        names.append(cluster["metadata"]["name"])
+        (head,) = cluster["spec"]["headGroupSpec"]["template"]["spec"]["containers"]
+        env = {e["name"]: e["value"] for e in head["env"]}
+        assert {"RAY_PROMETHEUS_HOST", "RAY_GRAFANA_HOST", "RAY_GRAFANA_IFRAME_HOST"} <= set(env), manifest
+        assert set(env) <= set(MONITORING_ENV_KEYS), manifest
+        assert all(v.startswith("http://") for v in env.values())
+    (monitor,) = yaml.safe_load_all((kuberay / "monitoring.yaml").read_text())
+    assert monitor["kind"] == "PodMonitor"
+    (selector,) = monitor["spec"]["selector"]["matchExpressions"]
+    assert selector["key"] == "ray.io/cluster" and sorted(selector["values"]) == sorted(names)
+    assert [e["port"] for e in monitor["spec"]["podMetricsEndpoints"]] == ["metrics"]
