@@ -31,11 +31,13 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.worker_throughput import read_jsonl, summarize_run
 
-# Full depth, one host. Tokens per GPU a step: Llama3-8B 8192 (torchtitan's seq 8192, batch 1); DeepSeek-MoE-16B 4096
-# (seq 4096, batch 1: its fp32 master weights, gradients and AdamW states are 16 bytes a parameter, 33 GB a GPU at 8
-# GPUs, which leaves an H100 room for one sequence's activations; `python launch.py ... dry_run=true` plans it).
+# Full depth, one host. Tokens per GPU a step: Llama3-8B 8192 (torchtitan's seq 8192, batch 1) with activation
+# checkpointing: the dry-run plan at 8 GPUs needs 77.8 GiB a GPU without it (56.2 of activations), more than an H100's
+# 71 usable, and 29.4 GiB with it (on H200s, `--common model.activation_checkpointing=false` fits); DeepSeek-MoE-16B
+# 4096 (seq 4096, batch 1: 60.7 GiB a GPU at 8 GPUs, its fp32 masters, gradients and AdamW states 30.5 of them).
 MODELS = {
-    "llama3_8b": ["model=llama3_8b", "data.seq_len=8192", "train.micro_batch_size=1"],
+    "llama3_8b": ["model=llama3_8b", "model.activation_checkpointing=true", "data.seq_len=8192",
+                  "train.micro_batch_size=1"],
     "deepseek_moe16b": ["model=deepseek_moe16b", "data.seq_len=4096", "train.micro_batch_size=1"],
 }
 DEBUG_MODELS = {
