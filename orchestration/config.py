@@ -128,16 +128,33 @@ class ClusterConfig:
     fabric: str = "none"
 
 
+DATA_KINDS = ("stdlib", "tokenized")
+
+
 @dataclass
 class DataConfig:
+    # The conf/data group: "stdlib" reads raw bytes of text files on the fly (source, glob, max_files below);
+    # "tokenized" reads a corpus prepared by `python -m orchestration.data.prepare` (path). docs/data.md.
+    name: str = "stdlib"
     # "python_stdlib": the bytes of this interpreter's standard library sources (present on every machine);
     # otherwise an absolute path to a directory or a file of text.
     source: str = "python_stdlib"
     seq_len: int = 128
     seed: int = 1234
-    # Files whose name matches this glob are read from a directory source.
+    # Files whose name matches this glob are read from a directory source; the first max_files (sorted) are the
+    # training data, the files after them the held-out data of train.eval_every.
     glob: str = "*.py"
     max_files: int = 400
+    # data=tokenized: absolute path of the prepared directory (manifest.json and its token shards).
+    path: str | None = None
+    # "bytes" (data=stdlib), or for data=tokenized null (the manifest's tokenizer) or the tokenizer.json the corpus
+    # was prepared with (checked against the manifest's sha256).
+    tokenizer: str | None = "bytes"
+    # Validation sequences of data.seq_len tokens per evaluation (train.eval_every): the same ones at any world size.
+    eval_sequences: int = 32
+    # Set when the config is loaded, not by users: the sha256 of the prepared corpus's manifest.json (names corpus,
+    # tokenizer and split; a resume on another one is refused, orchestration.driver.ray_job.RESUME_KEYS).
+    manifest_sha256: str | None = None
 
 
 @dataclass
@@ -156,6 +173,9 @@ class TrainConfig:
     beta2: float = 0.95
     grad_clip: float = 1.0
     log_every: int = 5
+    # Held-out evaluation every this many steps and at the last step (orchestration/training/evaluation.py):
+    # data.eval_sequences validation sequences, logged as eval_loss. 0 = never.
+    eval_every: int = 50
     seed: int = 0
     # FSDP2 sharding when world_size > 1 ("fsdp") or plain DDP-style gradient all-reduce ("none").
     sharding: str = "fsdp"
@@ -375,12 +395,14 @@ def to_dict(job: JobConfig) -> dict[str, Any]:
 
 
 SECRET_MARKERS = ("key", "token", "password", "secret")
+# Names with a marker in them that hold no credential: data.tokenizer is a file path a resume and W&B must show.
+NOT_SECRET_KEYS = ("tokenizer",)
 
 
 def is_secret_key(key: Any) -> bool:
     """The one rule for what counts as a credential (config.yaml masks it, W&B drops it)."""
     k = str(key).lower()
-    return any(marker in k for marker in SECRET_MARKERS)
+    return k not in NOT_SECRET_KEYS and any(marker in k for marker in SECRET_MARKERS)
 
 
 def redact_secrets(data: Any) -> Any:

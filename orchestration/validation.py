@@ -137,6 +137,9 @@ def validate(job: JobConfig) -> None:
         _require(os.path.isabs(d.source) and os.path.exists(d.source), "data.source",
                  f"'{d.source}' must be 'python_stdlib' or an absolute path to an existing file or directory")
     _require(d.max_files >= 1, "data.max_files", "must be >= 1")
+    from orchestration.data.select import resolve_data  # reads a prepared corpus's manifest; sizes the vocabulary
+
+    resolve_data(job)
 
     t = job.train
     _require(t.steps >= 1, "train.steps", f"must be >= 1, got {t.steps}")
@@ -149,6 +152,7 @@ def validate(job: JobConfig) -> None:
     _require(0 <= t.beta1 < 1 and 0 <= t.beta2 < 1, "train.beta1/beta2", "must be in [0, 1)")
     _require(t.grad_clip > 0, "train.grad_clip", "must be > 0")
     _require(t.log_every >= 1, "train.log_every", "must be >= 1")
+    _require(t.eval_every >= 0, "train.eval_every", f"must be >= 0 (0 = no evaluation), got {t.eval_every}")
     _require(t.sharding in ("fsdp", "none"), "train.sharding", f"'{t.sharding}' is not one of ('fsdp', 'none')")
     _require(t.adamw in ("auto", "triton", "torch"), "train.adamw",
              f"'{t.adamw}' is not one of ('auto', 'triton', 'torch')")

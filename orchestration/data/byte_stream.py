@@ -22,7 +22,8 @@ def python_stdlib_dir() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 
 
-def collect_text_files(source: Path, glob: str, max_files: int) -> list[Path]:
+def collect_text_files(source: Path, glob: str, max_files: int | None) -> list[Path]:
+    """The source's files matching `glob`, sorted, the first `max_files` of them (None: all)."""
     if source.is_file():
         return [source]
     if not source.is_dir():
@@ -42,6 +43,8 @@ WINDOW_RULE = 2
 
 
 class ByteTextDataset:
+    vocab_size = VOCAB_SIZE
+
     def __init__(self, files: list[Path], seq_len: int, seed: int, window_rule: int = WINDOW_RULE):
         if window_rule not in WINDOW_RULES:
             raise ValueError(f"window_rule must be one of {WINDOW_RULES}, got {window_rule!r}")
@@ -66,4 +69,36 @@ class ByteTextDataset:
     def batch(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Inputs and next-byte targets for global samples [start, end)."""
         rows = torch.stack([self.sample(i) for i in range(start, end)])
+        return rows[:, :-1], rows[:, 1:]
+
+
+class HeldOutBytes:
+    """Validation sequences of the byte stream: consecutive, non-overlapping windows of seq_len + 1 bytes over the
+    files past the training ones (data.max_files), joined as the training files are. Only the files the first
+    `n_sequences` windows need are read."""
+
+    def __init__(self, files: list[Path], seq_len: int, n_sequences: int):
+        need = n_sequences * seq_len + 1
+        chunks, size = [], 0
+        for path in files:
+            chunks.append(path.read_bytes())
+            size += len(chunks[-1]) + 1
+            if size >= need:
+                break
+        self.corpus = np.frombuffer(b"\n".join(chunks), dtype=np.uint8)
+        self.seq_len = seq_len
+        self.files = files[:len(chunks)]
+
+    def validation_capacity(self) -> int:
+        return max(0, (len(self.corpus) - 1) // self.seq_len)
+
+    def validation_batch(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs and targets of validation sequences [start, end): sequence j is bytes [j * seq_len, (j + 1) *
+        seq_len] of the held-out files."""
+        if end > self.validation_capacity():
+            raise ValueError(f"the held-out files ({len(self.files)} after data.max_files) hold "
+                             f"{self.validation_capacity()} sequences of {self.seq_len} bytes, asked for {end}: lower "
+                             "data.eval_sequences or data.max_files")
+        rows = torch.stack([torch.from_numpy(self.corpus[j * self.seq_len:(j + 1) * self.seq_len + 1].astype(np.int64))
+                            for j in range(start, end)])
         return rows[:, :-1], rows[:, 1:]

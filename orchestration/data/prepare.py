@@ -30,7 +30,14 @@ from typing import Any
 
 import numpy as np
 
-from orchestration.data.sources import DEFAULT_INCLUDE, Source, SourceError, find_sources, read_documents
+from orchestration.data.sources import (
+    DEFAULT_EXCLUDE,
+    DEFAULT_INCLUDE,
+    Source,
+    SourceError,
+    find_sources,
+    read_documents,
+)
 from orchestration.data.tokenizer import Tokenizer, TokenizerError, load_tokenizer
 
 LOG = logging.getLogger("orchestration.data.prepare")
@@ -266,7 +273,7 @@ def prepare(args: argparse.Namespace) -> dict[str, Any]:
     if args.shard_tokens < 1:
         raise PrepareError(f"--shard-tokens must be >= 1, got {args.shard_tokens}")
     tokenizer = load_tokenizer(args.tokenizer, args.eos_token)
-    sources = find_sources(args.input, tuple(args.include))
+    sources = find_sources(args.input, tuple(args.include), tuple(args.exclude))
     settings = settings_of(args, tokenizer, sources)
     out = Path(args.out)
     if out.exists() and not out.is_dir():
@@ -356,6 +363,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--text-field", default="text", help="field of .jsonl lines / column of .parquet files")
     parser.add_argument("--include", nargs="+", default=list(DEFAULT_INCLUDE),
                         help="patterns of the files read from directory inputs")
+    parser.add_argument("--exclude", nargs="+", default=list(DEFAULT_EXCLUDE),
+                        help="names (or patterns) of directories not searched below directory inputs, e.g. "
+                             "site-packages")
     parser.add_argument("--eos-token", default=None,
                         help="the tokenizer's end-of-document token (default: the first it has of <|endoftext|>, "
                              "<|end_of_text|>, DeepSeek's end of sentence, </s>, <eos>)")

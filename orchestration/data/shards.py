@@ -120,6 +120,8 @@ class TokenStream:
 class TokenizedDataset:
     """Training samples and validation sequences of a prepared corpus (the byte stream's interface)."""
 
+    window_rule = 2  # the byte stream's current rule (every token reachable); the only one a prepared corpus has
+
     def __init__(self, root: Path, seq_len: int, seed: int):
         self.root = root
         self.manifest = load_manifest(root)

@@ -8,6 +8,7 @@ dropped) so the same inputs always give the same documents in the same order.
 
 from __future__ import annotations
 
+import fnmatch
 import glob as globlib
 import json
 from collections.abc import Iterator
@@ -16,6 +17,8 @@ from pathlib import Path
 
 # What a directory input contributes (a file named explicitly is always read, whatever its extension).
 DEFAULT_INCLUDE = ("*.txt", "*.md", "*.rst", "*.py", "*.jsonl", "*.parquet")
+# Directories below a directory input that are never searched (their names, or glob patterns of them).
+DEFAULT_EXCLUDE = ("__pycache__", ".git")
 
 
 class SourceError(ValueError):
@@ -32,9 +35,11 @@ class Source:
         return {".jsonl": "jsonl", ".parquet": "parquet"}.get(self.path.suffix, "text")
 
 
-def find_sources(inputs: list[str], include: tuple[str, ...] = DEFAULT_INCLUDE) -> list[Source]:
-    """The files named by `inputs` (files, directories, globs), in a fixed order. Raises SourceError for an input
-    that matches nothing and for an empty result."""
+def find_sources(inputs: list[str], include: tuple[str, ...] = DEFAULT_INCLUDE,
+                 exclude: tuple[str, ...] = DEFAULT_EXCLUDE) -> list[Source]:
+    """The files named by `inputs` (files, directories, globs), in a fixed order; below a directory input, files
+    matching `include` outside directories named by `exclude`. Raises SourceError for an input that matches nothing
+    and for an empty result."""
     seen: set[Path] = set()
     sources: list[Source] = []
     for spec in inputs:
@@ -42,8 +47,8 @@ def find_sources(inputs: list[str], include: tuple[str, ...] = DEFAULT_INCLUDE) 
         if path.is_file():
             found = [path]
         elif path.is_dir():
-            found = sorted(p for pattern in include for p in path.rglob(pattern)
-                           if p.is_file() and "__pycache__" not in p.parts)
+            found = sorted({p for pattern in include for p in path.rglob(pattern)
+                            if p.is_file() and not _excluded(p.relative_to(path).parts[:-1], exclude)})
         elif globlib.has_magic(spec):
             found = sorted(Path(p) for p in globlib.glob(spec, recursive=True) if Path(p).is_file())
         else:
@@ -58,6 +63,10 @@ def find_sources(inputs: list[str], include: tuple[str, ...] = DEFAULT_INCLUDE) 
     if not sources:
         raise SourceError("no input files: pass --input with files, directories or glob patterns")
     return sources
+
+
+def _excluded(directories: tuple[str, ...], exclude: tuple[str, ...]) -> bool:
+    return any(fnmatch.fnmatchcase(name, pattern) for name in directories for pattern in exclude)
 
 
 def read_documents(source: Source, text_field: str = "text") -> Iterator[str]:
@@ -78,8 +87,8 @@ def _read_text(path: Path) -> str:
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise SourceError(f"{path} is not UTF-8 text (byte {exc.start}: {exc.reason}); convert it, leave it out, or "
-                          "pass --skip-bad-files") from None
+        raise SourceError(f"{path} is not UTF-8 text (byte {exc.start}: {exc.reason}); convert it or leave it out "
+                          "(--skip-bad-files)") from None
 
 
 def _jsonl_documents(path: Path, text_field: str) -> Iterator[str]:

@@ -14,7 +14,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from orchestration.data.sources import DEFAULT_INCLUDE, SourceError, find_sources, read_documents
+from orchestration.data.sources import DEFAULT_EXCLUDE, DEFAULT_INCLUDE, SourceError, find_sources, read_documents
 
 EOS_TOKEN = "<|endoftext|>"
 LOG = logging.getLogger("orchestration.data.train_tokenizer")
@@ -45,6 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--text-field", default="text", help="field of .jsonl lines / column of .parquet files")
     parser.add_argument("--include", nargs="+", default=list(DEFAULT_INCLUDE),
                         help="patterns of the files read from directory inputs")
+    parser.add_argument("--exclude", nargs="+", default=list(DEFAULT_EXCLUDE),
+                        help="names (or patterns) of directories not searched below directory inputs, e.g. "
+                             "site-packages")
     parser.add_argument("--min-frequency", type=int, default=2, help="pairs seen fewer times are not merged")
     parser.add_argument("--skip-bad-files", action="store_true",
                         help="leave out files that cannot be read (named in a warning) instead of stopping")
@@ -52,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
     try:
-        sources = find_sources(args.input, tuple(args.include))
+        sources = find_sources(args.input, tuple(args.include), tuple(args.exclude))
     except SourceError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -126,6 +126,9 @@ class ProgressPrinter:
         m = records[-1]
         self._last_step = m["step"]
         loss = f"{m['loss']:.4f}" if m.get("loss") is not None else "nan"
+        evals = [r for r in records if r.get("eval_loss") is not None]
+        if evals:  # the latest held-out loss and its step
+            loss += f"  eval {evals[-1]['eval_loss']:.4f} @{evals[-1]['step']}"
         print(f"[progress] step {m['step']:>6}/{self.total_steps}  loss {loss}  "
               f"tok/s {m.get('tokens_per_s') or 0:,.0f}  world {m.get('world_size')}  "
               f"precision {m.get('precision')}", flush=True)
@@ -164,7 +167,7 @@ def start_ray(job: JobConfig, plan: RayPlan) -> bool:
 # the sample each data index maps to. Everything else (steps, lr, world size, monitors, cluster) may change.
 RESUME_KEYS = ("model.name", "model.overrides", "precision.name", "precision.recipe", "precision.fp8_min_gemm_width",
                "precision.fp8_output_head", "precision.fp8_experts", "data.source", "data.glob", "data.max_files",
-               "data.seq_len", "data.seed")
+               "data.seq_len", "data.seed", "data.name", "data.manifest_sha256")
 
 
 _ABSENT = object()
@@ -342,6 +345,8 @@ def print_summary(summary: dict[str, Any]) -> None:
              f"({summary.get('checkpoint_background_saves')} in the background)")
     rows = [("status", summary["status"]), ("final step", summary["final_step"]),
             ("first loss", _fmt(summary["first_loss"])), ("final loss", _fmt(summary["final_loss"])),
+            ("final eval loss", (f"{_fmt(summary.get('final_eval_loss'))} (step {summary.get('final_eval_step')}, "
+                                 f"{_fmt(summary.get('eval_s_mean'), '.2f')} s per eval)")),
             ("tokens/s (mean)", _fmt(summary["tokens_per_s"], ",.0f")),
             ("world sizes seen", summary["world_sizes_seen"]), ("restarts", summary["restarts"]),
             ("rollbacks", summary["rollbacks"]), ("fallbacks to bf16", summary["fallbacks"]),

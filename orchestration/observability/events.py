@@ -103,6 +103,7 @@ def summarize(run_dir: Path, status: str, wall_time_s: float | None = None) -> d
 
     starts = [e for e in events if e["event"] == "worker_group_start"]
     losses = [m for m in metrics if m.get("loss") is not None]
+    evals = [m for m in metrics if m.get("eval_loss") is not None]
     tput = [m["tokens_per_s"] for m in metrics if m.get("tokens_per_s")]
     restart_timings = [
         {k: e.get(k) for k in ("from_step", "world_size", "downtime_s", "setup_s", "checkpoint_load_s")}
@@ -116,6 +117,11 @@ def summarize(run_dir: Path, status: str, wall_time_s: float | None = None) -> d
         "final_step": final_state.get("step", metrics[-1]["step"] if metrics else 0),
         "first_loss": losses[0]["loss"] if losses else None,
         "final_loss": losses[-1]["loss"] if losses else None,
+        # Held-out loss of the last evaluation (train.eval_every; the last step always evaluates), and what an
+        # evaluation cost in seconds on average.
+        "final_eval_loss": evals[-1]["eval_loss"] if evals else None,
+        "final_eval_step": evals[-1]["step"] if evals else None,
+        "eval_s_mean": round(sum(m.get("eval_s", 0.0) for m in evals) / len(evals), 4) if evals else None,
         "world_sizes_seen": sorted({e["world_size"] for e in starts}),
         "restarts": max(0, len(starts) - 1),
         "rollbacks": count("rollback"),

@@ -52,6 +52,8 @@ class RunSeries:
     label: str
     loss_steps: list[int] = field(default_factory=list)
     loss: list[float] = field(default_factory=list)
+    eval_steps: list[int] = field(default_factory=list)  # held-out evaluations (train.eval_every)
+    eval_loss: list[float] = field(default_factory=list)
     throughput_steps: list[int] = field(default_factory=list)
     tokens_per_s: list[float] = field(default_factory=list)
     mfu_steps: list[int] = field(default_factory=list)
@@ -130,6 +132,9 @@ def run_series(run: RunData) -> RunSeries:
         if _num(m.get("loss")) is not None:
             s.loss_steps.append(step)
             s.loss.append(m["loss"])
+        if _num(m.get("eval_loss")) is not None:
+            s.eval_steps.append(step)
+            s.eval_loss.append(m["eval_loss"])
         if _num(m.get("tokens_per_s")) is not None:
             s.throughput_steps.append(step)
             s.tokens_per_s.append(m["tokens_per_s"])
@@ -210,6 +215,7 @@ def _config_field(config: dict[str, Any], group: str, key: str = "name") -> str 
 def run_stats(run: RunData, series: RunSeries) -> dict[str, Any]:
     """One row of the summary table."""
     loss = effective_curve(series.loss_steps, series.loss)
+    evals = effective_curve(series.eval_steps, series.eval_loss)
     finite_tps = [t for t in series.tokens_per_s if math.isfinite(t)]
     precision = _config_field(run.config, "precision") or (series.precision[0] if series.precision else None)
     recipe = _config_field(run.config, "precision", "recipe") if precision != "bf16" else None
@@ -222,6 +228,7 @@ def run_stats(run: RunData, series: RunSeries) -> dict[str, Any]:
         "status": run.summary.get("status") or _last_status(run.events),
         "final_step": max(loss) if loss else run.summary.get("final_step"),
         "final_loss": loss[max(loss)] if loss else run.summary.get("final_loss"),
+        "final_eval_loss": evals[max(evals)] if evals else run.summary.get("final_eval_loss"),
         "median_tokens_per_s": statistics.median(finite_tps) if finite_tps else None,
         "mean_mfu": statistics.fmean(series.mfu) if series.mfu else None,
         "world_sizes": sizes,
@@ -287,13 +294,16 @@ def plot_loss(series: list[RunSeries], path: Path):
     for i, s in enumerate(series):
         for j, (x, y) in enumerate(segments(s.loss_steps, s.loss)):
             ax.plot(x, y, color=_color(i), linewidth=1.2, label=s.label if j == 0 else None, gid=f"data:{s.label}")
+        for j, (x, y) in enumerate(segments(s.eval_steps, s.eval_loss)):
+            ax.plot(x, y, color=_color(i), linewidth=1.2, linestyle="--", marker="o", markersize=3,
+                    label=f"{s.label} (held-out eval)" if j == 0 else None, gid=f"eval:{s.label}")
         _mark_events(ax, s, _color(i))
     finite = sorted(v for s in series for v in s.loss if math.isfinite(v) and v > 0)
     if finite and finite[-1] > 4 * finite[len(finite) // 2]:
         ax.set_yscale("log")  # a spike (the thing to look at) would flatten the rest of the curve
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
-    ax.set_title("Training loss (dashed: FP8->BF16 fallback, dotted: rollback)")
+    ax.set_title("Training loss, held-out eval loss (o--) (vertical dashed: FP8->BF16 fallback, dotted: rollback)")
     ax.grid(alpha=0.3)
     if series:
         ax.legend()
@@ -420,6 +430,7 @@ def plot_world_size(series: list[RunSeries], path: Path):
 
 _COLUMNS = [("run", "run"), ("model", "model"), ("precision", "precision"), ("recipe", "recipe"),
             ("status", "status"), ("final_step", "steps"), ("final_loss", "final loss"),
+            ("final_eval_loss", "final eval loss"),
             ("median_tokens_per_s", "median tokens/s"), ("mean_mfu", "mean MFU"), ("world_sizes", "world sizes"),
             ("restarts", "restarts"), ("fallbacks", "fallbacks"), ("rollbacks", "rollbacks")]
 
@@ -429,7 +440,7 @@ def _fmt(key: str, value: Any) -> str:
         return "-"
     if key == "mean_mfu":
         return f"{100 * value:.1f}%"
-    if key == "final_loss":
+    if key in ("final_loss", "final_eval_loss"):
         return f"{value:.4f}"
     if key == "median_tokens_per_s":
         return f"{value:,.0f}"
@@ -497,15 +508,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m orchestration.report", description=__doc__.split("\n\n")[0])
     parser.add_argument("run_dirs", nargs="*", type=Path, help="run directories (or a sweep directory of them)")
     parser.add_argument("--out", type=Path, default=None,
-                        help="output directory (default: <first run directory's parent>/report, or <sweep dir>/report)")
+                        help="output directory (default: <first run directory's parent>/report, or <sweep dir>/report; "
+                             "with --gate: the FP8 run directory)")
+    parser.add_argument("--gate", nargs=2, type=Path, metavar=("BF16_RUN", "FP8_RUN"),
+                        help="FP8 quality gate instead of the report: held-out eval loss of FP8_RUN against BF16_RUN at "
+                             "matching steps; exit 1 when a gap exceeds --max-rel-gap (orchestration/observability/"
+                             "quality_gate.py)")
+    parser.add_argument("--max-rel-gap", type=float, default=0.01,
+                        help="largest (eval_fp8 - eval_bf16) / eval_bf16 the gate accepts (default 0.01)")
     parser.add_argument("--scaling", type=Path, metavar="PLAN",
                         help="plot the scaling prediction of a dry run's plan (its output or PLAN json; dry_run=true "
                              "cluster.fabric=<preset>) into --out/scaling.png instead of the report")
     args = parser.parse_args(argv)
     if args.scaling:
         return scaling_main(args.scaling, args.out)
+    if args.gate:
+        if args.run_dirs:
+            parser.error("--gate takes its two run directories itself; drop the other run directories")
+        return gate_main(args.gate[0], args.gate[1], args.max_rel_gap, args.out)
     if not args.run_dirs:
-        parser.error("give run directories to report on")
+        parser.error("give run directories to report on (or --gate BF16_RUN FP8_RUN)")
     first = args.run_dirs[0].resolve()
     out = args.out or (first.parent / "report" if is_run_dir(first) else first / "report")
     try:
@@ -516,6 +538,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(report.read_text())
     print(f"report: {report} (+ report.html, {', '.join(PLOTS)}) in {out}")
     return 0
+
+
+def gate_main(bf16_run: Path, fp8_run: Path, max_rel_gap: float, out: Path | None) -> int:
+    from orchestration.observability.quality_gate import run_gate
+
+    try:
+        result, table, plot = run_gate(bf16_run, fp8_run, max_rel_gap, out)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(table)
+    print(f"plot: {plot}")
+    return 0 if result.passed else 1
 
 
 if __name__ == "__main__":

@@ -24,7 +24,8 @@ from fp8.linear import Float8Linear
 from models.loss import head_fuses_loss, model_lm_loss
 from optim import ChunkedAdamW, clip_and_step
 from orchestration.config import JobConfig
-from orchestration.data.byte_stream import ByteTextDataset, collect_text_files, python_stdlib_dir
+from orchestration.data.byte_stream import VOCAB_SIZE as BYTE_VOCAB_SIZE
+from orchestration.data.select import build_datasets
 from orchestration.divergence.guard import StepGuard
 from orchestration.observability.events import (
     CONFIG_FILE,
@@ -80,13 +81,8 @@ def lr_at(step: int, job: JobConfig) -> float:
     return t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def build_dataset(job: JobConfig) -> ByteTextDataset:
-    source = python_stdlib_dir() if job.data.source == "python_stdlib" else Path(job.data.source)
-    files = collect_text_files(source, job.data.glob, job.data.max_files)
-    return ByteTextDataset(files, job.data.seq_len, job.data.seed)
-
-
-def build_training_model(job: JobConfig, world_size: int, device: torch.device):
+def build_training_model(job: JobConfig, world_size: int, device: torch.device,
+                         data_vocab_size: int = BYTE_VOCAB_SIZE):
     """Model -> FP8 conversion -> FSDP2 -> materialize. Returns (model, fp8_recipe or None)."""
     from models.registry import build_model
 
@@ -94,7 +90,7 @@ def build_training_model(job: JobConfig, world_size: int, device: torch.device):
     # time (init_weights_by_unit): no full copy on the host (a 70B model is 280 GB in fp32; even 4 layers of the
     # 8B model took ~35 s to initialise on one CPU thread), the same weights at every world size.
     model = build_model(job.model.name, device="meta", overrides=dict(job.model.overrides))
-    require_vocab_covers_data(model, job.model.name)
+    require_vocab_covers_data(model, job.model.name, data_vocab_size)
     recipe = None
     if job.precision.name == "fp8":
         import fp8
@@ -135,16 +131,15 @@ def build_training_model(job: JobConfig, world_size: int, device: torch.device):
     return model, recipe
 
 
-def require_vocab_covers_data(model: torch.nn.Module, model_name: str) -> None:
-    """The byte-level data's token ids (0..255) must be rows of the model's vocabulary: a smaller vocabulary would fail
-    at the first step (an index error in the embedding or the loss; on a GPU the fused FP8 head's loss kernel does not
-    check targets), so refuse it at start-up, naming the setting."""
-    from orchestration.data.byte_stream import VOCAB_SIZE
-
+def require_vocab_covers_data(model: torch.nn.Module, model_name: str, data_vocab_size: int) -> None:
+    """The data's token ids (0..data_vocab_size-1: bytes, or a prepared corpus's tokenizer) must be rows of the model's
+    vocabulary: a smaller vocabulary would fail at the first step (an index error in the embedding or the loss; on a
+    GPU the fused FP8 head's loss kernel does not check targets). The config check refuses it before Ray starts
+    (orchestration.data.select.fit_model_vocab); this one covers a worker started without it (torchrun, tests)."""
     vocab = getattr(getattr(model, "args", None), "vocab_size", None)
-    if vocab is not None and vocab < VOCAB_SIZE:
-        raise ValueError(f"model {model_name} has vocab_size={vocab}, below the {VOCAB_SIZE} token ids of the "
-                         f"byte-level data; set model.overrides.vocab_size to at least {VOCAB_SIZE}")
+    if vocab is not None and vocab < data_vocab_size:
+        raise ValueError(f"model {model_name} has vocab_size={vocab}, below the {data_vocab_size} token ids of the "
+                         f"data; set model.overrides.vocab_size to at least {data_vocab_size}")
 
 
 def require_fp8_output_head(model: torch.nn.Module, model_name: str) -> None:
@@ -276,9 +271,10 @@ class Trainer:
         # Set by the Ray driver (orchestration.driver.ray_job); torchrun and in-process tests run without Ray reports.
         self.under_ray = config.get("launcher") == "ray"
         self.plan: BatchPlan = plan_batch(job.train.global_batch_size, job.train.micro_batch_size, self.world_size)
-        self.dataset = build_dataset(job)
+        self.dataset, self.validation = build_datasets(job)
+        self.eval_sequences = self.check_validation_set()
         torch.manual_seed(job.train.seed)
-        self.model, self.recipe = build_training_model(job, self.world_size, self.device)
+        self.model, self.recipe = build_training_model(job, self.world_size, self.device, self.dataset.vocab_size)
         self.compiled = compile_enabled(job, self.device)  # the loss follows the blocks
         self.cuda_graphs = self.compiled and job.model.compile_mode == "reduce-overhead" and self.device.type == "cuda"
         self.optimizer = make_optimizer(job, self.device, self.model.parameters())
@@ -354,6 +350,8 @@ class Trainer:
                    micro_batch_size=self.plan.micro_batch_size, backend=self.info.backend,
                    device=str(self.device), group_id=self.group_id, precision=self.state.precision,
                    recipe=self.recipe, adamw=type(self.optimizer).__name__)
+        if self.eval_unavailable:
+            self.event("eval_unavailable", reason=self.eval_unavailable)
         if info is not None:
             last_group = [e for e in previous if e["event"] == "worker_group_start"]
             # Last sign of life of the previous group: its newest event or metrics line.
@@ -398,6 +396,14 @@ class Trainer:
         if saved_model is not None and saved_model != self.job.model.name:
             raise ValueError(f"run directory {self.run_dir.path} holds checkpoints of model '{saved_model}', not "
                              f"'{self.job.model.name}': choose a new run_name (nothing was changed on disk)")
+        saved_corpus, corpus = extra.get("data_corpus"), getattr(self.dataset, "identity", None)
+        if (saved_corpus is not None or corpus is not None) and saved_corpus != corpus:
+            what = ("the byte stream (data=stdlib)" if saved_corpus is None else "data=tokenized" if corpus is None
+                    else "; ".join(f"{k} saved {saved_corpus.get(k)!r}, now {corpus.get(k)!r}" for k in sorted(corpus)
+                                   if saved_corpus.get(k) != corpus.get(k)))
+            raise ValueError(f"run directory {self.run_dir.path} was trained on another corpus ({what}): resuming would "
+                             "not replay the same samples; point data.path at that corpus or choose a new run_name "
+                             "(nothing was changed on disk)")
         saved_data = extra.get("data_fingerprint")
         if saved_data is not None and saved_data != self.dataset.fingerprint:
             raise ValueError(f"run directory {self.run_dir.path} was trained on another corpus (fingerprint "
@@ -440,6 +446,8 @@ class Trainer:
                                  "model": self.job.model.name,
                                  "guard": self.guard.state_dict(), "data_fingerprint": self.dataset.fingerprint,
                                  "data_sampling": self.data_sampling()}
+        if getattr(self.dataset, "identity", None) is not None:  # a prepared corpus: what a resume must find again
+            extra["data_corpus"] = self.dataset.identity
         if self.recipe is not None:
             import fp8
 
@@ -607,9 +615,14 @@ class Trainer:
                 group["lr"] = job.train.lr * lr_at(self.state.step, job) * self.state.lr_scale
             self.scheduler.last_epoch = self.state.step
             tokens_since_log += self.tokens_per_step
-            if self.state.step % job.train.log_every == 0 or self.state.step == job.train.steps:
+            eval_fields = self.maybe_evaluate()
+            if eval_fields or self.state.step % job.train.log_every == 0 or self.state.step == job.train.steps:
                 now = time.time()
-                self.log_metrics(weighted_loss, aux, grad_norm, tokens_since_log / max(now - t_last_log, 1e-9), now - t0)
+                # The eval's seconds are not training time: left out of tokens/s and of the step's time.
+                eval_s = eval_fields.get("eval_s", 0.0)
+                self.log_metrics(weighted_loss, aux, grad_norm,
+                                 tokens_since_log / max(now - t_last_log - eval_s, 1e-9), now - t0 - eval_s,
+                                 eval_fields)
                 t_last_log, tokens_since_log = now, 0
             self.maybe_mark_good()
             if self.state.step % job.checkpoint.every_steps == 0 and self.state.step < job.train.steps:
@@ -653,8 +666,42 @@ class Trainer:
                 self.ckpt.mark_good(step)  # emits checkpoint_good, ends the wait
                 self.ckpt.awaiting_good.discard(step)
 
+    def check_validation_set(self) -> int:
+        """Validation sequences per evaluation: data.eval_sequences, or 0 when train.eval_every=0 or the byte stream
+        has no held-out file (a one-file data.source; an event says so). Too few sequences in the held-out data is
+        an error naming what to change."""
+        job = self.job
+        self.eval_unavailable: str | None = None  # why evaluation is off though train.eval_every asks for it
+        if job.train.eval_every == 0:
+            return 0
+        if self.validation is None:
+            self.eval_unavailable = (f"no held-out data: data.source={job.data.source!r} has no files after the first "
+                                     f"data.max_files={job.data.max_files}; point data.source at a directory with more "
+                                     "files, or set train.eval_every=0")
+            return 0
+        capacity = self.validation.validation_capacity()
+        if capacity < job.data.eval_sequences:
+            raise ValueError(f"the held-out data holds {capacity} sequences of data.seq_len={job.data.seq_len} tokens, "
+                             f"fewer than data.eval_sequences={job.data.eval_sequences}: lower data.eval_sequences, "
+                             "prepare the corpus with a larger --val-fraction, or set train.eval_every=0")
+        return job.data.eval_sequences
+
+    def maybe_evaluate(self) -> dict[str, Any]:
+        """At every train.eval_every-th step and the last one: the held-out loss of the weights as they are now (in
+        the precision the run has in force), and its seconds. Collective: every rank gets here at the same step."""
+        job = self.job
+        due = self.eval_sequences and (self.state.step % job.train.eval_every == 0 or self.state.step == job.train.steps)
+        if not due:
+            return {}
+        from orchestration.training.evaluation import evaluate
+
+        t0 = time.time()
+        eval_loss = evaluate(self.model, self.validation, self.eval_sequences, self.plan.micro_batch_size, self.rank,
+                             self.world_size, self.device, lambda x, y: self.compute_loss(x, y)[0])
+        return {"eval_loss": eval_loss, "eval_s": round(time.time() - t0, 4), "eval_sequences": self.eval_sequences}
+
     def log_metrics(self, loss: torch.Tensor, aux: torch.Tensor, grad_norm: torch.Tensor, tokens_per_s: float,
-                    step_time_s: float) -> None:
+                    step_time_s: float, eval_fields: dict[str, Any] | None = None) -> None:
         values = torch.stack([loss.float(), aux.float(), grad_norm.float()])
         if self.world_size > 1:
             torch.distributed.all_reduce(values)
@@ -664,7 +711,8 @@ class Trainer:
                   "lr": self.optimizer.param_groups[0]["lr"], "grad_norm": gn_v, "tokens_per_s": tokens_per_s,
                   "step_time_s": step_time_s, "world_size": self.world_size, "precision": self.state.precision,
                   "samples_consumed": count_in_ranges(self.state.consumed_ranges), "mfu": self.mfu(tokens_per_s),
-                  "gpu_mem_peak_gib": self.peak_memory_gib(), "time": time.time(), **self.guard.policy_metrics()}
+                  "gpu_mem_peak_gib": self.peak_memory_gib(), "time": time.time(), **self.guard.policy_metrics(),
+                  **(eval_fields or {})}
         if isinstance(self.optimizer, ChunkedAdamW):
             # Launches of our AdamW kernel, steps the guard gated off included (a step it cannot take goes through
             # torch's AdamW: this shows which).
