@@ -16,10 +16,12 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
 
+from orchestration.observability import dashboard as dash
 from orchestration.observability.events import read_jsonl
 from tests.conftest import REPO, launch, which_ray
 from tests.spawned import free_port
@@ -89,7 +91,11 @@ class LoopbackCluster:
         self.env = _env(tmp)
         self.ray = which_ray()
         self.node: subprocess.Popen | None = None
-        self.head = self._start(["--head", f"--port={self.port}", "--include-dashboard=false",
+        # With its dashboard: the shrink and the grow must show as attempts in the dashboard's Train view.
+        dashboard_port = free_port()
+        self.dashboard_url = f"http://127.0.0.1:{dashboard_port}"
+        self.head = self._start(["--head", f"--port={self.port}", "--include-dashboard=true",
+                                 "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}",
                                  "--disable-usage-stats"])
         wait_for(self._head_up, 120, "the head node's GCS port")
 
@@ -107,6 +113,15 @@ class LoopbackCluster:
 
     def add_node(self) -> None:
         self.node = self._start([f"--address={self.address}"])
+
+    def alive_nodes(self) -> int:
+        """Nodes the head's dashboard lists as ALIVE (0 while it does not answer yet)."""
+        try:
+            with urllib.request.urlopen(f"{self.dashboard_url}/api/v0/nodes", timeout=5) as resp:
+                nodes = json.loads(resp.read())["data"]["result"]["result"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return 0
+        return sum(node.get("state") == "ALIVE" for node in nodes)
 
     @staticmethod
     def _kill(proc: subprocess.Popen) -> None:
@@ -133,6 +148,9 @@ def test_lose_a_node_shrink_then_grow_back(tmp_path, reference_loss):
     driver = None
     try:
         cluster.add_node()
+        # Both nodes up before the driver starts: an elastic group starts with the workers it can get, and a first
+        # group of 1 would turn this into grow-shrink instead of shrink-grow.
+        wait_for(lambda: cluster.alive_nodes() == 2, 120, "2 alive nodes")
         run_dir = tmp_path / "elastic"
         args = [sys.executable, str(REPO / "launch.py"), *COMMON, f"run_root={tmp_path}", "run_name=elastic",
                 f"cluster.address={cluster.address}", "cluster.min_workers=1", "cluster.max_workers=2",
@@ -141,6 +159,7 @@ def test_lose_a_node_shrink_then_grow_back(tmp_path, reference_loss):
         driver = subprocess.Popen(args, cwd=REPO, env=cluster.env, stdout=log, stderr=subprocess.STDOUT)
         wait_for(lambda: any(e["world_size"] == 2 for e in events_of(run_dir, "worker_group_start")), 180,
                  "a 2-worker group")
+        assert events_of(run_dir, "worker_group_start")[0]["world_size"] == 2
         wait_for(lambda: last_step(run_dir) >= 45, 180, "step 45")
         t_kill = time.time()
         cluster.kill_node()
@@ -148,9 +167,11 @@ def test_lose_a_node_shrink_then_grow_back(tmp_path, reference_loss):
                           "a resume at world size 1")
         assert shrunk[0]["time"] > t_kill and 40 <= shrunk[0]["from_step"] < STEPS
         cluster.add_node()
-        wait_for(lambda: [e for e in events_of(run_dir, "resume") if e["world_size"] == 2], 240,
-                 "a resume at world size 2")
+        wait_for(lambda: [e for e in events_of(run_dir, "resume") if e["world_size"] == 2
+                          and e["time"] > shrunk[0]["time"]], 240, "a resume at world size 2 after the shrink")
         assert driver.wait(timeout=600) == 0, (tmp_path / "driver.log").read_text()[-3000:]
+        # Ray Train's state actor is detached: the Train view still lists the run after its driver exited.
+        train_run = dash.find_run(dash.train_runs(cluster.dashboard_url), "elastic")
     finally:
         if driver is not None and driver.poll() is None:
             driver.kill()
@@ -168,6 +189,14 @@ def test_lose_a_node_shrink_then_grow_back(tmp_path, reference_loss):
     assert len(timings) >= 2 and all(t["downtime_s"] is not None and t["checkpoint_load_s"] < 10 for t in timings)
     (tmp_path / "restart_timings.json").write_text(json.dumps(timings, indent=2))
     print("restart timings:", json.dumps(timings))
+
+    # The Train view: one attempt per worker group, 2 workers, then 1 after the node loss, then 2 again.
+    assert train_run is not None and train_run["status"] == "FINISHED"
+    attempts = dash.attempts(train_run)
+    sizes = [a.world_size for a in attempts if a.world_size]  # an attempt that never got its workers lists none
+    assert len(attempts) >= summary["restarts"] + 1
+    assert [n for i, n in enumerate(sizes) if i == 0 or n != sizes[i - 1]] == [2, 1, 2], sizes
+    assert attempts[-1].status == "FINISHED" and attempts[-1].world_size == 2
 
 
 def test_worker_crash_restarts_from_checkpoint(tmp_path, reference_loss):
