@@ -306,3 +306,26 @@ def test_prepare_helps():
     for option in ("--input", "--tokenizer", "--out", "--val-fraction", "--workers", "--text-field"):
         assert option in proc.stdout
     assert prepare_mod.MANIFEST_FILE == "manifest.json"
+
+
+def test_byte_stream_holds_out_the_files_after_max_files(tmp_path):
+    """data=stdlib: training reads the first data.max_files files (sorted), evaluation windows come from the files
+    after them, consecutive from the first; a one-file source has no held-out data."""
+    from orchestration.data.select import build_datasets
+    from orchestration.validation import from_dict
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(5):
+        (src / f"f{i}.py").write_text(f"# file {i}\n" + f"x{i} = {i}\n" * 40)
+    job = from_dict({"data": {"source": str(src), "max_files": 3, "seq_len": 16, "eval_sequences": 4}})
+    train, held_out = build_datasets(job)
+    train_bytes = b"\n".join((src / f"f{i}.py").read_bytes() for i in range(3))
+    assert train.corpus.tobytes() == train_bytes and train.vocab_size == 256
+    assert held_out.files == [src / "f3.py"]  # enough for 4 windows of 16 + 1 bytes: f4 is not read
+    inputs, targets = held_out.validation_batch(1, 3)
+    expected = np.frombuffer((src / "f3.py").read_bytes(), dtype=np.uint8).astype(np.int64)
+    assert torch.equal(inputs, torch.from_numpy(expected[16:48].reshape(2, 16)))
+    assert torch.equal(targets, torch.from_numpy(expected[17:49].reshape(2, 16)))
+    one_file = from_dict({"data": {"source": str(src / "f0.py"), "seq_len": 16}})
+    assert build_datasets(one_file)[1] is None
