@@ -48,12 +48,15 @@ def load_job_config(cfg: DictConfig | dict) -> JobConfig:
 def resolve_defaults(job: JobConfig) -> None:
     """Settings whose default depends on others: train.lr=null takes the model flavor's peak_lr (by flavor name;
     model.overrides do not change it). Resolved when the config is loaded (validate calls this), so config.yaml,
-    W&B and the workers all see the number. Idempotent."""
+    W&B and the workers all see the number. precision.fsdp_param_dtype=auto takes precision.compute_dtype.
+    Idempotent."""
     from models.registry import MODEL_FLAVORS
 
     if job.train.lr is None and job.model.name in MODEL_FLAVORS:  # an unknown model fails in validate
         job.train.lr = MODEL_FLAVORS[job.model.name].peak_lr
         job.train.lr_source = "model"
+    if job.precision.fsdp_param_dtype == "auto":
+        job.precision.fsdp_param_dtype = job.precision.compute_dtype
 
 
 def _require(ok: bool, key: str, message: str) -> None:

@@ -27,7 +27,7 @@ def build_job_plan(job: JobConfig) -> dict[str, Any]:
     model_plan = plan_model(flavor, world_size=world, seq_len=job.data.seq_len, micro_batch=batch.micro_batch_size,
                             sharding="fsdp" if sharding == "fsdp" else "replicate",
                             activation_checkpointing=job.model.activation_checkpointing,
-                            param_dtype_bytes=4 if job.precision.fsdp_param_dtype == "float32" else 2)
+                            param_dtype_bytes=4)  # float32 master weights, whatever FSDP2 gathers them in
     memory_bytes = int(c.memory_per_worker_gb * GIB)
     mp = model_plan.to_dict(memory_bytes)
     bytes_per_worker = int(mp["bytes_per_worker"]["total"])
