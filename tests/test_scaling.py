@@ -48,16 +48,19 @@ def test_fp8_all_gather_halves_the_gathered_bytes_of_linears():
     assert plain.compute_s == gathered.compute_s
 
 
-@pytest.mark.parametrize("model,fabric", [("llama3_8b", "nvlink_ib400"), ("deepseek_moe16b", "mi300x_roce400")])
-def test_dry_run_predicts_one_to_1024_gpus(model, fabric):
+# On MI300X precision.recipe=auto is rowwise_gw_hp, whose weights have no one fp8 copy to gather: no fp8 all-gather curve.
+@pytest.mark.parametrize("model,fabric,curves", [
+    ("llama3_8b", "nvlink_ib400", {"bf16", "fp8", "fp8 + fp8 all-gather"}),
+    ("deepseek_moe16b", "mi300x_roce400", {"bf16", "fp8"})])
+def test_dry_run_predicts_one_to_1024_gpus(model, fabric, curves):
     proc = subprocess.run([sys.executable, "launch.py", f"model={model}", "dry_run=true", f"cluster.fabric={fabric}",
                            "cluster.min_workers=8", "cluster.max_workers=8", "data.seq_len=4096",
                            "train.micro_batch_size=1", "train.global_batch_size=8"],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
+                          check=False, cwd=REPO, capture_output=True, text=True, timeout=300)
     plan = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("PLAN "))[5:])
     sp = plan["scaling"]
     assert sp["fabric"] == fabric and sp["world_size"] == 8 and sp["tokens_per_gpu"] == 4096
-    assert set(sp["curves"]) == {"bf16", "fp8", "fp8 + fp8 all-gather"}
+    assert set(sp["curves"]) == curves
     for rows in sp["curves"].values():
         assert [r["world_size"] for r in rows] == [2**i for i in range(11)]
         assert rows[0]["scaling_efficiency"] == 1.0 and rows[0]["exposed_comm_s"] == 0.0

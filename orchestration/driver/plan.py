@@ -87,8 +87,9 @@ def scaling_workload(job: JobConfig):
     layer_params = counts.total - root
     m_model = build_model(resolve_flavor(measured.flavor, measured.overrides), device="meta")
     tokens = job.train.micro_batch_size * job.data.seq_len
-    recipe = job.precision.recipe if job.precision.recipe != "auto" else (
-        "rowwise_gw_hp" if job.cluster.device == "rocm" else "tensorwise")
+    # precision.recipe=auto is fp8.recommended_recipe of the GPUs the fabric preset has (rowwise_gw_hp on AMD)
+    amd = job.cluster.device == "rocm" or scaling.FABRICS[job.cluster.fabric].accelerator.startswith("mi")
+    recipe = job.precision.recipe if job.precision.recipe != "auto" else ("rowwise_gw_hp" if amd else "tensorwise")
     w = scaling.workload_from_measurement(
         job.model.name, measured, flops_per_token(m_model, measured.seq_len), flops_per_token(model, job.data.seq_len),
         tokens, len(model.layers), counts.total, root, linear / layer_params if recipe == "tensorwise" else 0.0)
