@@ -131,15 +131,16 @@ def series_values(prom: Prometheus, metric: str, run: str, start: float, end: fl
 
 def test_fault_run_in_train_view_jobs_page_and_prometheus(tmp_path, job_env, ray_tmpdir, no_ray_leftovers):
     """A loss-spike run (skip, FP8 -> BF16 fallback, rollback): the Train view lists it with its 2 workers while it
-    runs, the Jobs page shows its name, and Prometheus holds its loss, throughput, world size, precision, counters
-    and checkpoint stall with the values the run wrote to metrics.jsonl and events.jsonl."""
+    runs, the Jobs page shows its name, and Prometheus holds its loss, eval loss, throughput, world size, precision,
+    counters, checkpoint stall and FP8 saturation/underflow with the values the run wrote to metrics.jsonl and
+    events.jsonl."""
     name = "dash-spike"
     sd_file = service_discovery_file(Path(ray_tmpdir) / "ray")
     with Prometheus(sd_file, tmp_path / "prometheus", port=free_port(), scrape_interval_s=1) as prom:
         prom.wait_ready()
         t_start = time.time()
         job = Job(tmp_path, job_env, name, "precision=fp8", "faults=loss_spike", "faults.rank=0", "faults.step=30",
-                  "faults.num_steps=3")
+                  "faults.num_steps=3", "train.eval_every=20")
         try:
             url = job.dashboard_url()
 
@@ -158,6 +159,9 @@ def test_fault_run_in_train_view_jobs_page_and_prometheus(tmp_path, job_env, ray
             shot = tmp_path / "jobs_page.png"
             chromium(f"{url}/#/jobs", tmp_path / "chromium", f"--screenshot={shot}")
             assert shot.stat().st_size > 10_000  # a rendered page, not an empty canvas (~50 KB)
+            # The Train state as a browser gets it (the open-source dashboard has no page of its own for it)
+            api = chromium(url + dash.TRAIN_RUNS_PATH, tmp_path / "chromium", "--dump-dom")
+            assert re.search(rf'"name": ?"{name}"', api.stdout), api.stdout[:2000]
 
             scraped = wait_for(lambda: [t for t in prom.targets() if t["health"] == "up"], 60,
                                "Prometheus scraping Ray's targets", job)
@@ -182,6 +186,7 @@ def test_fault_run_in_train_view_jobs_page_and_prometheus(tmp_path, job_env, ray
                 assert any(math.isclose(v, r, rel_tol=1e-9) for r in reference), (metric, v, reference[:10])
 
         each_in(values("loss"), [m["loss"] for m in metrics], "loss")
+        each_in(values("eval_loss"), [m["eval_loss"] for m in metrics if m.get("eval_loss") is not None], "eval_loss")
         each_in(values("tokens_per_s"), [m["tokens_per_s"] for m in metrics], "tokens_per_s")
         assert set(values("world_size")) == {2.0}
         # FP8 until the fallback at step 31, BF16 after it: both states were scraped.
@@ -193,6 +198,10 @@ def test_fault_run_in_train_view_jobs_page_and_prometheus(tmp_path, job_env, ray
             assert max(values(counter)) == n, counter
         stalls = [e["seconds"] for e in events if e["event"] == "checkpoint_timing" and e.get("seconds") is not None]
         each_in(values("checkpoint_stall_s"), stalls, "checkpoint_stall_s")
+        for frac in ("fp8_saturated_frac", "fp8_underflow_frac"):
+            got = values(frac)
+            # fractions; exactly 0 once the run is in BF16 (no value goes through an FP8 cast)
+            assert all(0.0 <= v <= 1.0 for v in got) and 0.0 in got, (frac, got[:20])
 
 
 def test_crash_restart_is_a_second_attempt_in_train_view(tmp_path, job_env, no_ray_leftovers):
