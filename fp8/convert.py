@@ -8,15 +8,14 @@ optimizer state, so the divergence fallback can flip precision mid-run and check
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
 
-from fp8.grouped import DEFAULT_TOKEN_GROUP_ALIGN, Fp8GroupedMM
+from fp8.grouped import Fp8GroupedMM
 from fp8.head import Float8LMHead
-from fp8.linear import TENSORWISE_TRANSPOSES, Float8Linear
+from fp8.linear import Float8Linear
 from fp8.recipes import Recipe, get_recipe
 
 PRECISIONS = ("fp8", "bf16")
@@ -29,12 +28,6 @@ _HP_LEAF_NAMES = frozenset({"output", "lm_head", "head", "gate", "router"})
 _FP8_OP = "_fp8_grouped_op"
 _HP_OP = "_fp8_hp_grouped_mm"
 _RECIPE_ATTR = "_fp8_recipe_name"
-_HP_ALIGN = "_fp8_hp_token_group_align"
-
-# Rows per expert group the FP8 grouped GEMM pads to by default (fp8.grouped.check_token_group_align: 16 is required
-# by an fp8 weight-gradient GEMM, which contracts over tokens). Modules that expose `token_group_align` get it raised
-# to their op's alignment while in fp8.
-FP8_TOKEN_GROUP_ALIGN = DEFAULT_TOKEN_GROUP_ALIGN
 
 
 def default_module_filter(name: str, module: nn.Module) -> bool:
@@ -57,25 +50,6 @@ def default_module_filter(name: str, module: nn.Module) -> bool:
     return True
 
 
-def gemm_width(in_features: int, out_features: int) -> float:
-    """K * N / (K + N) of a linear: its GEMM work per element of the casts' extra traffic.
-
-    Why this quantity decides whether FP8 pays off for a layer: its three GEMMs take time in proportion to M * K * N
-    (FP8 divides that by up to 2), while the casts FP8 adds read and write the activations and gradients, M * (K + N)
-    elements (the weight's K * N is small next to them when M is thousands of tokens). Their ratio does not depend on
-    the token count M.
-    """
-    return in_features * out_features / (in_features + out_features)
-
-
-def min_width_module_filter(min_width: float) -> Callable[[str, nn.Module], bool]:
-    """default_module_filter that also keeps linears narrower than `min_width` (see gemm_width) in high precision.
-
-    Grouped experts are not affected (their casts are per routed token, their GEMMs grouped; measured separately).
-    """
-    return make_module_filter(min_gemm_width=min_width)
-
-
 # Leaf names of LM output heads (the Llama3 and DeepSeek models name theirs "output"; Hugging Face's "lm_head").
 _OUTPUT_HEAD_NAMES = frozenset({"output", "lm_head"})
 
@@ -89,11 +63,9 @@ def output_heads(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(name, module) for name, module in model.named_modules() if is_output_head(name, module)]
 
 
-def make_module_filter(min_gemm_width: float = 0.0, output_head: bool = False,
-                       experts: bool = True) -> Callable[[str, nn.Module], bool]:
-    """default_module_filter with the two opt-in changes the precision config exposes.
+def make_module_filter(output_head: bool = False, experts: bool = True) -> Callable[[str, nn.Module], bool]:
+    """default_module_filter with the two changes the precision config exposes.
 
-    min_gemm_width: linears with gemm_width below it stay in high precision (0: none kept for width).
     output_head: convert the LM output head too (16-aligned dims). Off by default, as in torchtitan and DeepSeek-V3:
     the head's logits feed the softmax directly. It is the largest single GEMM of a Llama3-8B step (vocab 128256: ~32
     ms of bf16 GEMM per step at seq 8192 on an H200, BENCHMARKS.md), so converting it is the biggest speed lever left
@@ -108,11 +80,7 @@ def make_module_filter(min_gemm_width: float = 0.0, output_head: bool = False,
             return False
         if output_head and is_output_head(name, module):
             return module.in_features % 16 == 0 and module.out_features % 16 == 0
-        if not default_module_filter(name, module):
-            return False
-        if isinstance(module, nn.Linear) and min_gemm_width > 0:
-            return gemm_width(module.in_features, module.out_features) >= min_gemm_width
-        return True
+        return default_module_filter(name, module)
 
     return keep
 
@@ -130,37 +98,16 @@ def convert_to_fp8(
     model: nn.Module,
     recipe: str | Recipe = "tensorwise",
     module_filter: Callable[[str, nn.Module], bool] | None = None,
-    moe_wgrad: str = "hp",
-    moe_dgrad: str = "auto",
-    moe_token_group_align: int = FP8_TOKEN_GROUP_ALIGN,
-    tensorwise_transposes: str = "backward",
 ) -> nn.Module:
     """Swap eligible layers of `model` to FP8 in place and return it.
 
-    recipe: "tensorwise" | "rowwise" | "rowwise_gw_hp" (dense linears; MoE experts always use rowwise
-    grouped GEMMs, with the weight gradient in high precision under rowwise_gw_hp, see fp8/grouped.py).
-    module_filter(name, module) -> bool: which modules to convert; default `default_module_filter`.
-    moe_wgrad: the experts' weight-gradient GEMM, "hp" | "global" | "per_expert" (fp8.grouped.WGRAD_SCALINGS).
-    moe_dgrad: the experts' grad-input GEMM, fp8.grouped.DGRAD_CHOICES ("auto": fp8 on the forward's quantized
-    weights).
-    moe_token_group_align: rows per expert group the routing pads to while the experts run in fp8 (16; 1 is allowed
-    with the bf16 weight gradient, see fp8.grouped.check_token_group_align).
-    tensorwise_transposes: where the tensorwise linears write the fp8 transposed copies their backward GEMMs read,
-    "backward" | "forward" (fp8.linear.TENSORWISE_TRANSPOSES).
-    Converting twice is an error (ValueError) so a recipe change cannot half-apply; so are bad MoE options, checked
-    before anything is swapped.
+    recipe: "tensorwise" | "rowwise" | "rowwise_gw_hp" (dense linears; MoE experts always use rowwise grouped GEMMs
+    with the weight gradient in high precision, see fp8/grouped.py).
+    module_filter(name, module) -> bool: which modules to convert; default `default_module_filter`
+    (make_module_filter builds the ones the precision config asks for).
+    Converting twice is an error (ValueError) so a recipe change cannot half-apply.
     """
     rec = get_recipe(recipe)
-    # Experts are always rowwise grouped; rowwise_gw_hp keeps their weight gradient in high precision too.
-    grouped_options = {"wgrad_scaling": "hp" if rec.name == "rowwise_gw_hp" else moe_wgrad, "dgrad": moe_dgrad,
-                       "token_group_align": moe_token_group_align}
-    try:
-        Fp8GroupedMM(**grouped_options)  # its checks, before any module is swapped
-    except ValueError as exc:
-        raise ValueError(f"bad MoE options moe_wgrad={moe_wgrad!r}, moe_dgrad={moe_dgrad!r}, "
-                         f"moe_token_group_align={moe_token_group_align!r}: {exc}") from None
-    if tensorwise_transposes not in TENSORWISE_TRANSPOSES:
-        raise ValueError(f"tensorwise_transposes={tensorwise_transposes!r}: choose one of {TENSORWISE_TRANSPOSES}")
     keep = module_filter or default_module_filter
     if any(isinstance(m, Float8Linear) or is_fp8_grouped(m) for m in model.modules()):
         raise ValueError("model is already converted to fp8; build a fresh model to change the recipe")
@@ -173,15 +120,11 @@ def convert_to_fp8(
             swaps.append((model.get_submodule(parent_name), child, module, cls))
         elif _is_grouped(module) and keep(name, module):
             setattr(module, _HP_OP, module.grouped_mm)
-            setattr(module, _FP8_OP, Fp8GroupedMM(**grouped_options))
+            setattr(module, _FP8_OP, Fp8GroupedMM())
             setattr(module, _RECIPE_ATTR, rec.name)
-            if hasattr(module, "token_group_align"):
-                setattr(module, _HP_ALIGN, module.token_group_align)
             _set_module(module, True)
     for parent, child, module, cls in swaps:
-        converted = cls.from_float(module, rec)
-        converted.tensorwise_transposes = tensorwise_transposes
-        setattr(parent, child, converted)
+        setattr(parent, child, cls.from_float(module, rec))
     return model
 
 
@@ -203,11 +146,6 @@ def _set_module(module: nn.Module, fp8: bool) -> None:
         module.fp8_enabled = fp8
     else:
         module.grouped_mm = getattr(module, _FP8_OP) if fp8 else getattr(module, _HP_OP)
-        if hasattr(module, _HP_ALIGN):
-            hp_align = getattr(module, _HP_ALIGN)
-            # lcm, not max: the op's alignment must divide the group size (16 for an fp8 weight gradient), whatever the
-            # module's own (powers of two: the larger of the two)
-            module.token_group_align = math.lcm(hp_align, getattr(module, _FP8_OP).token_group_align) if fp8 else hp_align
 
 
 def _module_is_fp8(module: nn.Module) -> bool:
@@ -262,9 +200,8 @@ def load_precision_state(model: nn.Module, state: dict) -> None:
     unknown = sorted(set(state["modules"]) - set(mods))
     if unknown:
         raise ValueError(f"precision state names modules this model does not convert: {unknown[:5]}; the checkpoint "
-                         "was made with another FP8 recipe or module filter (precision.fp8_min_gemm_width, "
-                         "precision.fp8_output_head): resume "
-                         "with the settings it was trained with")
+                         "was made with another FP8 recipe or module filter (precision.fp8_output_head, "
+                         "precision.fp8_experts): resume with the settings it was trained with")
     for name, prec in state["modules"].items():
         if prec not in PRECISIONS:
             raise ValueError(f"module {name}: precision must be one of {PRECISIONS}, got {prec!r}")

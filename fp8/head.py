@@ -96,7 +96,8 @@ class Float8LMHead(Float8Linear):
     Float8Linear; forward(x, targets=...) gives the mean token cross-entropy through the fused FP8 path
     (fp8_linear_cross_entropy), called through the module so that wrappers' hooks (FSDP2's unshard) run.
 
-    fused_loss: False keeps the unfused head and loss even where fusing applies (precision.fp8_head_fused_loss).
+    fused_loss: False keeps the unfused head and loss even where fusing applies (for A/B measurements; fused is the
+    measured winner: 1.6-2.6 ms a step on the H200 at a 102400-token vocabulary, +0.4-1.0 GiB of peak memory).
     """
 
     def __init__(self, *args, **kwargs):

@@ -32,24 +32,6 @@ def _col_major(b: torch.Tensor) -> torch.Tensor:
     return b if b.stride(-2) == 1 else quant.transposed_copy(b).t()
 
 
-# Where the tensorwise recipe writes the fp8 transposed copies its backward GEMMs read (x^T and gy^T for the weight
-# gradient, w^T for the input gradient; cuBLASLt's FP8 GEMM takes only row-major A and column-major B):
-# "backward": transposed there from the saved fp8 copies (fp8.quant.transposed_copy; 87 transposes, 2.52 ms of a
-# DeepSeek-MoE 4-layer step on the H200, BENCHMARKS.md session 18). "forward": written next to the casts that make
-# them, by the same kernel where torch.compile fuses them (x^T and w^T in forward, saved instead of x and w, the same
-# bytes; gy^T with gy's cast): one fp8 read and one launch less per transpose, one more store per cast.
-TENSORWISE_TRANSPOSES = ("backward", "forward")
-
-
-def _transposed_with_its_cast(a: torch.Tensor) -> torch.Tensor:
-    """a^T contiguous, for tensors a cast has just written: where Inductor traces that cast (torch.compile, unless
-    FP8_KERNELS=always makes every cast a kernel) as plain torch ops, which it fuses into the cast's kernel as a
-    second store; elsewhere (no such fusion to gain) by the transpose kernel."""
-    if torch.compiler.is_compiling() and not quant.casts_are_kernels_under_compile():
-        return a.t().contiguous()
-    return quant.transposed_copy(a)
-
-
 def _as_row_vec(s: torch.Tensor, n: int) -> torch.Tensor:
     """Scale of the right operand as the (1, N) float32 row _scaled_mm's rowwise mode wants."""
     return s.reshape(1, -1).expand(1, n).contiguous() if s.numel() == 1 else s.reshape(1, n).contiguous()
@@ -114,19 +96,14 @@ def to_compute_dtype(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, to
 
 class _Fp8LinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_MK, w_NK, recipe: Recipe, backend: Fp8Backend, use_scaled_mm: bool,
-                transposes_in_forward: bool = False):
+    def forward(ctx, x_MK, w_NK, recipe: Recipe, backend: Fp8Backend, use_scaled_mm: bool):
         e4m3, pow2 = backend.e4m3, recipe.pow2_scales
-        ctx.transposes_in_forward = transposes_in_forward
         if recipe.granularity == "tensorwise":
             x_fp8, sx = quant.quantize_tensorwise(x_MK, e4m3, pow2)
             w_fp8, sw = quant.quantize_tensorwise(w_NK, e4m3, pow2)
-            # One scale serves either layout: keep the fp8 copies for backward (half the bytes of x_hp), in the
-            # layouts backward reads when the transposes are written here (TENSORWISE_TRANSPOSES).
-            if transposes_in_forward:
-                ctx.save_for_backward(_transposed_with_its_cast(x_fp8), sx, _transposed_with_its_cast(w_fp8), sw)
-            else:
-                ctx.save_for_backward(x_fp8, sx, w_fp8, sw)
+            # One scale serves either layout: keep the fp8 copies for backward (half the bytes of x_hp); backward
+            # transposes them for the GEMMs that read them the other way (fp8.quant.transposed_copy).
+            ctx.save_for_backward(x_fp8, sx, w_fp8, sw)
             sw_1N = sw
         else:
             # Backward contracts over other dims, so it needs other scales: cast both layouts now, from one
@@ -155,16 +132,10 @@ class _Fp8LinearFn(torch.autograd.Function):
         gy_dtype = backend.e5m2 if recipe.grad_output_e5m2 else backend.e4m3
         if recipe.granularity == "tensorwise":
             gy_fp8, sg = quant.quantize_tensorwise(gy_MN, gy_dtype, pow2)
-            x_saved, sx, w_saved, sw = ctx.saved_tensors
-            if ctx.transposes_in_forward:
-                # Saved as x^T and w^T: their .t() views, and gy^T written with gy's cast, are already in the layouts
-                # scaled_mm wants, so no transpose runs in there.
-                x_MK, w_NK, gy_fp8_t = x_saved.t(), w_saved.t(), _transposed_with_its_cast(gy_fp8)
-            else:
-                x_MK, w_NK, gy_fp8_t = x_saved, w_saved, gy_fp8.t()  # scaled_mm transposes these
-            gx_MK = scaled_mm(gy_fp8, w_NK, sg, sw, out_dtype, use)
-            gw_NK = scaled_mm(gy_fp8_t, x_MK, sg, sx, out_dtype, use)
-            return gx_MK, gw_NK.to(ctx.w_dtype), None, None, None, None
+            x_fp8, sx, w_fp8, sw = ctx.saved_tensors
+            gx_MK = scaled_mm(gy_fp8, w_fp8, sg, sw, out_dtype, use)  # scaled_mm makes the transposed copies
+            gw_NK = scaled_mm(gy_fp8.t(), x_fp8, sg, sx, out_dtype, use)
+            return gx_MK, gw_NK.to(ctx.w_dtype), None, None, None
         x_saved, sx_saved, w_fp8_t_KN, sw_1K = ctx.saved_tensors
         if recipe.grad_weight_hp:
             gy_fp8, sg_M1 = quant.quantize_rowwise(gy_MN, gy_dtype, -1, pow2)
@@ -173,7 +144,7 @@ class _Fp8LinearFn(torch.autograd.Function):
             gy_fp8, sg_M1, gy_fp8_t_NM, sg_1N = quant.quantize_rowwise_and_colwise(gy_MN, gy_dtype, pow2)
             gw_NK = scaled_mm(gy_fp8_t_NM, x_saved.t(), sg_1N.reshape(-1, 1), sx_saved, out_dtype, use)
         gx_MK = scaled_mm(gy_fp8, w_fp8_t_KN.t(), sg_M1, sw_1K, out_dtype, use)
-        return gx_MK, gw_NK.to(ctx.w_dtype), None, None, None, None
+        return gx_MK, gw_NK.to(ctx.w_dtype), None, None, None
 
 
 class Float8Linear(nn.Linear):
@@ -189,8 +160,6 @@ class Float8Linear(nn.Linear):
         self.recipe: Recipe = get_recipe(recipe)
         self.fp8_enabled: bool = True
         self.emulate: bool | None = None
-        # Tensorwise only: where the fp8 transposed copies for backward are written (TENSORWISE_TRANSPOSES).
-        self.tensorwise_transposes: str = "backward"
         # The health buffer holds garbage after to_empty() until a forward in fp8 writes it.
         self.fp8_health_valid: bool = False
         # Non-persistent: checkpoints of converted and plain models have identical keys.
@@ -230,8 +199,7 @@ class Float8Linear(nn.Linear):
         x, w = to_compute_dtype(x, self.weight)
         backend, use_scaled_mm = self.fp8_backend(x.device)
         x_MK = x.reshape(-1, self.in_features)
-        y_MN, stats = _Fp8LinearFn.apply(x_MK, w, self.recipe, backend, use_scaled_mm,
-                                          self.tensorwise_transposes == "forward")
+        y_MN, stats = _Fp8LinearFn.apply(x_MK, w, self.recipe, backend, use_scaled_mm)
         self.record_health(stats)
         y = y_MN.reshape(*x.shape[:-1], self.out_features)
         if self.bias is not None:

@@ -1,10 +1,9 @@
-"""Dispatch layer for quantization: fused Triton kernels (fp8/kernels) on GPUs, PyTorch references otherwise.
+"""Dispatch layer for quantization: fused Triton kernels (fp8/kernels) on GPUs, the PyTorch reference otherwise.
 
-Every function follows the conventions of fp8/recipes.py (x_fp8 = sat(x * scale), fp32 scales) and the
-signatures of fp8/kernels (quantize_tensorwise, quantize_rowwise, quantize_rowwise_and_colwise,
-quantize_jagged_per_expert). The kernels package is imported lazily on first GPU use; if it is missing,
-fails to import, or lacks a function, our reference runs instead - compiled with torch.compile on GPUs,
-where eager PyTorch would make one memory pass per elementwise op. Numerics agree to one fp8 step.
+Every function follows the conventions of fp8/reference.py (x_fp8 = sat(x * scale), fp32 scales), the one
+definition of the numerics. The kernels package is imported lazily on first GPU use; if it is missing, fails to
+import, or lacks a function, the reference runs instead - compiled with torch.compile on GPUs, where eager PyTorch
+would make one memory pass per elementwise op. The kernels match the reference bit for bit.
 
 Legend: M rows, N columns, K contraction dim, E experts/groups.
 """
@@ -12,19 +11,12 @@ Legend: M rows, N columns, K contraction dim, E experts/groups.
 from __future__ import annotations
 
 import functools
-import os
 import warnings
 
 import torch
 
-from fp8 import recipes
+from fp8 import reference
 from fp8.health import health_stats_ref
-
-# FP8_KERNELS=0 forces the reference path everywhere (debugging, A/B timing); "always" and "no_transposes"
-# change what runs as a kernel under torch.compile (see _kernel_fn); "always" also computes the eager health
-# statistics with the one-launch kernel instead of the torch reference.
-_USE_KERNELS_ENV = "FP8_KERNELS"
-
 
 # The kernels package once looked up, as a plain global rather than functools.cache: torch.compile traces
 # through _kernel_fn, and dynamo ignores an lru_cache wrapper (re-tracing the import each time, with a warning);
@@ -40,7 +32,7 @@ def _kernels():
         # a store to module state is a "non-nullified side effect", and the whole Function then graph-breaks and
         # runs eagerly. That happened to every tensorwise Float8Linear, whose first lookup is in its backward:
         # the dense Llama3-8B step spent ~120 ms of host per step in the eager backwards and swung between 190
-        # and 270 ms (session 8, results/session8). Float8Linear.from_float and Fp8GroupedMM (so convert_to_fp8)
+        # and 270 ms on the H200. Float8Linear.from_float and Fp8GroupedMM (so convert_to_fp8)
         # look the kernels up eagerly (a graph traced before the lookup guards on it and recompiles once after it).
         return _import_kernels()
     if not _KERNELS_LOOKED_UP:
@@ -50,8 +42,6 @@ def _kernels():
 
 
 def _import_kernels():
-    if os.environ.get(_USE_KERNELS_ENV, "1") == "0":
-        return None
     try:
         from fp8 import kernels
     except Exception:  # noqa: BLE001  # any import failure (no Triton, no GPU support) means "use the reference"
@@ -60,37 +50,27 @@ def _import_kernels():
 
 
 _FAILED: set[str] = set()
+# The casts that stay our kernels inside torch.compile'd code (Inductor launches them itself); the tensorwise cast is
+# traced instead, so Inductor fuses it into its producers. Measured on the H200: the step of 8 Llama3-8B-width layers
+# ran 190.4 ms with the row and row+column casts as kernels vs 198.8 ms with Inductor fusing the references (same
+# run); the tensorwise recipe's fp8 transposed copies for backward as our transpose kernel 186.7 ms vs 197.2 ms written
+# by Inductor (same run); every cast a kernel (the tensorwise one too) 202.65 ms against 185.6 ms of GPU kernel time,
+# ~500 more launches a step leaving the GPU idle.
 _KERNELS_UNDER_COMPILE = (
-    "quantize_rowwise", "quantize_rowwise_and_colwise", "quantize_jagged_per_expert", "quantize_colwise_batched",
-    "transpose", "quantize_rowwise_group_scaled", "cast_rows_transposed_batched", "quantize_rows_and_transposed_batched",
+    "quantize_rowwise", "quantize_rowwise_and_colwise", "transpose", "quantize_rowwise_group_scaled",
+    "cast_rows_transposed_batched",
 )
 
 
 def _kernel_fn(x: torch.Tensor, name: str):
     if not x.is_cuda:
         return None
-    # Under torch.compile: the row and row+column casts stay our Triton ops (Inductor launches them itself); the
-    # H200 step of 8 Llama3-8B-width layers ran 190.4 ms that way vs 198.8 ms with Inductor fusing the references
-    # (same run, session3/train_step_dense_call2.json). The tensorwise cast itself is traced (Inductor fuses it
-    # into its producers), but its fp8 transposed copies for the backward GEMMs are our transpose kernel: 186.7 ms
-    # vs 197.2 ms with Inductor writing them (same run, session4/train_step_dense.json, "+tk" vs plain). The
-    # jagged per-expert cast stays a kernel: Inductor lowers its scatter-amax to atomics.
-    # FP8_KERNELS=always puts every cast on the kernels; FP8_KERNELS=no_transposes lets Inductor write the fp8
-    # transposed copies too (the session-3 default, kept for A/B runs).
-    mode = os.environ.get(_USE_KERNELS_ENV)
-    if torch.compiler.is_compiling() and not casts_are_kernels_under_compile() and (
-            name not in _KERNELS_UNDER_COMPILE or (mode == "no_transposes" and name == "transpose")):
+    if torch.compiler.is_compiling() and name not in _KERNELS_UNDER_COMPILE:
         return None
     mod = _kernels()
     if mod is None or name in _FAILED:
         return None
     return getattr(mod, name, None)
-
-
-def casts_are_kernels_under_compile() -> bool:
-    """Whether torch.compile runs every cast as our kernel (FP8_KERNELS=always) instead of tracing the tensorwise cast
-    for Inductor to fuse (see _kernel_fn)."""
-    return os.environ.get(_USE_KERNELS_ENV) == "always"
 
 
 def _call(name: str, kernel, ref, *args, **kwargs):
@@ -138,7 +118,7 @@ def quantize_tensorwise(x_hp: torch.Tensor, dtype: torch.dtype, pow2: bool = Fal
         out = _call("quantize_tensorwise", k, None, x_hp, dtype)
         if out is not None:
             return out
-    return _ref(x_hp, recipes.quantize_tensorwise_ref)(x_hp, dtype, pow2)
+    return _ref(x_hp, reference.quantize_tensorwise_ref)(x_hp, dtype, None, pow2)
 
 
 def quantize_rowwise(x_hp: torch.Tensor, dtype: torch.dtype, dim: int = -1, pow2: bool = True):
@@ -153,7 +133,7 @@ def quantize_rowwise(x_hp: torch.Tensor, dtype: torch.dtype, dim: int = -1, pow2
         if out is not None:
             x_fp8, scale = out
             return x_fp8.view(x_hp.shape), scale.view(*x_hp.shape[:-1], 1)
-    return _ref(x_hp, recipes.quantize_rowwise_ref)(x_hp, dtype, dim, pow2)
+    return _ref(x_hp, reference.quantize_rowwise_ref)(x_hp, dtype, pow2, dim)
 
 
 def transposed_copy(x_MN: torch.Tensor) -> torch.Tensor:
@@ -166,25 +146,6 @@ def transposed_copy(x_MN: torch.Tensor) -> torch.Tensor:
     return x_MN.t().contiguous()
 
 
-def quantize_rowwise_of_column_major_3d(w_EKN: torch.Tensor, dtype: torch.dtype, pow2: bool = True):
-    """Rows along N of expert weights w_EKN -> (w_fp8 [E, K, N] row-major, scale_EK1): the grad-input operand.
-
-    When w_EKN is the column-major view of an [E, N, K]-stored weight and the kernels run: one column-scaled
-    cast of the storage written transposed (fp8.kernels.quantize_colwise_batched), instead of a transposed
-    copy of the bf16 weight (1.8 ms per call on average for DeepSeek-MoE's w13/w2 in an H200 profile,
-    session3/train_step_moe_call5_fixed.json) followed by the row kernel.
-    """
-    is_col_major = w_EKN.dim() == 3 and w_EKN.stride(-2) == 1 and w_EKN.stride(-1) == w_EKN.shape[-2]
-    k = _kernel_fn(w_EKN, "quantize_colwise_batched")
-    if k is not None and is_col_major:
-        out = _call("quantize_colwise_batched", k, None, w_EKN.transpose(-2, -1), dtype, pow2=pow2)
-        if out is not None:
-            w_fp8_EKN, scale_EK = out
-            return w_fp8_EKN, scale_EK.unsqueeze(-1)
-    w_fp8, scale = quantize_rowwise(w_EKN, dtype, -1, pow2)
-    return w_fp8.contiguous(), scale
-
-
 def quantize_rowwise_group_scaled(x_MN: torch.Tensor, mul_GN: torch.Tensor, gid_M: torch.Tensor, dtype: torch.dtype,
                                   pow2: bool = True):
     """Rowwise quantization of x * mul_GN[gid_M[m], :] -> (fp8 [M, N], scale_M1): one read of x with the kernels."""
@@ -193,9 +154,7 @@ def quantize_rowwise_group_scaled(x_MN: torch.Tensor, mul_GN: torch.Tensor, gid_
         out = _call("quantize_rowwise_group_scaled", k, None, x_MN.contiguous(), mul_GN, gid_M, dtype, pow2=pow2)
         if out is not None:
             return out
-    from fp8.kernels.reference import quantize_rowwise_group_scaled_ref
-
-    return _ref(x_MN, quantize_rowwise_group_scaled_ref)(x_MN, mul_GN, gid_M, dtype, pow2)
+    return _ref(x_MN, reference.quantize_rowwise_group_scaled_ref)(x_MN, mul_GN, gid_M, dtype, pow2)
 
 
 def cast_rows_transposed_batched(x_BRC: torch.Tensor, scale_BR: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -205,26 +164,7 @@ def cast_rows_transposed_batched(x_BRC: torch.Tensor, scale_BR: torch.Tensor, dt
         out = _call("cast_rows_transposed_batched", k, None, x_BRC, scale_BR, dtype)
         if out is not None:
             return out
-    from fp8.kernels.reference import cast_rows_transposed_batched_ref
-
-    return _ref(x_BRC, cast_rows_transposed_batched_ref)(x_BRC, scale_BR, dtype)
-
-
-def quantize_colwise_3d_both_layouts(w_EKN: torch.Tensor, dtype: torch.dtype, pow2: bool = True):
-    """quantize_colwise_3d's cast, also written [E, K, N] row-major -> (w_fp8 [E, K, N] column-major, scale_E1N,
-    w_fp8_EKN_rows): the second layout is the grad-input GEMM's operand (fp8.grouped "fp8_keep"), the bytes
-    cast_rows_transposed_batched would make from the same weight and scales. With the kernels: one kernel over the
-    [E, N, K] rows of w's transpose, read where they lie (no copy of a strided w)."""
-    e, _, n = w_EKN.shape
-    w_ENK = w_EKN.transpose(-2, -1)
-    k = _kernel_fn(w_EKN, "quantize_rows_and_transposed_batched")
-    out = None if k is None else _call("quantize_rows_and_transposed_batched", k, None, w_ENK, dtype, pow2=pow2)
-    if out is None:
-        from fp8.kernels.reference import quantize_rows_and_transposed_batched_ref
-
-        out = _ref(w_EKN, quantize_rows_and_transposed_batched_ref)(w_ENK, dtype, pow2)
-    w_fp8_ENK, scale_EN, w_fp8_EKN_rows = out
-    return w_fp8_ENK.transpose(-2, -1), scale_EN.reshape(e, 1, n), w_fp8_EKN_rows
+    return _ref(x_BRC, reference.cast_rows_transposed_batched_ref)(x_BRC, scale_BR, dtype)
 
 
 def quantize_colwise_3d(w_EKN: torch.Tensor, dtype: torch.dtype, pow2: bool = True):
@@ -238,7 +178,7 @@ def quantize_colwise_3d(w_EKN: torch.Tensor, dtype: torch.dtype, pow2: bool = Tr
     if _kernel_fn(w_EKN, "quantize_rowwise") is not None:
         w_fp8_ENK, scale_EN1 = quantize_rowwise(w_EKN.transpose(-2, -1), dtype, -1, pow2)
         return w_fp8_ENK.transpose(-2, -1), scale_EN1.reshape(e, 1, n)
-    w_fp8, scale_E1N = _ref(w_EKN, recipes.quantize_rowwise_ref)(w_EKN, dtype, -2, pow2)
+    w_fp8, scale_E1N = _ref(w_EKN, reference.quantize_rowwise_ref)(w_EKN, dtype, pow2, -2)
     return w_fp8.transpose(-2, -1).contiguous().transpose(-2, -1), scale_E1N
 
 
@@ -249,30 +189,14 @@ def quantize_rowwise_and_colwise(x_MN: torch.Tensor, dtype: torch.dtype, pow2: b
         out = _call("quantize_rowwise_and_colwise", k, None, x_MN, dtype, pow2=pow2)
         if out is not None:
             return out
-    return _ref(x_MN, recipes.quantize_rowwise_and_colwise_ref)(x_MN, dtype, pow2)
-
-
-def quantize_jagged_colwise(x_MK: torch.Tensor, offs_E: torch.Tensor, dtype: torch.dtype, pow2: bool = True):
-    """Per-group per-column scales -> (x_fp8_t_KM [K, M] contiguous, scales_EK)."""
-    k = _kernel_fn(x_MK, "quantize_jagged_per_expert")
-    if k is not None:
-        out = _call("quantize_jagged_per_expert", k, None, x_MK, offs_E, dtype, pow2=pow2, transpose_out=True)
-        if out is not None:
-            return out
-    return _ref(x_MK, recipes.quantize_jagged_colwise_ref)(x_MK, offs_E, dtype, pow2)
+    return _ref(x_MN, reference.quantize_rowwise_and_colwise_ref)(x_MN, dtype, pow2)
 
 
 def health_stats(x_hp_MK: torch.Tensor, x_fp8_MK: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype):
     """float32 [saturated_frac, underflow_frac, amax] of one cast, on device (fp8.health.health_stats_ref).
 
-    The reference (under torch.compile Inductor fuses its ~15 ops); the one-launch kernel only with
-    FP8_KERNELS=always: it saved no host time in eager op bodies on the H200 hosts, where a Triton launch from Python
-    cost 270-530 us and the reference's ~15 torch ops 320-400 us (results/session7, two machines).
+    Always the torch reference: under torch.compile Inductor fuses its ~15 ops; in eager op bodies a one-launch Triton
+    kernel saved no host time on the H200 hosts, where a Triton launch from Python cost 270-530 us and the reference's
+    ~15 torch ops 320-400 us (two machines).
     """
-    always = os.environ.get(_USE_KERNELS_ENV) == "always"
-    k = _kernel_fn(x_hp_MK, "health_stats") if always else None
-    if k is not None and x_hp_MK.dim() == 2 and scale.numel() in (1, x_hp_MK.shape[0]):
-        out = _call("health_stats", k, None, x_hp_MK, x_fp8_MK, scale.float(), dtype)
-        if out is not None:
-            return out
     return health_stats_ref(x_hp_MK, x_fp8_MK, scale, dtype)

@@ -15,7 +15,7 @@ The per-expert loop (`routed_experts_reference`, `grouped_mm_reference`) is kept
 
 Shape legend (suffixes of tensor names):
   B batch, T sequence position, S tokens (B*T), D model dim, E routed experts, A experts per token (top-k),
-  R routed rows (S*A, plus alignment padding), I expert hidden dim, J = 2I (gate and up projections side by
+  R routed rows (S*A), I expert hidden dim, J = 2I (gate and up projections side by
   side), H heads, C head dim, P rotary pairs, V vocabulary; in the grouped GEMM helpers M rows, K inner dim,
   N output dim.
 """
@@ -197,33 +197,20 @@ def load_balance_loss(scores_BTE: torch.Tensor, expert_BTA: torch.Tensor, scope:
 # Token permutation: sort assignments by expert so each expert's rows are contiguous for the grouped GEMM.
 
 
-def permute_by_expert(expert_SA: torch.Tensor, n_experts: int, align: int = 1):
-    """Returns (token_R, slot_R, dest_R, offs_E, n_rows).
-
-    Assignment r (in expert order) comes from token token_R[r], slot slot_R[r] and sits at row dest_R[r] of the
-    grouped GEMM input. With align > 1 every expert's group starts at a multiple of `align` (zero rows between,
-    FP8 grouped GEMMs need 16); the slack goes to the last group so offs_E[-1] == n_rows, a static size:
-    S*A + E*(align-1). offs_E: int32 cumulative group ends, torch._grouped_mm semantics. No host sync.
+def permute_by_expert(expert_SA: torch.Tensor, n_experts: int):
+    """Returns (token_R, slot_R, offs_E): assignment r (in expert order, row r of the grouped GEMM input) comes from
+    token token_R[r], slot slot_R[r]; offs_E: int32 cumulative group ends, torch._grouped_mm semantics. Groups follow
+    each other with no padding rows (no grouped GEMM here contracts over the token dim in fp8, the one that would need
+    16-row aligned groups). No host sync.
     """
-    S, A = expert_SA.shape
+    A = expert_SA.shape[1]
     flat_R = expert_SA.reshape(-1)
     order_R = torch.argsort(flat_R, stable=True)  # stable: earlier tokens first inside an expert
     token_R, slot_R = order_R // A, order_R % A
     counts_E = torch.zeros(n_experts, dtype=torch.int64, device=flat_R.device).scatter_add_(
         0, flat_R, torch.ones_like(flat_R)
     )
-    if align == 1:
-        dest_R = torch.arange(S * A, device=flat_R.device)
-        return token_R, slot_R, dest_R, counts_E.cumsum(0).to(torch.int32), S * A
-    n_rows = S * A + n_experts * (align - 1)
-    padded_E = (counts_E + align - 1) // align * align
-    pad_start_E = padded_E.cumsum(0) - padded_E
-    start_E = counts_E.cumsum(0) - counts_E
-    sorted_expert_R = flat_R[order_R]
-    dest_R = pad_start_E[sorted_expert_R] + torch.arange(S * A, device=flat_R.device) - start_E[sorted_expert_R]
-    offs_E = padded_E.cumsum(0)
-    offs_E[-1] = n_rows
-    return token_R, slot_R, dest_R, offs_E.to(torch.int32), n_rows
+    return token_R, slot_R, counts_E.cumsum(0).to(torch.int32)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -253,7 +240,7 @@ def grouped_mm_hp(x_MK: torch.Tensor, w_EKN: torch.Tensor, offs_E: torch.Tensor)
 
     Under autocast both operands take autocast's dtype, as autocast does for matmuls: it has no rule for
     torch._grouped_mm, so fp32 master weights (one worker: no FSDP mixed precision) or fp32 activations made the
-    bf16 experts run in fp32 - the product's bf16 MoE step ran 3.3x slower than its fp8 one on the H200 (session 12).
+    bf16 experts run in fp32 - the product's bf16 MoE step ran 3.3x slower than its fp8 one on the H200.
     """
     device_type = x_MK.device.type
     if torch.is_autocast_enabled(device_type):
@@ -287,7 +274,7 @@ class GroupedExperts(nn.Module):
     see the column-major views w.transpose(-2, -1) ([E, in, out], torch._grouped_mm's right operand).
 
     `grouped_mm` is the swap point: fp8.convert_to_fp8 replaces it with an FP8 grouped GEMM of the same
-    signature, and may raise `token_group_align` (rows per expert group padded to a multiple of it).
+    signature.
     """
 
     def __init__(self, n_experts: int, dim: int, hidden_dim: int):
@@ -297,7 +284,6 @@ class GroupedExperts(nn.Module):
         self.w13 = nn.Parameter(torch.empty(n_experts, 2 * hidden_dim, dim))
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden_dim))
         self.grouped_mm: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] = grouped_mm_hp
-        self.token_group_align = 1
 
     @property
     def w1(self) -> torch.Tensor:
@@ -371,14 +357,6 @@ class MoE(nn.Module):
         # re-run). Asking autograd costs a graph break under torch.compile (a host call returning a Python int),
         # so models that are never recomputed turn the question off: see set_forward_recompute.
         self.forward_may_rerun_in_backward = True
-        # How the routed tokens enter a padded group layout (token_group_align > 1, the FP8 experts): True (default)
-        # gathers each padded row from its token (a padding row reads zero) in one pass, whose backward is one
-        # index_put into x's gradient as in the unpadded layout; False is a zero-filled buffer that the gathered tokens
-        # are copied into (a zero fill plus a scatter forward, a gather of the padded gradient plus an index_put
-        # backward). Same values either way. The gather is the default for memory, not speed: the H200 MoE step (4
-        # layers, session 20 call B) peaked at 28.46 vs 29.60 GiB at equal speed (97.81 vs 97.56 ms, within the
-        # run's +-1 ms step noise); benchmarks/train_step.py "+padscatter" selects the copy.
-        self.pad_by_gather = True
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
         a = self.args
@@ -412,22 +390,12 @@ class MoE(nn.Module):
     def routed(self, x_SD: torch.Tensor, expert_SA: torch.Tensor, weight_SA: torch.Tensor) -> torch.Tensor:
         """permute -> grouped SwiGLU -> un-permute by a gather -> weighted sum over the A slots of each token."""
         S, A = expert_SA.shape
-        token_R, slot_R, dest_R, offs_E, n_rows = permute_by_expert(
-            expert_SA, self.experts.n_experts, self.experts.token_group_align
-        )
-        if n_rows == S * A:
-            x_RD = x_SD[token_R]
-        elif self.pad_by_gather and S > 0:
-            # Source token of every padded row, S for a padding row (an index scatter over n_rows ints, not rows of D).
-            src_R = torch.full((n_rows,), S, dtype=token_R.dtype, device=token_R.device).index_put_((dest_R,), token_R)
-            x_RD = torch.where((src_R == S)[:, None], 0.0, x_SD[src_R.clamp(max=S - 1)])
-        else:
-            x_RD = x_SD.new_zeros(n_rows, x_SD.shape[1]).index_copy(0, dest_R, x_SD[token_R])
-        y_RD = self.experts(x_RD, offs_E)
-        # Row of y holding assignment (s, a): invert the sort (a scatter of positions), then follow dest.
-        arange_R = torch.arange(S * A, device=dest_R.device)
-        sorted_pos_SA = torch.empty_like(dest_R).scatter_(0, token_R * A + slot_R, arange_R)
-        y_SAD = y_RD[dest_R[sorted_pos_SA]].view(S, A, -1)
+        token_R, slot_R, offs_E = permute_by_expert(expert_SA, self.experts.n_experts)
+        y_RD = self.experts(x_SD[token_R], offs_E)
+        # Row of y holding assignment (s, a): invert the sort (a scatter of positions).
+        arange_R = torch.arange(S * A, device=token_R.device)
+        sorted_pos_SA = torch.empty_like(token_R).scatter_(0, token_R * A + slot_R, arange_R)
+        y_SAD = y_RD[sorted_pos_SA].view(S, A, -1)
         # Mix in fp32 (one rounding at the end). A gather plus a weighted sum keeps only y and the weights for
         # backward, where an index_add un-permute would keep an extra fp32 copy.
         return (y_SAD.float() * weight_SA[..., None]).sum(1).to(x_SD.dtype)

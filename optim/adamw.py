@@ -1,7 +1,7 @@
 """AdamW with torch.optim.AdamW's state, settings and checkpoints, stepped by one Triton launch for all parameters,
 with the gradient clip folded into that launch.
 
-Why (BENCHMARKS.md, session 10 profiles of benchmarks/train_step.py, one step): torch's fused AdamW took 16.7 ms for
+Why (H200 profiles of benchmarks/train_step.py, one step): torch's fused AdamW took 16.7 ms for
 the 8-layer Llama3-8B-width model's 2.8B bf16 parameters (~39 GB of reads and writes: 2.35 TB/s, half of the H200's
 HBM bandwidth) in 134 launches - multi_tensor_apply puts at most 320 chunks of 65536 elements in one launch - and
 the clip's scaling pass (`clip_grads_with_norm_`: one more read and write of every gradient) another 3.8 ms. The same
@@ -50,8 +50,8 @@ except ImportError:  # CPU-only installs: torch's step runs instead
     HAS_TRITON = False
 
 # Elements per program and warps, from the H200 sweeps of benchmarks/adamw.py (2.8B bf16 parameters, clip included;
-# torch's fused AdamW + clip pass 25.2 ms): call C (scalar accesses) 4096/8 warps 20.2 ms, 2048/8 14.0, 1024/4 12.0;
-# call E (vector accesses, HINT_POINTERS) 1024/4 10.3, 512/4 9.6 ms = 4.06 TB/s (fp32: 19.2 ms vs 29.3, 4.1 TB/s).
+# torch's fused AdamW + clip pass 25.2 ms): scalar accesses 4096/8 warps 20.2 ms, 2048/8 14.0, 1024/4 12.0; vector
+# accesses (HINT_POINTERS) 1024/4 10.3, 512/4 9.6 ms = 4.06 TB/s (fp32: 19.2 ms vs 29.3, 4.1 TB/s).
 BLOCK = 512
 NUM_WARPS = 4
 HINT_POINTERS = True  # state 16-byte alignment to the compiler where it holds (see the kernel); False: no hints
@@ -105,7 +105,7 @@ if HAS_TRITON:
         v_ptr = tl.load(row + 2).to(tl.pointer_type(S_DTYPE))
         g_ptr = tl.load(grad_addr_ptr + t).to(tl.pointer_type(G_DTYPE))
         # 16-byte alignment stated on the pointers themselves (checked on the host) lets the compiler issue vector
-        # accesses; stated on the integer before the cast it never reached the loads (call D: no vector loads in the
+        # accesses; stated on the integer before the cast it never reached the loads (no vector loads in the
         # PTX). Gradients may be views at any offset into a flat buffer (FSDP2's reduce-scatter output): those
         # steps run without the hint on them.
         if ALIGNED_STATES:
@@ -157,8 +157,11 @@ else:
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard (FSDP2 parameters, their gradients and AdamW states), else the tensor itself.
-    `_local_tensor` instead of to_local(): to_local() is an autograd call, ~10 us each for hundreds of tensors."""
-    return getattr(t, "_local_tensor", t)
+    `_local_tensor` instead of to_local(): to_local() is an autograd call, ~10 us each for hundreds of tensors.
+    A weight FSDP2 all-gathers in fp8 (fp8.fsdp_allgather.Fp8AllGatherWeight) is a wrapper without storage of its own:
+    its plain master tensor, which the kernel updates in place."""
+    local = getattr(t, "_local_tensor", t)
+    return getattr(local, "fp8_all_gather_master", local)
 
 
 @dataclass
@@ -313,7 +316,7 @@ class ChunkedAdamW(torch.optim.AdamW):
         beta1, beta2 = group["betas"]
         self._send_grad_addresses(bucket, grad_addrs)
         # The step counts advance by the gate (0 or 1), added on the device as a list of tensors: _foreach_add_ with
-        # one 0-d CUDA tensor as its scalar synchronises the host (session 18 call C, --sync-probe: the GPU then
+        # one 0-d CUDA tensor as its scalar synchronises the host (train_step.py --sync-probe on the H200: the GPU then
         # drained before the next step was launched).
         step_increment = 1.0 if gate is None else [gate.detach().reshape(()).to(torch.float32)] * len(bucket.steps)
         if bucket.chunk_tensor.numel() == 0:  # only empty parameters: nothing to update but the step counts

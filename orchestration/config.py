@@ -31,9 +31,6 @@ PRESET_DEVICE: dict[str, str | None] = {
 }
 
 
-MOE_WGRADS = ("hp", "global", "per_expert")  # fp8.grouped.WGRAD_SCALINGS, without importing torch here
-MOE_DGRADS = ("auto", "fp8_reuse", "fp8_keep", "fp8_fast", "fp8", "hp", "width")  # fp8.grouped.DGRAD_CHOICES, likewise
-TENSORWISE_TRANSPOSES = ("backward", "forward")  # fp8.linear.TENSORWISE_TRANSPOSES, likewise
 # torch.compile modes for the blocks; "reduce-overhead" = CUDA graphs (see ModelConfig.compile_mode).
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")
 
@@ -60,38 +57,13 @@ class ModelConfig:
 @dataclass
 class PrecisionConfig:
     name: str = "fp8"  # bf16 | fp8
-    # auto = the recommended recipe for the device (fp8.recommended_recipe); ignored for bf16.
+    # auto = the recommended recipe for the device (fp8.recommended_recipe): tensorwise on NVIDIA (the fastest
+    # measured: 1.38x bf16 for the dense step on the H200, rowwise 1.20x), rowwise_gw_hp on ROCm; ignored for bf16.
     recipe: str = "auto"
-    # MoE expert weight-gradient GEMM: hp (bf16 grouped GEMM: faster than the fp8 one on H200 at
-    # DeepSeek-MoE shapes, see BENCHMARKS.md), global or per_expert (fp8 with those column scales).
-    moe_wgrad: str = "hp"
-    # MoE expert grad-input GEMM (fp8.grouped.DGRAD_CHOICES): auto = fp8 on the forward's quantized weights with
-    # power-of-two scales (fp8_reuse: the fastest measured, BENCHMARKS.md session 17), else fp8 with fast
-    # accumulation; fp8_fast / fp8 (promoted accumulation) / hp (bf16) / width / fp8_reuse to choose one; fp8_keep
-    # (fp8_reuse's operand written by the forward's weight cast and kept: +1 byte per expert parameter until backward).
-    moe_dgrad: str = "auto"
-    # Rows per expert group the MoE routing pads to in fp8 (fp8.grouped.check_token_group_align): 16 is what an fp8
-    # weight gradient (moe_wgrad global/per_expert) needs; with moe_wgrad=hp, 1 (no padding) is allowed and opt-in
-    # until checked and timed on a GPU.
-    moe_token_group_align: int = 16
-    # Linears whose K * N / (K + N) is below this stay in bf16 (fp8.convert.gemm_width: FP8's GEMM gain grows with
-    # M * K * N, the cost of its casts with M * (K + N)). 0 converts every eligible linear. See README for the
-    # widths measured to break even on the H200.
-    fp8_min_gemm_width: float = 0.0
-    # Convert the LM output head to FP8 too (fp8.convert.make_module_filter). Off: the head stays bf16, as in
-    # torchtitan; on: the largest GEMM of a dense step runs in FP8 (see BENCHMARKS.md for its speed and loss).
+    # Convert the LM output head to FP8 too (fp8.convert.make_module_filter), its loss fused into it under the
+    # tensorwise recipe (fp8/head.py). Off by default, as in torchtitan: it is the fastest measured setting (the
+    # largest GEMM of a dense step), but it changes the logits' numerics, so a quality check must decide it first.
     fp8_output_head: bool = False
-    # With an FP8 head under the tensorwise recipe: compute the loss inside the head, whose backward writes the logits'
-    # gradient once, in fp8 and in both layouts its GEMMs read (fp8/head.py), instead of a bf16 gradient cast again.
-    # false: the unfused head and loss (the same function; for A/B runs).
-    fp8_head_fused_loss: bool = True
-    # Tensorwise recipe: where the fp8 transposed copies the backward GEMMs read are written (fp8.linear.
-    # TENSORWISE_TRANSPOSES): backward (from the saved fp8 copies, by the transpose kernel) or forward (by the casts'
-    # own compiled kernels, saved instead of the row-major copies: the same memory). The same function either way;
-    # forward is opt-in until timed on a GPU (benchmarks/train_step.py +tfwd). The FP8 head with the loss fused into it
-    # (fp8_head_fused_loss) runs its own kernels, eagerly: it writes its gradient in both layouts itself and keeps
-    # transposing x and w in backward whatever this says.
-    fp8_tensorwise_transposes: str = "backward"
     # Run the MoE routed experts' grouped GEMMs in FP8 (torch._scaled_grouped_mm). false keeps them bf16 while the
     # rest runs FP8: for GPUs or torch builds without an FP8 grouped GEMM (the worker refuses to emulate it there).
     fp8_experts: bool = True

@@ -19,12 +19,9 @@ from orchestration.config import (
     DEVICES,
     DTYPES,
     ENV_PRESET_NAMES,
-    MOE_DGRADS,
-    MOE_WGRADS,
     PRECISIONS,
     PRESET_DEVICE,
     RECIPES,
-    TENSORWISE_TRANSPOSES,
     ConfigError,
     JobConfig,
 )
@@ -83,24 +80,9 @@ def validate(job: JobConfig) -> None:
              f"'{job.precision.name}' is not one of {PRECISIONS}")
     _require(job.precision.recipe in RECIPES, "precision.recipe",
              f"'{job.precision.recipe}' is not one of {RECIPES}")
-    _require(job.precision.fp8_min_gemm_width >= 0, "precision.fp8_min_gemm_width",
-             f"must be >= 0 (0 converts every eligible linear), got {job.precision.fp8_min_gemm_width}")
     _require(not (job.precision.fp8_output_head and job.precision.name != "fp8"), "precision.fp8_output_head",
              f"true needs precision=fp8 (got precision={job.precision.name}, which converts nothing): drop "
              "precision.fp8_output_head or use precision=fp8")
-    _require(job.precision.moe_wgrad in MOE_WGRADS, "precision.moe_wgrad",
-             f"'{job.precision.moe_wgrad}' is not one of {MOE_WGRADS}")
-    _require(job.precision.moe_dgrad in MOE_DGRADS, "precision.moe_dgrad",
-             f"'{job.precision.moe_dgrad}' is not one of {MOE_DGRADS}")
-    _require(job.precision.fp8_tensorwise_transposes in TENSORWISE_TRANSPOSES, "precision.fp8_tensorwise_transposes",
-             f"'{job.precision.fp8_tensorwise_transposes}' is not one of {TENSORWISE_TRANSPOSES}")
-    from fp8.grouped import check_token_group_align  # the op's own rule (torch is loaded above by models.registry)
-
-    try:
-        check_token_group_align(job.precision.moe_token_group_align,
-                                "hp" if job.precision.recipe == "rowwise_gw_hp" else job.precision.moe_wgrad)
-    except ValueError as exc:
-        _require(False, "precision.moe_token_group_align", f"{exc} (1 needs precision.moe_wgrad=hp)")
     for key in ("compute_dtype", "fsdp_param_dtype", "fsdp_reduce_dtype"):
         value = getattr(job.precision, key)
         _require(value in DTYPES, f"precision.{key}", f"'{value}' is not one of {DTYPES}")

@@ -209,8 +209,8 @@ def _interp_fsdp2_parameters_step_through_their_local_shards(small_block, tmp_pa
     try:
         from torch.distributed.device_mesh import init_device_mesh
 
-        # A CPU mesh named explicitly: on a machine with a GPU fully_shard's default mesh is CUDA's (session 15 call
-        # G: this case failed there, and only there).
+        # A CPU mesh named explicitly: on a machine with a GPU fully_shard's default mesh is CUDA's (this case
+        # failed on the H200 machine, and only there).
         mesh = init_device_mesh("cpu", (1,))
 
         def sharded_model():
@@ -241,7 +241,7 @@ def _interp_fsdp2_parameters_step_through_their_local_shards(small_block, tmp_pa
 
 def _interp_tensor_subclass_parameters_step_through_torch(small_block):
     # A parameter that is a wrapper tensor subclass (torchao's MoE FP8 recipe wraps expert weights so) has no storage
-    # of its own at data_ptr(): session 17 call C's torchao row ran the kernel on such addresses and the GPU faulted
+    # of its own at data_ptr(): a torchao row of train_step.py ran the kernel on such addresses and the GPU faulted
     # (illegal memory access). Such a group steps through torch's AdamW instead, exactly as torch does.
     from torch.testing._internal.two_tensor import TwoTensor
 
@@ -376,7 +376,7 @@ def test_gpu_gated_steps_equal_the_kept_steps_alone():
         norm = norm_of(grads).cuda()
         gate_t = torch.tensor(gate, device="cuda")
         torch.cuda.synchronize()
-        # Launched before the guard's host read, it must not wait for the GPU itself (session 18 call C: the step
+        # Launched before the guard's host read, it must not wait for the GPU itself (on the H200 the step
         # counts' _foreach_add_ with a 0-d CUDA tensor did): no synchronising call once the kernel is compiled.
         torch.cuda.set_sync_debug_mode("error" if opt_a.kernel_steps else "default")
         try:

@@ -12,11 +12,14 @@ from orchestration.training.loop import build_training_model
 from orchestration.validation import load_job_config
 
 
-def _loss_and_grads(precision: str, compile_blocks: bool, fp8_output_head: bool = False, fused_loss: bool = False):
+def _loss_and_grads(precision: str, compile_blocks: bool, fp8_output_head: bool = False, fused_loss: bool = False,
+                    recipe: str = "tensorwise"):
+    """fused_loss: the loss computed inside the FP8 head (the worker's path where the head fuses it), else from the
+    logits (the unfused head and loss)."""
     job = load_job_config({
         "model": {"name": "debug_dense", "compile": compile_blocks, "overrides": {"n_layers": 2}},
-        "precision": {"name": precision, "recipe": "tensorwise", "compute_dtype": "float32",
-                      "fp8_output_head": fp8_output_head, "fp8_head_fused_loss": fused_loss},
+        "precision": {"name": precision, "recipe": recipe, "compute_dtype": "float32",
+                      "fp8_output_head": fp8_output_head},
         "cluster": {"min_workers": 1, "max_workers": 1},
         "train": {"global_batch_size": 2, "micro_batch_size": 2},
     })
@@ -62,11 +65,12 @@ def test_compiled_fp8_blocks_train():
 
 @pytest.mark.slow
 def test_compiled_fp8_output_head_matches_eager():
-    """precision.fp8_output_head=true with fp8_head_fused_loss=false: the FP8 head is compiled with the blocks and
-    computes what eager does."""
-    compiled_flags, loss_c, grads_c = _loss_and_grads("fp8", compile_blocks=True, fp8_output_head=True)
-    _, loss_e, grads_e = _loss_and_grads("fp8", compile_blocks=False, fp8_output_head=True)
-    _, loss_hp_head, _ = _loss_and_grads("fp8", compile_blocks=False)
+    """precision.fp8_output_head=true with a head that does not fuse the loss (the rowwise recipe): the FP8 head is
+    compiled with the blocks and computes what eager does."""
+    compiled_flags, loss_c, grads_c = _loss_and_grads("fp8", compile_blocks=True, fp8_output_head=True,
+                                                      recipe="rowwise")
+    _, loss_e, grads_e = _loss_and_grads("fp8", compile_blocks=False, fp8_output_head=True, recipe="rowwise")
+    _, loss_hp_head, _ = _loss_and_grads("fp8", compile_blocks=False, recipe="rowwise")
     assert all(compiled_flags) and len(compiled_flags) == 3
     torch.testing.assert_close(loss_c, loss_e, rtol=1e-5, atol=1e-5)
     assert not torch.equal(loss_e, loss_hp_head)  # the head really ran in fp8
@@ -78,8 +82,8 @@ def test_compiled_fp8_output_head_matches_eager():
 
 @pytest.mark.slow
 def test_fused_fp8_head_with_compiled_blocks_matches_eager_and_the_unfused_head():
-    """precision.fp8_head_fused_loss=true (the default): the head runs its own kernels (not compiled), the blocks
-    compile, and loss and gradients match eager and the unfused head's."""
+    """An FP8 head under the tensorwise recipe fuses the loss: it runs its own kernels (not compiled), the blocks
+    compile, and loss and gradients match eager and the unfused head's (its logits, then the loss)."""
     compiled_flags, loss_c, grads_c = _loss_and_grads("fp8", True, fp8_output_head=True, fused_loss=True)
     _, loss_e, grads_e = _loss_and_grads("fp8", False, fp8_output_head=True, fused_loss=True)
     _, loss_u, grads_u = _loss_and_grads("fp8", False, fp8_output_head=True, fused_loss=False)

@@ -33,19 +33,11 @@ def test_default_config_composes_and_validates():
     (["train.global_batch_size=1"], "train.global_batch_size", "at least one sequence"),
     (["model.name=gpt5"], "model.name", "known: "),
     (["precision.recipe=blockwise"], "precision.recipe", "tensorwise"),
-    (["precision.moe_wgrad=fp4"], "precision.moe_wgrad", "per_expert"),
-    (["precision.moe_dgrad=bf8"], "precision.moe_dgrad", "fp8_reuse"),
-    (["precision.moe_token_group_align=12"], "precision.moe_token_group_align", "power of two"),
-    (["precision.moe_token_group_align=0"], "precision.moe_token_group_align", "power of two"),
-    (["precision.moe_token_group_align=1", "precision.moe_wgrad=global"], "precision.moe_token_group_align",
-     "moe_wgrad=hp"),
-    (["precision.fp8_min_gemm_width=-1"], "precision.fp8_min_gemm_width", "must be >= 0"),
     (["cluster.device=tpu"], "cluster.device", "cpu"),
     (["train.warmup_steps=1000"], "train.warmup_steps", "must be in"),
     (["data.source=relative/path"], "data.source", "absolute path"),
     (["cluster.storage_path=relative"], "cluster.storage_path", "absolute"),
     (["model.compile_mode=turbo"], "model.compile_mode", "reduce-overhead"),
-    (["precision.fp8_tensorwise_transposes=sideways"], "precision.fp8_tensorwise_transposes", "forward"),
     (["model.compile_mode=reduce-overhead", "cluster.min_workers=1", "cluster.max_workers=2"], "model.compile_mode",
      "cluster.max_workers=1"),
 ])
@@ -78,33 +70,6 @@ def test_compile_mode_reaches_every_block(monkeypatch, mode, expected):
     assert seen == [expected] * len(model.layers) and len(seen) > 0
 
 
-def test_fp8_min_gemm_width_keeps_narrow_linears_in_bf16():
-    """precision.fp8_min_gemm_width reaches the conversion: linears narrower than it stay nn.Linear, the experts
-    still convert; 0 converts every eligible linear."""
-    import torch
-
-    from fp8 import Float8Linear
-    from fp8.convert import gemm_width
-    from orchestration.training.loop import build_training_model
-
-    def converted(*overrides):
-        job = compose_job("model=debug_moe", "model.compile=false", "cluster.min_workers=1", "cluster.max_workers=1",
-                          "precision=fp8", *overrides)
-        model, _ = build_training_model(job, world_size=1, device=torch.device("cpu"))
-        widths = {n: gemm_width(m.in_features, m.out_features) for n, m in model.named_modules()
-                  if isinstance(m, Float8Linear)}
-        experts = [n for n, m in model.named_modules() if hasattr(m, "_fp8_grouped_op")]
-        return widths, experts
-
-    all_widths, all_experts = converted()
-    assert all_widths and all_experts
-    cut = sorted(set(all_widths.values()))[len(set(all_widths.values())) // 2]  # a width some linears fall below
-    narrow_kept, experts = converted(f"precision.fp8_min_gemm_width={cut}")
-    assert narrow_kept == {n: w for n, w in all_widths.items() if w >= cut}
-    assert len(narrow_kept) < len(all_widths)
-    assert experts == all_experts
-
-
 def test_fp8_output_head_setting_reaches_the_conversion():
     """precision.fp8_output_head: false (the default) keeps the LM head nn.Linear; true makes it a Float8Linear,
     with the same layers converted besides; a non-boolean value is refused naming the key."""
@@ -133,17 +98,6 @@ def test_fp8_output_head_setting_reaches_the_conversion():
     # The byte-level data's ids 0..255 must fit the vocabulary (the fused FP8 head's GPU kernel does not check them).
     with pytest.raises(ValueError, match=r"vocab_size=128, below the 256 token ids.*at least 256"):
         fp8_layers("+model.overrides.vocab_size=128")
-
-
-def test_fp8_min_gemm_width_that_leaves_nothing_in_fp8_is_refused():
-    import torch
-
-    from orchestration.training.loop import build_training_model
-
-    job = compose_job("model=debug_dense", "model.compile=false", "cluster.min_workers=1", "cluster.max_workers=1",
-                      "precision=fp8", "precision.fp8_min_gemm_width=100000")
-    with pytest.raises(ValueError, match="fp8_min_gemm_width=100000.0 is above its widest linear"):
-        build_training_model(job, world_size=1, device=torch.device("cpu"))
 
 
 def test_wrong_type_names_the_key():
@@ -237,33 +191,6 @@ def test_fp8_experts_setting_and_gpus_without_an_fp8_grouped_gemm():
     require_fp8_grouped_gemm(model_hp, mi300x_without_mslk)  # nothing left to refuse
     with pytest.raises(ConfigError, match="fp8_experts"):
         compose_job("precision.fp8_experts=maybe")
-
-
-def test_tensorwise_transposes_setting_reaches_every_fp8_linear():
-    """precision.fp8_tensorwise_transposes is what every Float8Linear of the built model runs with (the head too,
-    where it runs unfused from the loss; the fused-loss head has its own kernels and ignores it); convert_to_fp8
-    refuses an unknown placement before swapping anything."""
-    import torch
-
-    import fp8
-    from fp8 import Float8Linear
-    from orchestration.training.loop import build_training_model
-
-    def placements(*overrides):
-        job = compose_job("model=debug_dense", "model.compile=false", "cluster.min_workers=1",
-                          "cluster.max_workers=1", "precision=fp8", "precision.recipe=tensorwise",
-                          "precision.fp8_output_head=true", *overrides)
-        model, _ = build_training_model(job, world_size=1, device=torch.device("cpu"))
-        return {n: m.tensorwise_transposes for n, m in model.named_modules() if isinstance(m, Float8Linear)}
-
-    default = placements()
-    moved = placements("precision.fp8_tensorwise_transposes=forward")
-    assert "output" in moved and len(moved) == len(default) > 2
-    assert set(default.values()) == {"backward"} and set(moved.values()) == {"forward"}
-    plain = torch.nn.Sequential(torch.nn.Linear(32, 32))
-    with pytest.raises(ValueError, match="tensorwise_transposes='sideways'"):
-        fp8.convert_to_fp8(plain, "tensorwise", tensorwise_transposes="sideways")
-    assert type(plain[0]) is torch.nn.Linear
 
 
 def test_adamw_is_fused_on_gpus_and_default_on_cpu():
@@ -407,17 +334,3 @@ def test_a_resume_without_train_lr_keeps_the_saved_runs_lr(tmp_path):
     fresh = job()
     open_run_dir(fresh, "another")
     assert fresh.train.lr == 3e-4
-
-
-def test_moe_gradient_choices_mirror_fp8_grouped():
-    """orchestration.config lists the experts' gradient choices without importing torch; they must stay the ones
-    fp8.grouped accepts (a choice missing there would pass validation and fail when the model is built)."""
-    from fp8.grouped import DGRAD_CHOICES, WGRAD_SCALINGS
-    from orchestration.config import MOE_DGRADS, MOE_WGRADS
-
-    assert sorted(MOE_WGRADS) == sorted(WGRAD_SCALINGS)
-    assert sorted(MOE_DGRADS) == sorted(DGRAD_CHOICES)
-    from fp8.linear import TENSORWISE_TRANSPOSES as LINEAR_CHOICES
-    from orchestration.config import TENSORWISE_TRANSPOSES
-
-    assert sorted(TENSORWISE_TRANSPOSES) == sorted(LINEAR_CHOICES)

@@ -25,7 +25,6 @@ class TinyExperts(nn.Module):
         self.w3 = nn.Parameter(torch.randn(E, DIM, HID) / DIM**0.5)
         self.w2 = nn.Parameter(torch.randn(E, HID, DIM) / HID**0.5)  # [E, in, out] here; the models store [E, out, in]
         self.grouped_mm = torch._grouped_mm  # the swap point
-        self.token_group_align = 1  # rows per group the routing pads to (raised by fp8)
 
     def forward(self, x_MD, offs_E):
         h_MH = F.silu(self.grouped_mm(x_MD, self.w1, offs_E)) * self.grouped_mm(x_MD, self.w3, offs_E)
@@ -89,23 +88,6 @@ def test_default_filter_converts_the_right_modules():
     assert type(model.output) is nn.Linear and type(model.tok_embeddings) is nn.Embedding
 
 
-def test_experts_take_the_weight_and_input_gradient_choices():
-    """convert_to_fp8's moe_wgrad / moe_dgrad (precision.moe_wgrad / moe_dgrad) reach every grouped op; rowwise_gw_hp
-    keeps the weight gradient in high precision whatever moe_wgrad says; a wrong choice is refused."""
-    model = fp8.convert_to_fp8(build(), "rowwise")
-    ops = [model.layers[i].experts.grouped_mm for i in "01"]
-    assert all((op.wgrad_scaling, op.dgrad) == ("hp", "auto") for op in ops)
-    assert ops[0].dgrad_for(torch.empty(E, DIM, 32)) == "fp8_reuse"  # auto, with the default power-of-two scales
-    model = fp8.convert_to_fp8(build(), "rowwise", moe_wgrad="global", moe_dgrad="fp8_fast")
-    assert all((model.layers[i].experts.grouped_mm.wgrad_scaling, model.layers[i].experts.grouped_mm.dgrad)
-               == ("global", "fp8_fast") for i in "01")
-    model = fp8.convert_to_fp8(build(), "rowwise_gw_hp", moe_wgrad="global", moe_dgrad="hp")
-    assert all((model.layers[i].experts.grouped_mm.wgrad_scaling, model.layers[i].experts.grouped_mm.dgrad)
-               == ("hp", "hp") for i in "01")
-    with pytest.raises(ValueError, match="dgrad"):
-        fp8.convert_to_fp8(build(), "rowwise", moe_dgrad="bf8")
-
-
 def test_default_filter_skips_unaligned_experts():
     experts = TinyExperts()
     assert fp8.default_module_filter("layers.0.moe.experts", experts)
@@ -117,20 +99,6 @@ def test_custom_filter():
     model = fp8.convert_to_fp8(build(), "tensorwise", module_filter=lambda name, m: name.endswith("wq"))
     assert {n for n, m in model.named_modules() if isinstance(m, Float8Linear)} == {"layers.0.wq", "layers.1.wq"}
     assert model.layers["0"].experts.grouped_mm is torch._grouped_mm
-
-
-def test_min_width_filter_keeps_narrow_linears_and_converts_experts():
-    from fp8.convert import gemm_width, min_width_module_filter
-
-    assert gemm_width(4096, 1024) == pytest.approx(819.2)
-    assert gemm_width(2048, 2048) == 1024.0
-    model = build()
-    model.layers["0"].wo = nn.Linear(DIM, 4 * DIM, bias=False)  # wider: K*N/(K+N) = 0.8 DIM vs 0.5 DIM for wq
-    fp8.convert_to_fp8(model, "rowwise", module_filter=min_width_module_filter(0.6 * DIM))
-    assert {n for n, m in model.named_modules() if isinstance(m, Float8Linear)} == {"layers.0.wo"}
-    for i in "01":  # grouped experts are not subject to the width rule
-        assert isinstance(model.layers[i].experts.grouped_mm, Fp8GroupedMM)
-    assert type(model.output) is nn.Linear  # the default filter's exclusions still hold
 
 
 def test_output_head_converts_only_when_asked_and_falls_back_with_the_model():
@@ -215,11 +183,9 @@ def test_fp8_mode_is_close_but_not_identical():
 
 def test_set_precision_scope_and_state_roundtrip():
     model = fp8.convert_to_fp8(build(), "tensorwise")
-    assert model.layers["1"].experts.token_group_align == 16
     changed = fp8.set_precision(model, "bf16", scope=["layers.1"])
     assert changed == ["layers.1.wq", "layers.1.wo", "layers.1.experts"]
     assert model.layers["1"].experts.grouped_mm is torch._grouped_mm
-    assert model.layers["1"].experts.token_group_align == 1 and model.layers["0"].experts.token_group_align == 16
     assert model.layers["0"].wq.fp8_enabled and not model.layers["1"].wq.fp8_enabled
     state = fp8.precision_state(model)
     assert state["recipe"] == "tensorwise"
@@ -268,7 +234,7 @@ def test_fp8_health_aggregates_on_device():
     assert set(h) == {"saturated_frac", "underflow_frac", "amax_max"}
     assert all(v.dim() == 0 and torch.isfinite(v) for v in h.values())
     from fp8.health import health_stats_ref
-    from fp8.recipes import quantize_tensorwise_ref
+    from fp8.reference import quantize_tensorwise_ref
 
     # Each linear's statistics follow the definition on its own input...
     per_module = []
@@ -307,31 +273,3 @@ def test_user_errors():
         fp8.set_precision(build(), "fp8")
     with pytest.raises(ValueError, match="does not convert"):
         fp8.load_precision_state(model, {"recipe": "rowwise", "modules": {"x.y": "fp8"}})
-
-
-def test_token_group_align_is_the_ops_and_bad_values_change_nothing():
-    """moe_token_group_align: the routing pads to the op's alignment while in fp8 and to its own in bf16; 1 (no padding)
-    is accepted with the bf16 weight gradient (moe_wgrad="hp", and under rowwise_gw_hp whatever moe_wgrad says), refused
-    with an fp8 one; bad values raise before any module is swapped."""
-    model = fp8.convert_to_fp8(build(), "tensorwise", moe_token_group_align=1)
-    assert model.layers["0"].experts.token_group_align == 1
-    assert model.layers["0"].experts.grouped_mm.token_group_align == 1
-    model = fp8.convert_to_fp8(build(), "rowwise_gw_hp", moe_wgrad="global", moe_token_group_align=1)
-    assert model.layers["1"].experts.token_group_align == 1
-    model = fp8.convert_to_fp8(build(), "tensorwise", moe_wgrad="global", moe_token_group_align=32)
-    assert model.layers["1"].experts.token_group_align == 32
-    fp8.set_precision(model, "bf16")
-    assert model.layers["1"].experts.token_group_align == 1
-    for kwargs, match in (({"moe_token_group_align": 1, "moe_wgrad": "global"}, "16-row aligned"),
-                          ({"moe_token_group_align": 8, "moe_wgrad": "per_expert"}, "16-row aligned"),
-                          ({"moe_token_group_align": 3}, "power of two"),
-                          ({"moe_token_group_align": 0}, "power of two"),
-                          ({"moe_token_group_align": True}, "power of two"),
-                          ({"moe_wgrad": "fp16"}, "moe_wgrad='fp16'.*wgrad_scaling must be one of"),
-                          ({"moe_dgrad": "fp16"}, "moe_dgrad='fp16'.*dgrad must be one of")):
-        model = build()
-        with pytest.raises(ValueError, match=match):
-            fp8.convert_to_fp8(model, "tensorwise", **kwargs)
-        assert not fp8.precision_state(model)["modules"], kwargs  # nothing half-converted
-        assert model.layers["0"].experts.grouped_mm is torch._grouped_mm
-        assert not any(isinstance(m, Float8Linear) for m in model.modules())

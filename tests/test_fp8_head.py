@@ -360,9 +360,9 @@ def test_gpu_fused_head_matches_unfused_head_and_float64():
     assert abs(float(loss_b) - float(loss_a)) < 1e-3 * abs(float(loss_a))
 
 
-def test_ce_head_apply_best_reads_this_and_session16_sweeps(tmp_path):
-    """benchmarks/ce_head.py's apply_best (train_step.py --ce-config) sets the tiles from a sweep file of this
-    format and from session 16's (no fused_t: its kernel stored the transposed copy)."""
+def test_ce_head_apply_best_reads_both_backward_forms(tmp_path):
+    """benchmarks/ce_head.py's apply_best (train_step.py --ce-config) sets the tiles from a sweep file whose best
+    backward stores the transposed copy itself (fused_t=True) and from one where a transpose pass makes it."""
     import json
 
     from benchmarks.ce_head import apply_best
@@ -389,7 +389,7 @@ expose_or_run(globals(), __file__, N_INTERP_CASES, "test_cross_entropy_kernels_i
 
 def _interpreter_runs_these_kernels() -> bool:
     # Triton 3.6's interpreter (the H200 image's) fails on these kernels' loops over a runtime bound ("only
-    # 0-dimensional arrays can be converted to Python scalars", results/session16/call_c/tests/interp.txt); 3.9 (the
+    # 0-dimensional arrays can be converted to Python scalars"); 3.9 (the
     # CPU machines') runs them. On a GPU machine the GPU cases above check the same kernels against the references.
     try:
         import triton

@@ -10,12 +10,12 @@ import torch
 
 from fp8 import RECIPES, Float8Linear
 from fp8.linear import scaled_mm
-from fp8.recipes import (
+from fp8.reference import (
     amax_to_scale,
-    quantize_jagged_colwise_ref,
     quantize_rowwise_and_colwise_ref,
     quantize_rowwise_ref,
     quantize_tensorwise_ref,
+    saturated_cast,
 )
 from tests.numerics import sqnr
 
@@ -33,19 +33,14 @@ def make_inputs(dtype, seed=0):
     return x.to(dtype), w.to(dtype), gy.to(dtype)
 
 
-def run_fp8(recipe, x, w, gy, emulate, tensorwise_transposes="backward", compiled=False):
+def run_fp8(recipe, x, w, gy, emulate):
     lin = torch.nn.Linear(K, N, bias=False, dtype=w.dtype)
     with torch.no_grad():
         lin.weight.copy_(w)
     mod = Float8Linear.from_float(lin, recipe)
     mod.emulate = emulate
-    mod.tensorwise_transposes = tensorwise_transposes
-    fn = mod
-    if compiled:
-        torch._dynamo.reset()
-        fn = torch.compile(mod, fullgraph=True, dynamic=False)  # fullgraph: the Function must stay in one graph
     xi = x.clone().requires_grad_()
-    y = fn(xi)
+    y = mod(xi)
     y.backward(gy)
     return y, xi.grad, lin.weight.grad, mod
 
@@ -93,8 +88,8 @@ def test_fp8_differs_from_high_precision():
 def test_scaled_mm_emulated_matches_dequantized_product():
     g = torch.Generator().manual_seed(3)
     a, b = torch.randn(16, 32, generator=g), torch.randn(32, 48, generator=g)
-    a8, sa = quantize_rowwise_ref(a, torch.float8_e4m3fn, -1, True)
-    b8, sb = quantize_rowwise_ref(b, torch.float8_e4m3fn, 0, True)
+    a8, sa = quantize_rowwise_ref(a, torch.float8_e4m3fn, True, dim=-1)
+    b8, sb = quantize_rowwise_ref(b, torch.float8_e4m3fn, True, dim=0)
     out = scaled_mm(a8, b8, sa, sb, torch.float32, use_scaled_mm=False)
     expect = (a8.double() / sa.double()) @ (b8.double() / sb.double())
     assert torch.allclose(out.double(), expect, rtol=1e-5, atol=1e-5)
@@ -102,21 +97,18 @@ def test_scaled_mm_emulated_matches_dequantized_product():
 
 def test_amax_to_scale_finite_on_zero_tiny_and_pow2():
     for pow2 in (False, True):
-        s = amax_to_scale(torch.tensor([0.0, 1e-30, 1e-3, 3.0, 1e6]), 448.0, pow2)
+        s = amax_to_scale(torch.tensor([0.0, 1e-30, 1e-3, 3.0, 1e6]), torch.float8_e4m3fn, pow2)
         assert torch.isfinite(s).all() and (s > 0).all()
-    s = amax_to_scale(torch.tensor([3.0, 0.7, 1e-5]), 448.0, True)
+    s = amax_to_scale(torch.tensor([3.0, 0.7, 1e-5]), torch.float8_e4m3fn, True)
     assert torch.equal(torch.exp2(torch.log2(s).round()), s)  # exact powers of two
     assert (torch.tensor([3.0, 0.7, 1e-5]) * s <= 448.0).all()
     assert (torch.tensor([3.0, 0.7, 1e-5]) * s > 224.0).all()  # largest power of two that fits
-    # A NaN amax (NaN in the input) gives a NaN scale with or without pow2, as the Triton kernels and
-    # fp8.kernels.reference do; an inf amax gives a zero scale.
-    from fp8.kernels.reference import amax_to_scale as kernel_reference_scale
-
+    # A NaN amax (NaN in the input) gives a NaN scale with or without pow2, as the Triton kernels do; an inf amax
+    # gives a zero scale.
     special = torch.tensor([float("nan"), float("inf"), 3.0])
     for pow2 in (False, True):
-        s = amax_to_scale(special, 448.0, pow2)
-        assert s[0].isnan() and s[1].item() == 0.0
-        assert torch.equal(s.isnan(), kernel_reference_scale(special, torch.float8_e4m3fn, pow2).isnan())
+        s = amax_to_scale(special, torch.float8_e4m3fn, pow2)
+        assert s[0].isnan() and s[1].item() == 0.0 and torch.isfinite(s[2])
 
 
 def test_quantize_all_zero_and_tiny_inputs():
@@ -127,9 +119,7 @@ def test_quantize_all_zero_and_tiny_inputs():
     q, s = quantize_rowwise_ref(tiny, torch.float8_e4m3fn)
     assert torch.isfinite(q.float()).all() and torch.isfinite(s).all()
     # Saturating cast: values beyond the range clamp to +-max instead of NaN (e4m3fn has no inf).
-    from fp8.recipes import cast_saturated
-
-    out = cast_saturated(torch.tensor([1e9, -1e9]), torch.tensor(1.0), torch.float8_e4m3fn)
+    out = saturated_cast(torch.tensor([1e9, -1e9]), torch.tensor(1.0), torch.float8_e4m3fn)
     assert out.float().tolist() == [448.0, -448.0]
 
 
@@ -138,10 +128,7 @@ def test_row_and_col_reference_layouts():
     q, s_m1, qt, s_1n = quantize_rowwise_and_colwise_ref(x, torch.float8_e4m3fn)
     assert qt.shape == (40, 24) and qt.is_contiguous() and s_m1.shape == (24, 1) and s_1n.shape == (1, 40)
     assert sqnr(q.float() / s_m1, x) > 25 and sqnr(qt.t().float() / s_1n, x) > 25
-    offs = torch.tensor([8, 8, 24], dtype=torch.int32)
-    _, s_ek = quantize_jagged_colwise_ref(x, offs, torch.float8_e4m3fn)
-    assert s_ek.shape == (3, 40) and torch.isfinite(s_ek).all()  # empty group 1 stays finite
-    assert torch.equal(s_ek[0], quantize_rowwise_ref(x[:8], torch.float8_e4m3fn, 0)[1][0])
+    assert torch.equal(s_1n, quantize_rowwise_ref(x, torch.float8_e4m3fn, dim=0)[1])
 
 
 def test_health_stats_on_device_no_sync():
@@ -153,8 +140,6 @@ def test_health_stats_on_device_no_sync():
     assert sat == 0.0  # a dynamic scale maps amax onto +-448: nothing is clipped, even the outlier channel
     # The underflow fraction, counted by hand over the sampled rows: nonzero inputs whose fp8 value is zero.
     from fp8.health import health_sample_step
-    from fp8.recipes import quantize_tensorwise_ref
-
     x_fp8, _ = quantize_tensorwise_ref(x, torch.float8_e4m3fn)
     rows = slice(None, None, health_sample_step(x.shape[0]))
     want_under = ((x[rows] != 0) & (x_fp8[rows].float() == 0)).float().mean().item()
@@ -197,7 +182,7 @@ def test_first_kernel_lookup_inside_a_compiled_backward_keeps_one_graph(monkeypa
     """The kernels package's first lookup may happen while dynamo traces an autograd.Function's backward (a
     tensorwise Float8Linear first reaches it there, for its fp8 transposes). It must not store module state then:
     such a store is a side effect dynamo refuses inside the Function, and the whole Function graph-broke and ran
-    eagerly (session 8: ~120 ms of host per dense step on the H200). fullgraph=True turns a break into an error."""
+    eagerly (~120 ms of host per dense step on the H200). fullgraph=True turns a break into an error."""
     from fp8 import quant
 
     monkeypatch.setattr(quant, "_KERNELS_LOOKED_UP", False)
@@ -254,31 +239,9 @@ def test_kernel_failure_while_tracing_a_backward_falls_back_without_breaking_the
     assert quant._FAILED == {"transpose"}
 
 
-@pytest.mark.parametrize("compiled", [False, True])
-@pytest.mark.parametrize("emulate", [True, False])
-def test_tensorwise_transposes_written_in_forward_compute_the_same_function(emulate, compiled):
-    """tensorwise_transposes="forward" moves where the fp8 transposed copies are made (next to the casts, saved instead
-    of the row-major copies), not what is multiplied: output and both gradients equal the default's bit for bit,
-    eagerly and compiled (Inductor then writes the transposes from the casts' kernels), emulated and through
-    torch._scaled_mm."""
-    x, w, gy = make_inputs(torch.bfloat16, seed=2)
-    default = run_fp8("tensorwise", x, w, gy, emulate, "backward", compiled)[:3]
-    moved = run_fp8("tensorwise", x, w, gy, emulate, "forward", compiled)[:3]
-    for a, b in zip(default, moved):
-        assert torch.equal(a.detach(), b.detach())
-    # and still FP8 (not a silently high-precision path): the gradient differs from bf16's
-    lin = torch.nn.Linear(K, N, bias=False, dtype=w.dtype)
-    with torch.no_grad():
-        lin.weight.copy_(w)
-    xi = x.clone().requires_grad_()
-    lin(xi).backward(gy)
-    assert not torch.equal(moved[1], xi.grad) and sqnr(moved[1], xi.grad) > 15
-
-
-@pytest.mark.parametrize("placement, transposed_in_scaled_mm", [("backward", 3), ("forward", 0)])
-def test_tensorwise_transposes_forward_hand_scaled_mm_ready_layouts(monkeypatch, placement, transposed_in_scaled_mm):
-    """Through torch._scaled_mm (row-major A, column-major B), "forward" gives every backward GEMM operands already in
-    those layouts: scaled_mm transposes none of them (the default transposes x, w and gy there)."""
+def test_tensorwise_backward_gemms_get_transposed_fp8_copies_in_scaled_mm(monkeypatch):
+    """Through torch._scaled_mm (row-major A, column-major B): the tensorwise backward keeps x and w in their forward
+    layouts and scaled_mm makes the transposed fp8 copies of x, w and gy its GEMMs read (3 of the 6 operands)."""
     from fp8 import linear
 
     copies = []
@@ -286,20 +249,6 @@ def test_tensorwise_transposes_forward_hand_scaled_mm_ready_layouts(monkeypatch,
     monkeypatch.setattr(linear, "_row_major", lambda a: copies.append(a.stride(-1) != 1) or row_major(a))
     monkeypatch.setattr(linear, "_col_major", lambda b: copies.append(b.stride(-2) != 1) or col_major(b))
     x, w, gy = make_inputs(torch.bfloat16, seed=4)
-    run_fp8("tensorwise", x, w, gy, emulate=False, tensorwise_transposes=placement)
+    run_fp8("tensorwise", x, w, gy, emulate=False)
     assert len(copies) == 6  # 3 GEMMs x 2 operands
-    assert sum(copies) == transposed_in_scaled_mm
-
-
-def test_tensorwise_transposes_forward_saves_the_transposed_layouts():
-    """What backward keeps: x^T [K, M] and w^T [K, N] (contiguous), the same bytes as x and w."""
-    x, w, _ = make_inputs(torch.bfloat16, seed=3)
-    lin = torch.nn.Linear(K, N, bias=False, dtype=w.dtype)
-    mod = Float8Linear.from_float(lin, "tensorwise")
-    mod.tensorwise_transposes = "forward"
-    saved = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        mod(x.clone().requires_grad_())
-    fp8_saved = [t for t in saved if t.dtype.itemsize == 1]
-    assert [tuple(t.shape) for t in fp8_saved] == [(K, M), (K, N)]
-    assert all(t.is_contiguous() for t in fp8_saved)
+    assert sum(copies) == 3

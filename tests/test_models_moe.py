@@ -38,10 +38,8 @@ def _routing(moe, x_SD):
     return expert_SA, weight_SA
 
 
-@pytest.mark.parametrize("align", [1, 8])
-def test_grouped_path_equals_per_expert_loop_forward_and_grads(align):
+def test_grouped_path_equals_per_expert_loop_forward_and_grads():
     moe = _moe()
-    moe.experts.token_group_align = align
     torch.manual_seed(1)
     x_SD = torch.randn(20, 32)
     grad_out = torch.randn(20, 32)
@@ -65,28 +63,6 @@ def test_grouped_path_equals_per_expert_loop_forward_and_grads(align):
     assert moe.gate.weight.grad.abs().max() > 0  # gradient reaches the router through the mixing weights
 
 
-def test_padded_layout_by_gather_equals_the_zero_filled_copy():
-    """MoE.pad_by_gather (default): the padded group layout gathered row by row (padding rows read zero) gives the same
-    output and gradients as the zero-filled buffer the tokens are copied into (pad_by_gather=False)."""
-    moe = _moe()
-    moe.experts.token_group_align = 8
-    torch.manual_seed(2)
-    x_SD = torch.randn(20, 32)
-    grad_out = torch.randn(20, 32)
-    results = {}
-    for by_gather in (True, False):
-        moe.pad_by_gather = by_gather
-        moe.zero_grad(set_to_none=True)
-        x = x_SD.clone().requires_grad_(True)
-        expert_SA, weight_SA = _routing(moe, x)
-        out = moe.routed(x, expert_SA, weight_SA)
-        out.backward(grad_out)
-        results[by_gather] = [out.detach(), x.grad, moe.experts.w13.grad.clone(), moe.experts.w2.grad.clone()]
-    for name, a, b in zip(("out", "grad_x", "grad_w13", "grad_w2"), results[True], results[False]):
-        assert (a != 0).any(), name
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=name)
-
-
 def test_torch_grouped_mm_semantics_match_loop_reference():
     torch.manual_seed(0)
     x_MK, w_EKN = torch.randn(24, 16), torch.randn(3, 16, 8)
@@ -94,14 +70,12 @@ def test_torch_grouped_mm_semantics_match_loop_reference():
     torch.testing.assert_close(torch._grouped_mm(x_MK, w_EKN, offs=offs_E), grouped_mm_reference(x_MK, w_EKN, offs_E))
 
 
-def test_permutation_alignment_layout():
+def test_permutation_layout():
     expert_SA = torch.tensor([[2, 0], [2, 1], [0, 2]])
-    token_R, slot_R, dest_R, offs_E, n_rows = permute_by_expert(expert_SA, 3, align=4)
+    token_R, slot_R, offs_E = permute_by_expert(expert_SA, 4)
     assert expert_SA[token_R, slot_R].tolist() == [0, 0, 1, 2, 2, 2]  # sorted by expert
     assert token_R.tolist() == [0, 2, 1, 0, 1, 2]  # earlier tokens first inside an expert
-    assert dest_R.tolist() == [0, 1, 4, 8, 9, 10]  # groups start at multiples of 4
-    assert offs_E.dtype == torch.int32 and offs_E.tolist() == [4, 8, 15] and n_rows == 6 + 3 * 3
-    # the slack rows (zeros) go to the last group so the last offset is the static row count
+    assert offs_E.dtype == torch.int32 and offs_E.tolist() == [2, 3, 6, 6]  # cumulative ends; expert 3 empty
 
 
 def test_route_topk_weights_bias_and_groups():
@@ -386,31 +360,6 @@ def test_fp8_moe_block_compiles_to_one_graph_and_matches_eager_grads():
     for name, g in grads[False].items():
         assert (g != 0).any(), name
         torch.testing.assert_close(grads[True][name], g, rtol=0, atol=0, msg=name)
-
-
-def test_fp8_moe_block_without_token_group_padding_matches_the_padded_one():
-    """precision.moe_token_group_align=1 (no zero rows between the experts' groups, allowed with the bf16 weight
-    gradient): the FP8 block's output, input gradient and expert-weight gradients equal the 16-row padded block's
-    (emulated FP8 on CPU; the same fp8 operands, rows only moved). The GPU kernels' side is
-    tests/test_fp8_gpu.py::test_fp8_grouped_unaligned_token_groups_match_padded_on_gpu."""
-    import fp8
-    from models.deepseek_moe import set_forward_recompute
-
-    results = {}
-    for align in (16, 1):
-        model = build_model("debug_moe", "cpu", seed=0).to(torch.float32).train()
-        set_forward_recompute(model, False)
-        fp8.convert_to_fp8(model, "rowwise", moe_token_group_align=align)
-        block = model.layers["1"]
-        assert block.moe.experts.token_group_align == align
-        x = torch.randn(2, 16, 128, generator=torch.Generator().manual_seed(1)).requires_grad_()
-        out = block(x, model.rope_cos[:16], model.rope_sin[:16])
-        out.pow(2).mean().backward()
-        results[align] = (out.detach(), x.grad, block.moe.experts.w13.grad, block.moe.experts.w2.grad)
-    for name, a, b in zip(("out", "grad_x", "grad_w13", "grad_w2"), results[16], results[1]):
-        assert (a != 0).any(), name
-        # float32 sums over a different set of (zero) padding rows: equal to a few ulps
-        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7, msg=name)
 
 
 @pytest.mark.parametrize("compiled", [False, True])

@@ -4,22 +4,18 @@ Public functions (torch tensors in and out, any device):
 - quantize_tensorwise(x_hp, fp8_dtype, amax=None) -> (x_fp8, scale [] fp32)
 - quantize_rowwise(x_hp_MN, fp8_dtype, pow2=True) -> (x_fp8_MN, scale_M1)
 - quantize_rowwise_and_colwise(x_hp_MN, fp8_dtype, pow2=True) -> (x_fp8_MN, scale_M1, x_fp8_t_NM, scale_1N)
-- quantize_jagged_per_expert(x_hp_MK, offs_E, fp8_dtype, pow2=True, transpose_out=True) -> (x_fp8, scale_EK)
-- quantize_colwise_batched(x_hp_BRC, fp8_dtype, pow2=True) -> (x_fp8_t_BCR, scale_BC)
 - transpose(x_MN) -> x^T contiguous [N, M] (fp8 operands for torch._scaled_mm)
 - quantize_rowwise_group_scaled(x_hp_MN, mul_GN, gid_M, fp8_dtype, pow2=True) -> (y_fp8_MN, scale_M1) of
   y = x * mul[gid[m], :]; cast_rows_transposed_batched(x_hp_BRC, scale_BR, fp8_dtype) -> x_fp8_t_BCR by given row
-  scales: the MoE grad-input GEMM that reuses the forward's quantized expert weights (fp8.grouped "fp8_reuse")
-- quantize_rows_and_transposed_batched(x_hp_BRC, fp8_dtype, pow2=True) -> (x_fp8_BRC, scale_BR, x_fp8_t_BCR): one row
-  cast written in both layouts (fp8.grouped "fp8_keep": the forward's expert weight cast also makes backward's operand)
-- health_stats(x_hp_MK, x_fp8_MK, scale, fp8_dtype) -> float32 [saturated_frac, underflow_frac, amax] of one cast
+  scales: the MoE grad-input GEMM on the forward's quantized expert weights (fp8/grouped.py)
 - cross_entropy_fwd(logits_MV, targets_M, ignore_index) -> (lse_M, loss_M, gamax_M) and
   cross_entropy_grad_cast(logits_MV, targets_M, lse_M, gamax, coef, fp8_dtype, ignore_index) -> (g_fp8_MV,
   g_fp8_t_VM, scale): the fused FP8 output head's loss (cross_entropy.py; eager only, no torch.library op)
 
 Scale convention (all functions): x_fp8 = saturate(x_hp * scale), x_hp ~= x_fp8 / scale, so torch._scaled_mm's
 scale arguments are `scale.reciprocal()` (exact for pow2 scales). Layouts are documented on each function and in
-reference.py, which holds the pure-PyTorch definition of every result.
+fp8/reference.py, which holds the pure-PyTorch definition of every result. Kernels: quantize.py (the casts),
+transposed.py (fp8 data written transposed), cross_entropy.py (the fused head's loss); triton_fp8.py (what they share).
 
 Backend choice, per call: use_triton=None (default) runs the Triton kernels on CUDA/ROCm tensors (under
 torch.compile through the torch.library Triton ops "elastic_fp8::*", whose kernels Inductor launches itself;
@@ -34,64 +30,33 @@ from __future__ import annotations
 
 import torch
 
-from . import cross_entropy as _ce
-from . import ops
-from . import quantize as _q
-from .reference import (
-    EPS,
+from fp8.reference import (
     FP8_DTYPES,
-    HEALTH_SAMPLE_ROWS,
-    amax_to_scale,
     cast_rows_transposed_batched_ref,
     check_fp8_dtype,
     cross_entropy_fwd_ref,
     cross_entropy_grad_cast_ref,
-    fp8_max,
-    health_stats_ref,
-    pow2_floor,
-    quantize_colwise_batched_ref,
-    quantize_jagged_per_expert_ref,
-    quantize_rows_and_transposed_batched_ref,
     quantize_rowwise_and_colwise_ref,
     quantize_rowwise_group_scaled_ref,
     quantize_rowwise_ref,
     quantize_tensorwise_ref,
-    saturated_cast,
 )
 
-HAS_TRITON = _q.HAS_TRITON
+from . import cross_entropy as _ce
+from . import ops
+from . import quantize as _q
+from . import transposed as _t
+from .triton_fp8 import HAS_TRITON, triton_usable
 
 __all__ = [
-    "EPS",
-    "FP8_DTYPES",
     "HAS_TRITON",
-    "HEALTH_SAMPLE_ROWS",
-    "amax_to_scale",
     "cast_rows_transposed_batched",
-    "cast_rows_transposed_batched_ref",
     "cross_entropy_fwd",
-    "cross_entropy_fwd_ref",
     "cross_entropy_grad_cast",
-    "cross_entropy_grad_cast_ref",
-    "fp8_max",
-    "health_stats",
-    "health_stats_ref",
-    "pow2_floor",
-    "quantize_colwise_batched",
-    "quantize_colwise_batched_ref",
-    "quantize_jagged_per_expert",
-    "quantize_jagged_per_expert_ref",
-    "quantize_rows_and_transposed_batched",
-    "quantize_rows_and_transposed_batched_ref",
     "quantize_rowwise",
     "quantize_rowwise_and_colwise",
-    "quantize_rowwise_and_colwise_ref",
     "quantize_rowwise_group_scaled",
-    "quantize_rowwise_group_scaled_ref",
-    "quantize_rowwise_ref",
     "quantize_tensorwise",
-    "quantize_tensorwise_ref",
-    "saturated_cast",
     "set_default_use_triton",
     "transpose",
     "will_use_triton",
@@ -110,9 +75,9 @@ def will_use_triton(x: torch.Tensor, use_triton: bool | None = None) -> bool:
     """Whether a call on x with this use_triton runs the Triton kernels (raises if forced where it cannot)."""
     flag = _DEFAULT_USE_TRITON if use_triton is None else use_triton
     if flag is None:
-        return _q.HAS_TRITON and x.is_cuda
+        return HAS_TRITON and x.is_cuda
     if flag:
-        if not _q.triton_usable(x):
+        if not triton_usable(x):
             raise ValueError(
                 f"use_triton=True but Triton cannot run on device {x.device} here: it needs a CUDA/ROCm tensor with "
                 "triton installed, or TRITON_INTERPRET=1 set before fp8.kernels is imported (CPU interpreter)"
@@ -194,91 +159,13 @@ def quantize_rowwise_and_colwise(
     return quantize_rowwise_and_colwise_ref(x_hp_MN, fp8_dtype, pow2)
 
 
-def quantize_jagged_per_expert(
-    x_hp_MK: torch.Tensor,
-    offs_E: torch.Tensor,
-    fp8_dtype: torch.dtype,
-    pow2: bool = True,
-    *,
-    transpose_out: bool = True,
-    use_triton: bool | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-expert column scales for the grad-weight grouped GEMM (2D x 2D grouped along M).
-
-    x_hp_MK: rows grouped by expert; offs_E: int32 [E] cumulative group ends (torch._grouped_mm semantics),
-    non-decreasing, offs_E[-1] <= M (not checked on the device path: that would sync the host).
-    Returns (x_fp8, scale_EK fp32 [E, K]) with x_fp8[m, k] = sat(x[m, k] * scale_EK[e(m), k]); rows at or past
-    offs_E[-1] are zeros; an empty group gets the finite EPS-floor scale.
-    transpose_out=True (default): x_fp8_t_KM [K, M] contiguous, whose .t() is the column-major [M, K] operand that
-    torch._scaled_grouped_mm takes (as b = x, or as a = grad_y^T read row-major); False: x_fp8_MK [M, K] row-major.
-    """
-    check_fp8_dtype(fp8_dtype)
-    _check_2d(x_hp_MK, "quantize_jagged_per_expert")
-    if offs_E.dim() != 1 or offs_E.dtype != torch.int32:
-        raise ValueError(
-            f"offs must be a 1D int32 tensor of cumulative group ends, got {offs_E.dtype} of shape "
-            f"{tuple(offs_E.shape)}; build it with torch.cumsum(counts, 0, dtype=torch.int32)"
-        )
-    if offs_E.device != x_hp_MK.device:
-        raise ValueError(f"offs is on {offs_E.device} but x is on {x_hp_MK.device}; move offs to x's device")
-    if will_use_triton(x_hp_MK, use_triton):
-        return _run_triton(ops.quantize_jagged_per_expert_op, _q.quantize_jagged_per_expert_triton, x_hp_MK,
-                           offs_E.contiguous(), fp8_dtype, pow2, transpose_out)
-    return quantize_jagged_per_expert_ref(x_hp_MK, offs_E, fp8_dtype, pow2, transpose_out)
-
-
-def quantize_colwise_batched(
-    x_hp_BRC: torch.Tensor, fp8_dtype: torch.dtype, pow2: bool = True, *, use_triton: bool | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per batch, one scale per column along R, written transposed: (x_fp8_t_BCR [B, C, R] contiguous, scale_BC).
-
-    x_fp8_t_BCR[b, c, r] = sat(x[b, r, c] * scale_BC[b, c]); x may have any strides. Used for MoE expert weights
-    stored [E, N, K]: the grad-input GEMM's operand scaled along N, in the [E, K, N] layout, read in place.
-    Triton: a column-amax pass and a cast pass writing the transposed fp8 output.
-    """
-    check_fp8_dtype(fp8_dtype)
-    if x_hp_BRC.dim() != 3:
-        raise ValueError(f"quantize_colwise_batched expects a 3D tensor [B, R, C], got {tuple(x_hp_BRC.shape)}")
-    if not x_hp_BRC.is_floating_point() or x_hp_BRC.dtype in FP8_DTYPES:
-        raise ValueError(f"quantize_colwise_batched expects a high-precision float tensor, got {x_hp_BRC.dtype}")
-    if will_use_triton(x_hp_BRC, use_triton):
-        return _run_triton(ops.quantize_colwise_batched_op, _q.quantize_colwise_batched_triton, x_hp_BRC, fp8_dtype,
-                           pow2)
-    return quantize_colwise_batched_ref(x_hp_BRC, fp8_dtype, pow2)
-
-
 def transpose(x_MN: torch.Tensor, *, use_triton: bool | None = None) -> torch.Tensor:
     """x^T as a contiguous [N, M] tensor (any 2D input, any dtype; the reference is x.t().contiguous())."""
     if x_MN.dim() != 2:
         raise ValueError(f"transpose expects a 2D tensor, got shape {tuple(x_MN.shape)}")
     if will_use_triton(x_MN, use_triton):
-        return _run_triton(ops.transpose_op, _q.transpose_triton, x_MN)
+        return _run_triton(ops.transpose_op, _t.transpose_triton, x_MN)
     return x_MN.t().contiguous()
-
-
-def health_stats(
-    x_hp_MK: torch.Tensor,
-    x_fp8_MK: torch.Tensor,
-    scale: torch.Tensor,
-    fp8_dtype: torch.dtype,
-    *,
-    use_triton: bool | None = None,
-) -> torch.Tensor:
-    """float32 [saturated_frac, underflow_frac, amax] of one cast (definition: reference.health_stats_ref).
-
-    Triton: one launch of two programs (the sampled rows' counts, the scales' minimum), the same bits as the
-    reference. Written to cut the host time of eager callers (~15 tiny torch kernels per call), but measured on the
-    H200 hosts a Triton launch from Python costs as much host time as those ops (benchmarks/grouped_host.py,
-    results/session7), so fp8.quant uses it only with FP8_KERNELS=always. No torch.library op: under torch.compile
-    the reference is traced and Inductor fuses it.
-    """
-    check_fp8_dtype(fp8_dtype)
-    _check_2d(x_hp_MK, "health_stats")
-    if x_fp8_MK.shape != x_hp_MK.shape:
-        raise ValueError(f"health_stats: x_fp8 shape {tuple(x_fp8_MK.shape)} != x shape {tuple(x_hp_MK.shape)}")
-    if will_use_triton(x_hp_MK, use_triton) and not torch.compiler.is_compiling():
-        return _q.health_stats_triton(x_hp_MK, x_fp8_MK, scale, fp8_dtype)
-    return health_stats_ref(x_hp_MK, x_fp8_MK, scale, fp8_dtype)
 
 
 def _check_ce(logits_MV: torch.Tensor, targets_M: torch.Tensor, name: str) -> None:
@@ -294,7 +181,7 @@ def cross_entropy_fwd(
     logits_MV: torch.Tensor, targets_M: torch.Tensor, ignore_index: int = -100, *, use_triton: bool | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-row cross-entropy and the row maxima of its gradient: (lse_M, loss_M, gamax_M) fp32 (definition:
-    reference.cross_entropy_fwd_ref). Targets must lie in [0, V) or equal ignore_index: the kernel does not check
+    fp8.reference.cross_entropy_fwd_ref). Targets must lie in [0, V) or equal ignore_index: the kernel does not check
     (that would sync the host); the reference raises on an out-of-range index."""
     _check_ce(logits_MV, targets_M, "cross_entropy_fwd")
     if will_use_triton(logits_MV, use_triton):
@@ -307,7 +194,7 @@ def cross_entropy_grad_cast(
     fp8_dtype: torch.dtype, ignore_index: int = -100, *, use_triton: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """coef * (softmax - onehot) quantized tensorwise in both layouts, from the forward's lse and gradient amax:
-    (g_fp8_MV, g_fp8_t_VM, scale) (definition: reference.cross_entropy_grad_cast_ref). One read of the logits."""
+    (g_fp8_MV, g_fp8_t_VM, scale) (definition: fp8.reference.cross_entropy_grad_cast_ref). One read of the logits."""
     check_fp8_dtype(fp8_dtype)
     _check_ce(logits_MV, targets_M, "cross_entropy_grad_cast")
     if will_use_triton(logits_MV, use_triton):
@@ -321,7 +208,7 @@ def quantize_rowwise_group_scaled(
     use_triton: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rowwise quantization of y = x * mul_GN[gid_M[m], :] in one read of x: (y_fp8_MN, scale_M1) (definition:
-    reference.quantize_rowwise_group_scaled_ref). gid_M: int32 group of each row, in [0, G)."""
+    fp8.reference.quantize_rowwise_group_scaled_ref). gid_M: int32 group of each row, in [0, G)."""
     check_fp8_dtype(fp8_dtype)
     _check_2d(x_hp_MN, "quantize_rowwise_group_scaled")
     if mul_GN.dim() != 2 or mul_GN.shape[1] != x_hp_MN.shape[1] or gid_M.shape != (x_hp_MN.shape[0],):
@@ -337,31 +224,12 @@ def cast_rows_transposed_batched(
     x_hp_BRC: torch.Tensor, scale_BR: torch.Tensor, fp8_dtype: torch.dtype, *, use_triton: bool | None = None
 ) -> torch.Tensor:
     """x_fp8_t_BCR [B, C, R] contiguous = sat(x[b, r, c] * scale_BR[b, r]) transposed per batch, by given scales (no
-    amax pass); x any strides (definition: reference.cast_rows_transposed_batched_ref)."""
+    amax pass); x any strides (definition: fp8.reference.cast_rows_transposed_batched_ref)."""
     check_fp8_dtype(fp8_dtype)
     if x_hp_BRC.dim() != 3 or scale_BR.shape != x_hp_BRC.shape[:2]:
         raise ValueError(f"cast_rows_transposed_batched: x must be [B, R, C] and scale [B, R], got "
                          f"{tuple(x_hp_BRC.shape)} and {tuple(scale_BR.shape)}")
     if will_use_triton(x_hp_BRC, use_triton):
-        return _run_triton(ops.cast_rows_transposed_batched_op, _q.cast_rows_transposed_batched_triton, x_hp_BRC,
+        return _run_triton(ops.cast_rows_transposed_batched_op, _t.cast_rows_transposed_batched_triton, x_hp_BRC,
                            scale_BR, fp8_dtype)
     return cast_rows_transposed_batched_ref(x_hp_BRC, scale_BR, fp8_dtype)
-
-
-def quantize_rows_and_transposed_batched(
-    x_hp_BRC: torch.Tensor, fp8_dtype: torch.dtype, pow2: bool = True, *, use_triton: bool | None = None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One scale per (b, r) along C, the cast written in both layouts: (x_fp8_BRC [B, R, C], scale_BR, x_fp8_t_BCR
-    [B, C, R]), both contiguous; x any strides (definition: reference.quantize_rows_and_transposed_batched_ref).
-    Triton: one program per BR rows of a batch, an amax pass and a cast pass over the rows (one kernel)."""
-    check_fp8_dtype(fp8_dtype)
-    if x_hp_BRC.dim() != 3:
-        raise ValueError(f"quantize_rows_and_transposed_batched expects a 3D tensor [B, R, C], got "
-                         f"{tuple(x_hp_BRC.shape)}")
-    if not x_hp_BRC.is_floating_point() or x_hp_BRC.dtype in FP8_DTYPES:
-        raise ValueError(f"quantize_rows_and_transposed_batched expects a high-precision float tensor, got "
-                         f"{x_hp_BRC.dtype}")
-    if will_use_triton(x_hp_BRC, use_triton):
-        return _run_triton(ops.quantize_rows_and_transposed_batched_op, _q.quantize_rows_and_transposed_batched_triton,
-                           x_hp_BRC, fp8_dtype, pow2)
-    return quantize_rows_and_transposed_batched_ref(x_hp_BRC, fp8_dtype, pow2)

@@ -17,7 +17,7 @@ a transpose reads and writes the fp8 copy. Fused:
 
 Numerics: g is formed in fp32 from bf16 logits (as F.cross_entropy on upcast logits) and quantized from fp32 (the
 unfused path rounds it to bf16 first); the scale is the dynamic tensorwise scale of g's exact amax. The references
-(reference.cross_entropy_fwd_ref, cross_entropy_grad_cast_ref) define every output.
+(fp8.reference.cross_entropy_fwd_ref, cross_entropy_grad_cast_ref) define every output.
 
 Legend: M rows (tokens), V vocabulary; BM, BV tile sizes.
 """
@@ -26,13 +26,14 @@ from __future__ import annotations
 
 import torch
 
-from . import quantize as _q
+from .transposed import transpose_triton
+from .triton_fp8 import HAS_TRITON, grid_consts, launch, require_triton
 
-if _q.HAS_TRITON:
+if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from .quantize import _scale_from_amax, _to_fp8
+    from .triton_fp8 import _scale_from_amax, _to_fp8
 
     @triton.jit
     def _ce_fwd_kernel(logits_ptr, targets_ptr, lse_ptr, loss_ptr, gamax_ptr, M, V, stride_lm,
@@ -141,19 +142,18 @@ if _q.HAS_TRITON:
                          mask=mask_v[:, None] & mask_m[None, :])
 
 
-# Tiles, from two sweeps on the H200 (benchmarks/ce_head.py, 16384 x 102400 bf16 logits; results/session17/call_b,
-# call_c). Forward: one row per program, 1024-column tiles, 2 warps: 1.03 / 1.01 ms, 3.3 TB/s of its least traffic
-# (1 x 2048 with 4 warps 1.05 / 1.01; 2 or 4 rows per program 1.22-1.49). The session-16 kernel (four reductions a
-# tile: max, sum-exp, the non-target max, the target's logit) took 2.31 ms at its best tile. Backward: 8 x 1024
-# tiles, 4 warps, the transposed copy by a separate transpose pass: 2.44 / 2.38 ms in all (16 x 512: 2.41 / 2.70, the
-# tile call C-D's training steps ran with; others 2.45-2.79); storing the transposed tile from the kernel was slower
-# at every tile tried (2.50-3.41; the session-16 kernel, masked, 3.67).
+# Tiles, from two sweeps on the H200 (benchmarks/ce_head.py, 16384 x 102400 bf16 logits). Forward: one row per
+# program, 1024-column tiles, 2 warps: 1.03 / 1.01 ms, 3.3 TB/s of its least traffic (1 x 2048 with 4 warps
+# 1.05 / 1.01; 2 or 4 rows per program 1.22-1.49). A kernel with four reductions a tile (max, sum-exp, the non-target
+# max, the target's logit) took 2.31 ms at its best tile. Backward: 8 x 1024 tiles, 4 warps, the transposed copy by a
+# separate transpose pass: 2.44 / 2.38 ms in all (16 x 512: 2.41 / 2.70; others 2.45-2.79); storing the transposed
+# tile from the kernel was slower at every tile tried (2.50-3.41; masked, 3.67).
 CE_FWD_TILE = (1, 1024)  # (BM rows, BV columns) per program
 CE_FWD_WARPS = 2
 CE_BWD_TILE = (8, 1024)
 CE_BWD_WARPS = 4
 # Whether the backward kernel also stores the transposed tile (True) or the transpose is a separate pass over the
-# fp8 gradient (fp8.kernels.quantize.transpose_triton, 128 x 128 byte tiles; one more read and write of 1 byte).
+# fp8 gradient (fp8.kernels.transposed.transpose_triton, 128 x 128 byte tiles; one more read and write of 1 byte).
 CE_BWD_FUSED_T = False
 
 _TL_FP8 = {}
@@ -167,7 +167,7 @@ def _tl_dtype(fp8_dtype: torch.dtype):
 
 
 def _check(logits_MV: torch.Tensor, targets_M: torch.Tensor) -> None:
-    _q._require(logits_MV)
+    require_triton(logits_MV)
     if logits_MV.dim() != 2 or logits_MV.stride(1) != 1:
         raise ValueError(f"cross-entropy kernels need [M, V] logits with contiguous rows, got shape "
                          f"{tuple(logits_MV.shape)} strides {logits_MV.stride()}")
@@ -178,7 +178,7 @@ def _check(logits_MV: torch.Tensor, targets_M: torch.Tensor) -> None:
 def cross_entropy_fwd_triton(
     logits_MV: torch.Tensor, targets_M: torch.Tensor, ignore_index: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """-> (lse_M, loss_M, gamax_M) fp32: see reference.cross_entropy_fwd_ref."""
+    """-> (lse_M, loss_M, gamax_M) fp32: see fp8.reference.cross_entropy_fwd_ref."""
     _check(logits_MV, targets_M)
     M, V = logits_MV.shape
     if V == 0:
@@ -187,7 +187,7 @@ def cross_entropy_fwd_triton(
     if M == 0:
         return lse, loss, gamax
     BM, BV = CE_FWD_TILE
-    _q._launch(_ce_fwd_kernel)[(triton.cdiv(M, BM),)](
+    launch(_ce_fwd_kernel)[(triton.cdiv(M, BM),)](
         logits_MV, targets_M.contiguous(), lse, loss, gamax, M, V, logits_MV.stride(0), IGNORE_INDEX=ignore_index,
         BM=BM, BV=BV, EVEN=(M % BM == 0 and V % BV == 0), num_warps=CE_FWD_WARPS)
     return lse, loss, gamax
@@ -198,7 +198,7 @@ def cross_entropy_grad_cast_triton(
     fp8_dtype: torch.dtype, ignore_index: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> (g_fp8_MV row-major, g_fp8_t_VM = its transpose, contiguous, scale 0-d fp32): see
-    reference.cross_entropy_grad_cast_ref. gamax: 0-d, the max of the forward's row maxima; coef: 0-d."""
+    fp8.reference.cross_entropy_grad_cast_ref. gamax: 0-d, the max of the forward's row maxima; coef: 0-d."""
     _check(logits_MV, targets_M)
     M, V = logits_MV.shape
     if V == 0:
@@ -210,12 +210,12 @@ def cross_entropy_grad_cast_triton(
     scale = torch.empty((), dtype=torch.float32, device=dev)
     BM, BV = CE_BWD_TILE
     grid = (max(1, triton.cdiv(M, BM)), max(1, triton.cdiv(V, BV)))
-    _q._launch(_ce_bwd_cast_kernel)[grid](
+    launch(_ce_bwd_cast_kernel)[grid](
         logits_MV, targets_M.contiguous(), lse_M, gamax.reshape(1).float(), coef.reshape(1).float(),
         g.view(torch.int8), g_t.view(torch.int8), scale, M, V, logits_MV.stride(0), IGNORE_INDEX=ignore_index,
         # no rows: the one program launched (it writes the scale) must take the masked path
         BM=BM, BV=BV, OUT_DTYPE=_tl_dtype(fp8_dtype), EVEN=(M > 0 and M % BM == 0 and V % BV == 0), WRITE_T=fused_t,
-        num_warps=CE_BWD_WARPS, **_q._grid_consts(fp8_dtype))
+        num_warps=CE_BWD_WARPS, **grid_consts(fp8_dtype))
     if not fused_t:
-        g_t = _q.transpose_triton(g)
+        g_t = transpose_triton(g)
     return g, g_t, scale

@@ -9,7 +9,7 @@ linear's autograd.Function, where grad mode is off.
 
 On CUDA/ROCm tensors an op runs the Triton kernels; on any other device it runs the pure-PyTorch reference
 (also while tracing, so a compiled model still runs on a CPU-only machine; the Triton interpreter is used by
-calling the launchers in fp8/kernels/quantize.py directly). In eager mode fp8.kernels calls the launchers
+calling the launchers in quantize.py and transposed.py directly). In eager mode fp8.kernels calls the launchers
 directly (the dispatcher costs host time); these ops are what torch.compile sees.
 """
 
@@ -17,14 +17,17 @@ from __future__ import annotations
 
 import torch
 
+from fp8 import reference as _ref
+
 from . import quantize as _q
-from . import reference as _ref
+from . import transposed as _t
+from .triton_fp8 import HAS_TRITON
 
 
 def _on_gpu(x: torch.Tensor) -> bool:
     # Decided on the device alone, so the same branch is taken for a real tensor and for its fake twin
     # while Inductor traces the body.
-    return _q.HAS_TRITON and x.is_cuda
+    return HAS_TRITON and x.is_cuda
 
 
 @torch.library.triton_op("elastic_fp8::quantize_tensorwise", mutates_args=())
@@ -52,28 +55,10 @@ def quantize_rowwise_and_colwise_op(
     return _ref.quantize_rowwise_and_colwise_ref(x_hp_MN, fp8_dtype, pow2)
 
 
-@torch.library.triton_op("elastic_fp8::quantize_jagged_per_expert", mutates_args=())
-def quantize_jagged_per_expert_op(
-    x_hp_MK: torch.Tensor, offs_E: torch.Tensor, fp8_dtype: torch.dtype, pow2: bool, transpose_out: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    if _on_gpu(x_hp_MK):
-        return _q.quantize_jagged_per_expert_triton(x_hp_MK, offs_E, fp8_dtype, pow2, transpose_out)
-    return _ref.quantize_jagged_per_expert_ref(x_hp_MK, offs_E, fp8_dtype, pow2, transpose_out)
-
-
-@torch.library.triton_op("elastic_fp8::quantize_colwise_batched", mutates_args=())
-def quantize_colwise_batched_op(
-    x_hp_BRC: torch.Tensor, fp8_dtype: torch.dtype, pow2: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    if _on_gpu(x_hp_BRC):
-        return _q.quantize_colwise_batched_triton(x_hp_BRC, fp8_dtype, pow2)
-    return _ref.quantize_colwise_batched_ref(x_hp_BRC, fp8_dtype, pow2)
-
-
 @torch.library.triton_op("elastic_fp8::transpose", mutates_args=())
 def transpose_op(x_MN: torch.Tensor) -> torch.Tensor:
     if _on_gpu(x_MN):
-        return _q.transpose_triton(x_MN)
+        return _t.transpose_triton(x_MN)
     return x_MN.t().contiguous()
 
 
@@ -89,14 +74,5 @@ def quantize_rowwise_group_scaled_op(
 @torch.library.triton_op("elastic_fp8::cast_rows_transposed_batched", mutates_args=())
 def cast_rows_transposed_batched_op(x_hp_BRC: torch.Tensor, scale_BR: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
     if _on_gpu(x_hp_BRC):
-        return _q.cast_rows_transposed_batched_triton(x_hp_BRC, scale_BR, fp8_dtype)
+        return _t.cast_rows_transposed_batched_triton(x_hp_BRC, scale_BR, fp8_dtype)
     return _ref.cast_rows_transposed_batched_ref(x_hp_BRC, scale_BR, fp8_dtype)
-
-
-@torch.library.triton_op("elastic_fp8::quantize_rows_and_transposed_batched", mutates_args=())
-def quantize_rows_and_transposed_batched_op(
-    x_hp_BRC: torch.Tensor, fp8_dtype: torch.dtype, pow2: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    if _on_gpu(x_hp_BRC):
-        return _q.quantize_rows_and_transposed_batched_triton(x_hp_BRC, fp8_dtype, pow2)
-    return _ref.quantize_rows_and_transposed_batched_ref(x_hp_BRC, fp8_dtype, pow2)

@@ -165,8 +165,8 @@ def start_ray(job: JobConfig, plan: RayPlan) -> bool:
 
 # What a resumed run must share with the run that saved its checkpoints: the model's tensors, what runs in FP8, and
 # the sample each data index maps to. Everything else (steps, lr, world size, monitors, cluster) may change.
-RESUME_KEYS = ("model.name", "model.overrides", "precision.name", "precision.recipe", "precision.fp8_min_gemm_width",
-               "precision.fp8_output_head", "precision.fp8_experts", "data.source", "data.glob", "data.max_files",
+RESUME_KEYS = ("model.name", "model.overrides", "precision.name", "precision.recipe", "precision.fp8_output_head",
+               "precision.fp8_experts", "data.source", "data.glob", "data.max_files",
                "data.seq_len", "data.seed", "data.name", "data.manifest_sha256")
 
 

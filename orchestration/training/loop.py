@@ -96,27 +96,16 @@ def build_training_model(job: JobConfig, world_size: int, device: torch.device,
         import fp8
 
         recipe = job.precision.recipe if job.precision.recipe != "auto" else fp8.recommended_recipe(device)
-        width = job.precision.fp8_min_gemm_width
-        module_filter = fp8.convert.make_module_filter(min_gemm_width=width,
-                                                       output_head=job.precision.fp8_output_head,
+        module_filter = fp8.convert.make_module_filter(output_head=job.precision.fp8_output_head,
                                                        experts=job.precision.fp8_experts)
-        fp8.convert_to_fp8(model, recipe, module_filter=module_filter, moe_wgrad=job.precision.moe_wgrad,
-                           moe_dgrad=job.precision.moe_dgrad,
-                           moe_token_group_align=job.precision.moe_token_group_align,
-                           tensorwise_transposes=job.precision.fp8_tensorwise_transposes)
+        fp8.convert_to_fp8(model, recipe, module_filter=module_filter)
         if not fp8.precision_state(model)["modules"]:
             # An "fp8" run with nothing in fp8 would fail later, at the first shadow check or RetryFP8.
-            widths = [fp8.convert.gemm_width(m.in_features, m.out_features) for m in model.modules()
-                      if isinstance(m, torch.nn.Linear)]
             raise ValueError(
-                f"precision=fp8 converts no layer of model {job.model.name}: precision.fp8_min_gemm_width={width} is "
-                f"above its widest linear ({max(widths, default=0):.0f}, in*out/(in+out)) and it has no MoE experts; "
-                "lower precision.fp8_min_gemm_width (0 converts every eligible linear) or use precision=bf16")
+                f"precision=fp8 converts no layer of model {job.model.name}: none of its linears has both sizes a "
+                "multiple of 16 and no MoE experts run in FP8 (precision.fp8_experts); use precision=bf16")
         if job.precision.fp8_output_head:
             require_fp8_output_head(model, job.model.name)
-            for _, head in fp8.convert.output_heads(model):
-                if hasattr(head, "fused_loss"):
-                    head.fused_loss = job.precision.fp8_head_fused_loss
         require_fp8_grouped_gemm(model, fp8.get_backend(device))
     template = copy.deepcopy(model)  # on meta: no memory
     model = parallelize(model, world_size, job.train.sharding, job.precision.fsdp_param_dtype,
@@ -529,7 +518,7 @@ class Trainer:
             # A new iteration for CUDA-graph trees: the previous step's graph outputs may be overwritten now.
             torch.compiler.cudagraph_mark_step_begin()
         with torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=use_autocast):
-            # The logits then the loss, or the loss fused into an FP8 head (precision.fp8_head_fused_loss)
+            # The logits then the loss, or the loss fused into an FP8 head (fp8/head.py, tensorwise recipe)
             lm_loss = model_lm_loss(self.model, inputs, targets, compiled=self.compiled)
             aux = self.model.aux_loss()
         return lm_loss, aux

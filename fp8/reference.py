@@ -1,7 +1,7 @@
-"""Pure-PyTorch references for the FP8 quantize kernels (any device, torch.compile friendly).
+"""The FP8 quantization reference: pure PyTorch, any device, torch.compile friendly. The one definition of the numerics.
 
-These define the numerics; the Triton kernels in `quantize.py` must match them bit for bit on a GPU
-(one fp8 step at most where a compiler reorders nothing but the cast, see tests/test_fp8_kernels.py).
+The emulated FP8 path (fp8.quant off the GPU, and wherever a kernel is unavailable) runs these functions; the Triton
+kernels in fp8/kernels must match them bit for bit on a GPU (tests/test_fp8_kernels.py, tests/test_fp8_gpu.py).
 
 Conventions shared by every function here and in the kernels:
 - `scale` multiplies: x_fp8 = saturate(x_hp * scale), dequant x_hp ~= x_fp8 / scale. torch._scaled_mm wants the
@@ -13,7 +13,7 @@ Conventions shared by every function here and in the kernels:
 - NaN anywhere in a row / column / group / tensor makes its amax and scale NaN and so all of its quantized data
   NaN (loud on purpose: the divergence monitors must see it). An inf input gives scale 0 and NaN where the inf was.
 
-Shape legend: M rows (tokens), N (or K) columns (features), E expert groups.
+Shape legend: M rows (tokens), N (or K) columns (features), E expert groups, V vocabulary; suffix _t = transposed.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def saturated_cast(x_hp: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dty
 
 def abs_amax(x_hp: torch.Tensor, dim: int | None = None, keepdim: bool = False) -> torch.Tensor:
     """max |x| in fp32 over `dim` (all dims when None); 0 over an empty dim instead of torch's error."""
-    abs_x = x_hp.abs()  # amax is exact in the input dtype: upcast only the result
+    abs_x = x_hp.detach().abs()  # amax is exact in the input dtype: upcast only the result
     if dim is None:
         return abs_x.amax().float() if abs_x.numel() else abs_x.new_zeros((), dtype=torch.float32)
     if abs_x.shape[dim] == 0:
@@ -84,25 +84,27 @@ def _check_2d(x_hp: torch.Tensor, name: str) -> None:
 
 
 def quantize_tensorwise_ref(
-    x_hp: torch.Tensor, fp8_dtype: torch.dtype, amax: torch.Tensor | None = None
+    x_hp: torch.Tensor, fp8_dtype: torch.dtype, amax: torch.Tensor | None = None, pow2: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One scale for the whole tensor. Returns (x_fp8 same shape as x_hp, scale 0-d fp32)."""
+    """One scale for the whole tensor. Returns (x_fp8 same shape as x_hp, scale 0-d fp32). amax: a given amax
+    (reduced elsewhere, e.g. across ranks) instead of max |x|."""
     check_fp8_dtype(fp8_dtype)
     if amax is None:
         amax = abs_amax(x_hp)
-    scale = amax_to_scale(amax.reshape(()), fp8_dtype)
+    scale = amax_to_scale(amax.reshape(()), fp8_dtype, pow2)
     return saturated_cast(x_hp, scale, fp8_dtype), scale
 
 
 def quantize_rowwise_ref(
-    x_hp_MN: torch.Tensor, fp8_dtype: torch.dtype, pow2: bool = True
+    x_hp: torch.Tensor, fp8_dtype: torch.dtype, pow2: bool = True, dim: int = -1
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One scale per row. Returns (x_fp8_MN row-major, scale_M1 fp32 [M, 1])."""
+    """One scale per slice reduced along `dim` (keepdim). 2D x [M, N]: dim=-1 -> (x_fp8 [M, N], scale_M1 fp32 [M, 1]);
+    dim=0 -> scale_1N; any other rank likewise (e.g. [E, K, N] expert weights scaled along K with dim=-2)."""
     check_fp8_dtype(fp8_dtype)
-    _check_2d(x_hp_MN, "quantize_rowwise")
-    amax_M1 = abs_amax(x_hp_MN, dim=1, keepdim=True)
-    scale_M1 = amax_to_scale(amax_M1, fp8_dtype, pow2)
-    return saturated_cast(x_hp_MN, scale_M1, fp8_dtype), scale_M1
+    if not x_hp.is_floating_point() or x_hp.dtype in FP8_DTYPES:
+        raise ValueError(f"quantize_rowwise expects a high-precision float tensor (bf16/fp16/fp32), got {x_hp.dtype}")
+    scale = amax_to_scale(abs_amax(x_hp, dim=dim, keepdim=True), fp8_dtype, pow2)
+    return saturated_cast(x_hp, scale, fp8_dtype), scale
 
 
 def quantize_rowwise_and_colwise_ref(
@@ -127,73 +129,13 @@ def quantize_rowwise_and_colwise_ref(
     return x_fp8_MN, scale_M1, x_fp8_t_NM, scale_1N
 
 
-def quantize_colwise_batched_ref(
-    x_hp_BRC: torch.Tensor, fp8_dtype: torch.dtype, pow2: bool = True
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per batch b, one scale per column c along R, written transposed.
-
-    Returns (x_fp8_t_BCR [B, C, R] contiguous, scale_BC fp32 [B, C]) with
-    x_fp8_t_BCR[b, c, r] = sat(x[b, r, c] * scale_BC[b, c]). For MoE expert weights stored [E, N, K] (out x in):
-    the grad-input GEMM's operand, scaled along its contraction dim N, in the [E, K, N] row-major layout whose
-    transpose is the column-major right operand torch._scaled_grouped_mm takes.
-    """
-    check_fp8_dtype(fp8_dtype)
-    if x_hp_BRC.dim() != 3:
-        raise ValueError(f"quantize_colwise_batched expects a 3D tensor [B, R, C], got {tuple(x_hp_BRC.shape)}")
-    scale_B1C = amax_to_scale(abs_amax(x_hp_BRC, dim=1, keepdim=True), fp8_dtype, pow2)
-    x_fp8_t_BCR = saturated_cast(x_hp_BRC, scale_B1C, fp8_dtype).transpose(-2, -1).contiguous()
-    return x_fp8_t_BCR, scale_B1C.squeeze(1)
-
-
-def expert_of_row(offs_E: torch.Tensor, M: int) -> torch.Tensor:
+def group_ids(offs_E: torch.Tensor, num_rows: int) -> torch.Tensor:
     """Group index of each row for int32 cumulative end offsets (torch._grouped_mm semantics).
 
     Row m belongs to group e when offs[e-1] <= m < offs[e]; rows at or past offs[-1] get index E (no group).
     """
-    rows_M = torch.arange(M, device=offs_E.device, dtype=offs_E.dtype)
+    rows_M = torch.arange(num_rows, device=offs_E.device, dtype=offs_E.dtype)
     return torch.searchsorted(offs_E, rows_M, right=True)
-
-
-def quantize_jagged_per_expert_ref(
-    x_hp_MK: torch.Tensor,
-    offs_E: torch.Tensor,
-    fp8_dtype: torch.dtype,
-    pow2: bool = True,
-    transpose_out: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-expert column scales for the grad-weight grouped GEMM (rows of x are tokens sorted by expert).
-
-    scale_EK[e, k] = fp8_max / amax(|x[offs[e-1]:offs[e], k]|) (EPS-clamped, so empty groups are finite).
-    Returns (x_fp8, scale_EK fp32 [E, K]); x_fp8[m, k] = sat(x[m, k] * scale_EK[e(m), k]), and rows at or past
-    offs[-1] are zeros. transpose_out=True returns x_fp8_t_KM [K, M] contiguous (its .t() is the column-major
-    [M, K] operand torch._scaled_grouped_mm wants for a 2D x 2D grouped GEMM along M); False gives [M, K] row-major.
-    """
-    check_fp8_dtype(fp8_dtype)
-    _check_2d(x_hp_MK, "quantize_jagged_per_expert")
-    if offs_E.dim() != 1 or offs_E.dtype != torch.int32:
-        raise ValueError(f"offs must be a 1D int32 tensor of cumulative group ends, got {offs_E.dtype} {offs_E.shape}")
-    M, K = x_hp_MK.shape
-    E = offs_E.shape[0]
-    group_M = expert_of_row(offs_E, M).long()
-    amax_E1K = torch.zeros(E + 1, K, device=x_hp_MK.device, dtype=torch.float32)
-    amax_E1K.scatter_reduce_(0, group_M[:, None].expand(M, K), x_hp_MK.abs().float(), "amax", include_self=True)
-    scale_EK = amax_to_scale(amax_E1K[:E], fp8_dtype, pow2)
-    # Row E of the padded table is zero: rows past offs[-1] quantize to zeros.
-    scale_E1K = torch.cat([scale_EK, scale_EK.new_zeros(1, K)])
-    x_fp8_MK = saturated_cast(x_hp_MK, scale_E1K[group_M], fp8_dtype)
-    if transpose_out:
-        return x_fp8_MK.t().contiguous(), scale_EK
-    return x_fp8_MK, scale_EK
-
-
-# The health statistics' definition lives in fp8/health.py (pure torch, importable without this package, which
-# fp8.quant needs on every forward); re-exported here as the reference of the one-launch kernel.
-from fp8.health import (  # noqa: F401
-    HEALTH_SAMPLE_ROWS,
-    health_clip_limit,
-    health_sample_step,
-    health_stats_ref,
-)
 
 
 def cross_entropy_fwd_ref(
@@ -259,25 +201,3 @@ def cast_rows_transposed_batched_ref(x_hp_BRC: torch.Tensor, scale_BR: torch.Ten
     expert weight by its forward row scales, laid out [E, K, N] for the grad-input GEMM."""
     check_fp8_dtype(fp8_dtype)
     return saturated_cast(x_hp_BRC, scale_BR.float()[:, :, None], fp8_dtype).transpose(-2, -1).contiguous()
-
-
-def quantize_rows_and_transposed_batched_ref(
-    x_hp_BRC: torch.Tensor, fp8_dtype: torch.dtype, pow2: bool = True
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per batch, one scale per row along C, written in both layouts: (x_fp8_BRC [B, R, C] contiguous, scale_BR fp32
-    [B, R], x_fp8_t_BCR [B, C, R] contiguous), x_fp8_BRC[b, r, c] = x_fp8_t_BCR[b, c, r] = sat(x[b, r, c] *
-    scale_BR[b, r]).
-
-    For MoE expert weights stored [E, N, K]: the forward GEMM's operand (the row cast quantize_rowwise makes of the
-    [E*N, K] rows) and, from the same cast, the grad-input GEMM's operand in its [E, K, N] layout (what
-    cast_rows_transposed_batched makes in backward from the saved scales).
-    """
-    check_fp8_dtype(fp8_dtype)
-    if x_hp_BRC.dim() != 3:
-        raise ValueError(f"quantize_rows_and_transposed_batched expects a 3D tensor [B, R, C], got "
-                         f"{tuple(x_hp_BRC.shape)}")
-    scale_BR1 = amax_to_scale(abs_amax(x_hp_BRC, dim=2, keepdim=True), fp8_dtype, pow2)
-    x_fp8_BRC = saturated_cast(x_hp_BRC, scale_BR1, fp8_dtype).contiguous()
-    # clone, not .contiguous(): with R == 1 or C == 1 the transposed view is already contiguous, and two outputs of a
-    # custom op may not share storage
-    return x_fp8_BRC, scale_BR1.squeeze(-1), x_fp8_BRC.transpose(-2, -1).clone(memory_format=torch.contiguous_format)
