@@ -63,7 +63,7 @@ WHEEL_PLATFORMS := --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x8
 bench-gpu:
 	$(BENCH_PY) benchmarks/run_suite.py $(SUITE) $(BENCH_ARGS)
 
-bench-wheels: setup
+bench-wheels: $(STAMP)
 	mkdir -p .whl
 	$(BIN)/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 		$(WHEEL_PLATFORMS) -d .whl torchao==0.18.0 hydra-core==1.3.8 omegaconf==2.3.1
