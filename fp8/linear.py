@@ -21,6 +21,7 @@ from torch import nn
 
 from fp8 import quant
 from fp8.backend import Fp8Backend, get_backend
+from fp8.fsdp_allgather import gathered_fp8
 from fp8.recipes import Recipe, get_recipe
 
 
@@ -100,7 +101,8 @@ class _Fp8LinearFn(torch.autograd.Function):
         e4m3, pow2 = backend.e4m3, recipe.pow2_scales
         if recipe.granularity == "tensorwise":
             x_fp8, sx = quant.quantize_tensorwise(x_MK, e4m3, pow2)
-            w_fp8, sw = quant.quantize_tensorwise(w_NK, e4m3, pow2)
+            # A weight FSDP2 all-gathered in fp8 (fp8.fsdp_allgather) comes cast, with its global scale.
+            w_fp8, sw = gathered_fp8(w_NK) or quant.quantize_tensorwise(w_NK, e4m3, pow2)
             # One scale serves either layout: keep the fp8 copies for backward (half the bytes of x_hp); backward
             # transposes them for the GEMMs that read them the other way (fp8.quant.transposed_copy).
             ctx.save_for_backward(x_fp8, sx, w_fp8, sw)

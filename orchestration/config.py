@@ -76,6 +76,10 @@ class PrecisionConfig:
     # 0.010 (docs/scaling.md).
     fsdp_param_dtype: str = "auto"
     fsdp_reduce_dtype: str = "float32"
+    # FSDP2 all-gathers the tensorwise FP8 linears' weights in fp8 (fp8/fsdp_allgather.py): one byte per element, half
+    # of a bf16 gather, a quarter of float32's; bit-equal to gathering them in high precision and casting after
+    # (tests/test_fp8_fsdp_allgather.py). null = on with the tensorwise recipe when FSDP2 shards (world size > 1).
+    fp8_all_gather: bool | None = None
 
 
 @dataclass

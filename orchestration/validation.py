@@ -83,6 +83,12 @@ def validate(job: JobConfig) -> None:
     _require(not (job.precision.fp8_output_head and job.precision.name != "fp8"), "precision.fp8_output_head",
              f"true needs precision=fp8 (got precision={job.precision.name}, which converts nothing): drop "
              "precision.fp8_output_head or use precision=fp8")
+    _require(not (job.precision.fp8_all_gather and (job.precision.name != "fp8"
+                                                     or job.precision.recipe not in ("auto", "tensorwise"))),
+             "precision.fp8_all_gather",
+             f"true needs precision=fp8 with the tensorwise recipe (got precision={job.precision.name}, recipe="
+             f"{job.precision.recipe}; rowwise recipes scale each weight row for its own GEMM, so there is no one fp8 "
+             "copy to gather): drop precision.fp8_all_gather or set precision.recipe=tensorwise")
     for key in ("compute_dtype", "fsdp_param_dtype", "fsdp_reduce_dtype"):
         value = getattr(job.precision, key)
         _require(value in DTYPES, f"precision.{key}", f"'{value}' is not one of {DTYPES}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -9,6 +10,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch import nn
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -64,8 +67,11 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def parallelize(model: nn.Module, world_size: int, sharding: str, param_dtype: str, reduce_dtype: str,
-                activation_checkpointing: bool = False) -> nn.Module:
-    """FSDP2: one fully_shard per transformer block, then the root. No-op on a single worker."""
+                activation_checkpointing: bool = False, fp8_all_gather: bool = False) -> nn.Module:
+    """FSDP2: one fully_shard per transformer block, then the root. No-op on a single worker.
+
+    fp8_all_gather: tensorwise FP8 linears' weights are all-gathered in fp8 (fp8.fsdp_allgather: one byte per
+    element instead of param_dtype's, bit-equal to gathering them in high precision and casting after)."""
     from models.deepseek_moe import set_forward_recompute
 
     set_forward_recompute(model, activation_checkpointing)
@@ -78,11 +84,21 @@ def parallelize(model: nn.Module, world_size: int, sharding: str, param_dtype: s
         return model
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    if fp8_all_gather:
+        from fp8.fsdp_allgather import enable_fp8_all_gather
+
+        wrapped = enable_fp8_all_gather(model)
+        logger.info("FSDP2 all-gathers %d FP8 linear weights in fp8", len(wrapped))
     mp_policy = MixedPrecisionPolicy(param_dtype=_DTYPES[param_dtype], reduce_dtype=_DTYPES[reduce_dtype])
     for block in model.layers.values():
         fully_shard(block, mp_policy=mp_policy)
     fully_shard(model, mp_policy=mp_policy)
+    if fp8_all_gather:
+        from fp8.fsdp_allgather import track_fsdp_params
+
+        track_fsdp_params(model)
     return model
+
 
 
 _WRAPPER_PREFIX = "_checkpoint_wrapped_module."

@@ -109,7 +109,8 @@ def build_training_model(job: JobConfig, world_size: int, device: torch.device,
         require_fp8_grouped_gemm(model, fp8.get_backend(device))
     template = copy.deepcopy(model)  # on meta: no memory
     model = parallelize(model, world_size, job.train.sharding, job.precision.fsdp_param_dtype,
-                        job.precision.fsdp_reduce_dtype, job.model.activation_checkpointing)
+                        job.precision.fsdp_reduce_dtype, job.model.activation_checkpointing,
+                        fp8_all_gather=fp8_all_gather_enabled(job, recipe))
     init_weights_by_unit(model, template, job.train.seed, device)
     broadcast_from_rank0_if_unsharded(model, world_size, job.train.sharding)
     if device.type == "cuda":
@@ -195,6 +196,14 @@ def make_optimizer(job: JobConfig, device: torch.device, params) -> torch.optim.
     if adamw_implementation(job, device) == "triton":
         return ChunkedAdamW(params, **kwargs)
     return torch.optim.AdamW(params, **kwargs)
+
+
+def fp8_all_gather_enabled(job: JobConfig, recipe: str | None) -> bool:
+    """precision.fp8_all_gather, where null means: on for the tensorwise recipe (the only one whose weights have one
+    scale, so the gathered fp8 bytes are the GEMM's operand). parallelize ignores it unless FSDP2 shards."""
+    if job.precision.fp8_all_gather is not None:
+        return job.precision.fp8_all_gather
+    return recipe == "tensorwise"
 
 
 def compile_enabled(job: JobConfig, device: torch.device) -> bool:
