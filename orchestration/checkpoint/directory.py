@@ -189,7 +189,11 @@ def list_files(directory: Path) -> list[str]:
 def read_manifest(path: Path) -> dict:
     """Parse and sanity-check `path/manifest.json`; CheckpointError with the reason otherwise."""
     mpath = Path(path) / MANIFEST
-    if not mpath.is_file():
+    try:  # is_file() raises, not returns False, where the directory may not be searched (permissions)
+        present = mpath.is_file()
+    except OSError as e:
+        raise CheckpointError(f"unreadable {MANIFEST}: {e}") from e
+    if not present:
         raise CheckpointError(f"{MANIFEST} missing (partial or foreign checkpoint)")
     try:
         manifest = json.loads(mpath.read_text(encoding="ascii"))
@@ -238,9 +242,9 @@ def verify_checkpoint(path: str | Path, *, checksums: bool = True, share: tuple[
         file_path = path / rel
         if not isinstance(meta, dict):
             raise CheckpointError(f"{MANIFEST} entry for {rel!r} is not a dict")
-        if not file_path.is_file():
-            raise CheckpointError(f"file missing: {rel}")
         try:  # an unreadable file (permissions, I/O error, stale NFS handle) is a bad checkpoint, not a crash
+            if not file_path.is_file():
+                raise CheckpointError(f"file missing: {rel}")
             size = file_path.stat().st_size
         except OSError as e:
             raise CheckpointError(f"cannot stat {rel}: {e}") from e

@@ -122,6 +122,9 @@ class CheckpointManager:
         # Steps whose good/bad verdict is still pending (the worker waits monitor.good_after_steps clean steps):
         # retention keeps them, or a short every_steps would delete a checkpoint before it could be marked good.
         self.awaiting_good: set[int] = set()
+        # Steps that latest() found corrupt or unreadable: retention neither counts nor deletes them (three corrupt
+        # newer checkpoints made keep_last=3 delete the step 0 of a run started over beside them).
+        self.corrupt_steps: set[int] = set()
         self.seed = seed
         self.checksum = checksum
         self.event_sink = event_sink
@@ -208,6 +211,7 @@ class CheckpointManager:
             raise ValueError(f"save with world_size {self.world_size} needs an initialized process group (every "
                              f"rank writes its shard); initialize torch.distributed or use world_size=1")
         self._join()  # one save at a time: the staging buffers are reused
+        self.corrupt_steps.discard(step)  # a corrupt checkpoint of this step is replaced by this save
         self._require_root()
 
         # Everything that can fail on bad input runs before the first collective, identically on every rank.
@@ -385,7 +389,7 @@ class CheckpointManager:
 
     def retention_plan(self) -> tuple[list[int], list[int]]:
         """(steps kept, steps to delete) under keep_last / keep_good; pure apart from reading manifests."""
-        entries = self.finalized()
+        entries = [(s, p) for s, p in self.finalized() if s not in self.corrupt_steps]
         steps = [s for s, _ in entries]
         good_steps = [s for s, p in entries if self._is_good(p)]
         keep = set(steps[: self.keep_last]) | set(good_steps[: self.keep_good]) | (set(steps) & self.awaiting_good)
@@ -473,6 +477,7 @@ class CheckpointManager:
             if reason is not None and not use_group and not path.exists():
                 continue  # deleted by rank 0's retention since we listed it: gone, not corrupt
             if reason is not None:
+                self.corrupt_steps.add(step)
                 if not use_group or self.rank == 0:
                     self._emit("checkpoint_corrupt", {"step": step, "path": str(path), "reason": reason})
                 continue

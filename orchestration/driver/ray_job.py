@@ -14,6 +14,7 @@ from orchestration.config import REPO_ROOT, JobConfig, redact_secrets, to_dict
 from orchestration.observability.events import (
     FINAL_STATE_FILE,
     METRICS_FILE,
+    STOP_FILE,
     SUMMARY_FILE,
     RunDir,
     read_jsonl,
@@ -59,9 +60,19 @@ def driver_env(job: JobConfig) -> dict[str, str]:
     return {
         "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": str(job.cluster.health_check_interval_s),
         "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": str(job.cluster.worker_group_start_timeout_s),
-        "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled"),
+        "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", default_auth_mode(job)),
         **state_tracking_env(),
     }
+
+
+def default_auth_mode(job: JobConfig) -> str:
+    """Ray's token authentication for an embedded cluster, unless RAY_AUTH_MODE says otherwise. Ray 2.60 binds its
+    GCS, raylet and worker gRPC servers to every interface and has no option to keep them on loopback (it even
+    replaces a loopback node address by the routable one), so the token is what keeps another host on the network
+    from submitting work to the cluster of a laptop or a GPU box (the dashboard agent's job API answered any caller
+    with auth disabled, 401 with the token). Ray creates the token in ~/.ray/auth_token. A cluster joined by address
+    keeps its own setting (docs/deploy.md: what to secure there)."""
+    return "disabled" if (job.cluster.address or os.environ.get("RAY_ADDRESS")) else "token"
 
 
 @dataclass
@@ -105,6 +116,8 @@ class ProgressPrinter:
         self.total_steps = total_steps
         self._stop = threading.Event()
         self._last_step = -1
+        # Lines written before this start (a resumed run's previous start) are not news: print only newer ones.
+        self._since = time.time()
         self._thread = threading.Thread(target=self._loop, daemon=True)
 
     def start(self) -> None:
@@ -120,7 +133,7 @@ class ProgressPrinter:
             self._print_latest()
 
     def _print_latest(self) -> None:
-        records = read_jsonl(self.path)
+        records = [m for m in read_jsonl(self.path) if m.get("time", 0) >= self._since]
         if not records or records[-1]["step"] == self._last_step:
             return
         m = records[-1]
@@ -145,6 +158,7 @@ def start_ray(job: JobConfig, plan: RayPlan) -> bool:
     os.environ.update(env)
     runtime_env = dict(job.cluster.runtime_env)
     runtime_env.setdefault("env_vars", {}).update(env)
+    runtime_env.setdefault("worker_process_setup_hook", "orchestration.driver.ray_logs.quiet_ray_train_shutdown")
     # The run's name in the Name column of the dashboard's Jobs page (a job submitted with its own metadata keeps it).
     job_config = RayJobConfig(metadata=job_metadata(plan.name))
     if plan.address:
@@ -183,39 +197,43 @@ def _lookup(tree: Any, dotted: str) -> Any:
 
 def check_start(job: JobConfig, run_name: str) -> None:
     """Refuse, before anything in the run directory changes, a start that cannot work: a run_root that is a file,
-    checkpoint.resume=false over a run that has checkpoints, or a resume whose settings differ in RESUME_KEYS from
-    the saved run's (the workers would fail on every Ray retry, after this driver had rewritten config.yaml). A
-    resume that gives no train.lr takes the saved run's lr here (keep_saved_lr), before config.yaml is rewritten."""
-    import yaml
-
+    a data source the workers could not read, checkpoint.resume=false over a run that has checkpoints, a run whose
+    checkpoints are all damaged, or a resume whose settings differ in RESUME_KEYS from the saved run's (the workers
+    would fail on every Ray retry, after this driver had rewritten config.yaml). The saved settings are those the
+    newest checkpoint was written with (its extra state holds the job config), else config.yaml. A resume that
+    gives no train.lr takes the saved run's lr here (keep_saved_lr), before config.yaml is rewritten."""
     from orchestration.config import ConfigError
-    from orchestration.observability.events import CONFIG_FILE
 
     root = resolve_run_root(job)
     if root.exists() and not root.is_dir():
         raise ConfigError(f"run_root: {root} is a file, not a directory; point run_root at a directory")
+    check_data_source(job)
     run_path = root / run_name
     checkpoints = run_path / "checkpoints"
-    saved = []
-    if checkpoints.is_dir():  # the manager's own listing (newest first), without creating anything
-        from orchestration.checkpoint.manager import CheckpointManager
-
-        saved = [p.name for _, p in CheckpointManager(checkpoints, rank=0, world_size=1, create=False,
-                                                             clean_tmp=False).finalized()]
-    if not saved:
+    listing = list_checkpoints(checkpoints)
+    if not listing:
         return  # nothing to resume: a fresh start (an empty or aborted run directory is reused)
+    usable = [(name, path) for name, path, reason in listing if reason is None]
     if not job.checkpoint.resume:
-        raise ConfigError(f"checkpoint.resume=false but run '{run_name}' already has checkpoints ({saved[-1]} the "
-                          f"newest, in {checkpoints}): starting over would mix two runs in one directory; choose a "
-                          "new run_name, or drop checkpoint.resume=false to resume it (nothing was changed on disk)")
-    config_file = run_path / CONFIG_FILE
-    if not config_file.is_file():
-        return  # no saved settings to compare; the workers still check model and corpus against the checkpoint
-    try:
-        saved_config = yaml.safe_load(config_file.read_text())
-    except (OSError, yaml.YAMLError) as exc:
-        raise ConfigError(f"run '{run_name}': cannot read its saved {config_file}: {exc}; restore the file or "
-                          "choose a new run_name (nothing was changed on disk)") from None
+        # Starting over is refused while one checkpoint is sound; here the digests decide (the workers refused
+        # a resume of checkpoints with intact sizes and wrong digests, and named this way forward).
+        sound = next((name for name, path in usable if checkpoint_sound(path)), None)
+        if sound is None:
+            print(f"checkpoint.resume=false: run '{run_name}' starts over in {run_path}; its {len(listing)} damaged "
+                  "checkpoints stay as they are, never read and never counted by retention", flush=True)
+            return
+        raise ConfigError(f"checkpoint.resume=false but run '{run_name}' already has checkpoints ({sound} "
+                          f"the newest, in {checkpoints}): starting over would mix two runs in one directory; "
+                          "choose a new run_name, or drop checkpoint.resume=false to resume it (nothing was changed "
+                          "on disk)")
+    if not usable:
+        damage = "; ".join(f"{name}: {reason}" for name, _, reason in listing)
+        raise ConfigError(f"run '{run_name}' cannot resume: every checkpoint in {checkpoints} is damaged ({damage}). "
+                          f"Start the run over in its directory with checkpoint.resume=false, or choose a new "
+                          "run_name (nothing was changed on disk)")
+    saved_config = saved_job_config(run_name, run_path, usable[0][1])
+    if saved_config is None:
+        return  # a checkpoint from before the job config was saved in it, and no config.yaml: nothing to compare
     keep_saved_lr(job, saved_config)
     new_config = to_dict(job)
     # A key the saved config lacks (a run from before the setting existed) ran with the setting's default.
@@ -228,9 +246,109 @@ def check_start(job: JobConfig, run_name: str) -> None:
         if saved_value != _lookup(new_config, key):
             changed.append(f"{key} (saved {saved_value!r}, now {_lookup(new_config, key)!r})")
     if changed:
-        raise ConfigError(f"run '{run_name}' has checkpoints ({saved[0]} the newest) made with other settings: "
+        raise ConfigError(f"run '{run_name}' has checkpoints ({usable[0][0]} the newest) made with other settings: "
                           f"{'; '.join(changed)}. Resuming needs the saved ones: restore them, or choose a new "
                           "run_name (nothing was changed on disk)")
+
+
+def check_data_source(job: JobConfig) -> None:
+    """Build the workers' datasets here once (0.24 s for the default corpus): a source without files or a corpus
+    that cannot be read fails now, with the message the workers would have given, not after Ray started and
+    retried the worker group four times (~50 s)."""
+    from orchestration.config import ConfigError
+    from orchestration.data.select import build_datasets
+
+    try:
+        build_datasets(job)
+    except (OSError, ValueError) as exc:
+        key = f"data.path={job.data.path!r}" if job.data.name == "tokenized" else f"data.source={job.data.source!r}"
+        raise ConfigError(f"{key}: {exc}") from None
+
+
+def list_checkpoints(checkpoints: Path) -> list[tuple[str, Path, str | None]]:
+    """(name, path, what is wrong or None) of each finalized checkpoint, newest first. Checked without digests
+    (manifest, files present with their recorded sizes, readable): hashing a 32 GB checkpoint here would add tens
+    of seconds to every resume, and the workers verify the digests before they load."""
+    if not checkpoints.is_dir():
+        return []
+    from orchestration.checkpoint.directory import CheckpointError, verify_checkpoint
+    from orchestration.checkpoint.manager import CheckpointManager
+
+    listing = []
+    manager = CheckpointManager(checkpoints, rank=0, world_size=1, create=False, clean_tmp=False)
+    for _, path in manager.finalized():
+        try:
+            verify_checkpoint(path, checksums=False)
+            listing.append((path.name, path, None))
+        except CheckpointError as exc:
+            listing.append((path.name, path, str(exc)))
+    return listing
+
+
+def checkpoint_sound(path: Path) -> bool:
+    """Whether a checkpoint verifies with its digests (reads it whole)."""
+    from orchestration.checkpoint.directory import CheckpointError, verify_checkpoint
+
+    try:
+        verify_checkpoint(path)
+    except CheckpointError:
+        return False
+    return True
+
+
+def saved_job_config(run_name: str, run_path: Path, checkpoint: Path) -> dict | None:
+    """The job config the run's newest checkpoint was saved with (its extra state), else the run's config.yaml,
+    else None. config.yaml alone is not enough: it is rewritten at every start, and may be gone."""
+    import yaml
+
+    from orchestration.checkpoint.directory import EXTRA_STATE
+    from orchestration.config import ConfigError
+    from orchestration.observability.events import CONFIG_FILE
+
+    try:
+        saved = json.loads((checkpoint / EXTRA_STATE).read_text()).get("job_config")
+    except (OSError, ValueError):
+        saved = None  # the workers' verification reports a damaged file; config.yaml may still tell
+    if isinstance(saved, dict):
+        return saved
+    config_file = run_path / CONFIG_FILE
+    if not config_file.is_file():
+        return None
+    try:
+        return yaml.safe_load(config_file.read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"run '{run_name}': cannot read its saved {config_file}: {exc}; restore the file or "
+                          "choose a new run_name (nothing was changed on disk)") from None
+
+
+def check_disk_space(job: JobConfig, run_path: Path, checkpoint_bytes: int) -> None:
+    """Before anything starts: refuse when run_root's filesystem cannot hold the next checkpoint even with nothing
+    else written (a save needs room for a whole new checkpoint before retention deletes an old one), warn when it
+    cannot hold what retention keeps (keep_last checkpoints) plus the one being written."""
+    import shutil
+
+    from orchestration.config import ConfigError
+
+    probe = run_path if run_path.exists() else resolve_run_root(job)
+    while not probe.exists():
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    held = sum(p.stat().st_size for p in (run_path / "checkpoints").rglob("*") if p.is_file()) \
+        if (run_path / "checkpoints").is_dir() else 0
+    wanted = (job.checkpoint.keep_last + 1) * checkpoint_bytes
+    where = resolve_run_root(job)
+    if free < checkpoint_bytes:
+        raise ConfigError(f"run_root: {_gb(free)} free on {where}, and one checkpoint needs {_gb(checkpoint_bytes)} "
+                          f"({job.model.name}: fp32 weights and two AdamW moments): free space or point run_root "
+                          "elsewhere")
+    if free + held < wanted:
+        print(f"warning: {_gb(free)} free on {where}; each checkpoint needs {_gb(checkpoint_bytes)} and the run "
+              f"holds up to {job.checkpoint.keep_last + 1} of them (checkpoint.keep_last={job.checkpoint.keep_last} "
+              f"+ the one being written): a save will run out of space unless space is freed", flush=True)
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.3f} GB" if n < 1e11 else f"{n / 1e9:.0f} GB"
 
 
 def keep_saved_lr(job: JobConfig, saved_config: dict) -> None:
@@ -249,6 +367,9 @@ def keep_saved_lr(job: JobConfig, saved_config: dict) -> None:
 def open_run_dir(job: JobConfig, run_name: str, **start_fields: Any) -> RunDir:
     """Driver side of a start (Ray or torchrun): config.yaml, the run_start event, no stale final state."""
     check_start(job, run_name)
+    from orchestration.driver.plan import checkpoint_bytes
+
+    check_disk_space(job, resolve_run_root(job) / run_name, checkpoint_bytes(job))
     run_dir = RunDir(resolve_run_root(job) / run_name)
     config = redact_secrets(to_dict(job))
     config["run_name"] = run_name
@@ -256,6 +377,7 @@ def open_run_dir(job: JobConfig, run_name: str, **start_fields: Any) -> RunDir:
     # Written by the workers when their loop ends; a stale one from an earlier start of this run must not make an
     # aborted start look completed.
     (run_dir.path / FINAL_STATE_FILE).unlink(missing_ok=True)
+    (run_dir.path / STOP_FILE).unlink(missing_ok=True)  # a Ctrl-C of an earlier start asked that one to stop
     run_dir.event("run_start", step=0, run_name=run_name, model=job.model.name, precision=job.precision.name,
                   **start_fields)
     print(f"Run directory: {run_dir.path}", flush=True)
@@ -268,13 +390,58 @@ def final_status(run_dir: RunDir) -> str | None:
     return json.loads(final.read_text()).get("status", "completed") if final.exists() else None
 
 
+def final_error(run_dir: RunDir) -> str | None:
+    """Why the workers ended the run as failed, when they knew (e.g. no space left for a checkpoint)."""
+    final = run_dir.path / FINAL_STATE_FILE
+    return json.loads(final.read_text()).get("error") if final.exists() else None
+
+
 def close_run_dir(run_dir: RunDir, status: str, t_start: float) -> dict[str, Any]:
-    """The run_end event and summary.json, built from the run directory alone."""
-    run_dir.event("run_end", step=_last_step(run_dir.path), status=status)
+    """The run_end event and summary.json, built from the run directory alone. On a full disk the summary is
+    still returned (and printed by the caller), with a message instead of the file."""
     summary = summarize(run_dir.path, status, wall_time_s=round(time.time() - t_start, 2))
     summary["run_dir"] = str(run_dir.path)
-    run_dir.write_json(SUMMARY_FILE, summary)
+    try:
+        run_dir.event("run_end", step=_last_step(run_dir.path), status=status)
+        run_dir.write_json(SUMMARY_FILE, summary)
+    except OSError as exc:
+        (run_dir.path / (SUMMARY_FILE + ".tmp")).unlink(missing_ok=True)
+        print(f"cannot write {SUMMARY_FILE} in {run_dir.path}: {exc}; the summary is printed below", flush=True)
     return summary
+
+
+def fit_until_done_or_stopped(trainer: Any, run_dir: RunDir, grace_s: float = 30.0) -> bool:
+    """trainer.fit() in a thread, so that Ctrl-C reaches this driver and not Ray Train's handler (it registers one
+    only on the main thread, and aborts the workers wherever they are: a run went on ~18 steps and wrote two
+    checkpoints during a 15.7 s exit). The first Ctrl-C asks the workers to stop at their next logged step (they
+    look for STOP_FILE there, agree, and end their loop as "interrupted", an in-flight save finished); a second
+    one, or grace_s without them stopping, returns at once and the caller stops the cluster. Returns whether the
+    user interrupted; raises fit's error otherwise."""
+    errors: list[BaseException] = []
+
+    def fit() -> None:
+        try:
+            trainer.fit()
+        except BaseException as exc:  # noqa: BLE001 - handed to the main thread
+            errors.append(exc)
+
+    thread = threading.Thread(target=fit, name="ray-train-fit", daemon=True)
+    thread.start()
+    interrupted, deadline = False, None
+    while thread.is_alive():
+        try:
+            thread.join(0.2)
+        except KeyboardInterrupt:
+            if interrupted:
+                break
+            interrupted, deadline = True, time.time() + grace_s
+            (run_dir.path / STOP_FILE).touch()
+            print("Interrupted: the workers stop at their next step (Ctrl-C again to stop them now).", flush=True)
+        if deadline is not None and time.time() > deadline:
+            break
+    if errors and not interrupted:
+        raise errors[0]
+    return interrupted
 
 
 def run_job(job: JobConfig) -> dict[str, Any]:
@@ -284,6 +451,8 @@ def run_job(job: JobConfig) -> dict[str, Any]:
     t_start = time.time()
     run_dir = open_run_dir(job, run_name, ray=plan.to_dict())
 
+    # Ray reads RAY_AUTH_MODE when it is imported: the driver's settings reach the environment first.
+    os.environ.update(driver_env(job))
     import ray
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
@@ -313,19 +482,19 @@ def run_job(job: JobConfig) -> dict[str, Any]:
                                  checkpoint_config=CheckpointConfig(num_to_keep=2)),
         )
         progress.start()
-        trainer.fit()
-        # Workers write final_state.json when their loop ends; a fit that returns without it was aborted
-        # (Ray Train's own SIGINT handler aborts the controller and lets fit() return or exit).
+        interrupted = fit_until_done_or_stopped(trainer, run_dir)
+        # Workers write final_state.json when their loop ends; a fit that returns without it was aborted.
         status = final_status(run_dir) or "interrupted"
+        if interrupted:
+            status = "interrupted"
+        elif status == "failed":
+            print(f"Training failed: {final_error(run_dir) or 'see the events in ' + str(run_dir.path)}", flush=True)
     except (KeyboardInterrupt, SystemExit):
-        # Ray Train installs a SIGINT handler that aborts the run and may call sys.exit(0).
         status = "interrupted"
     except Exception as exc:  # noqa: BLE001  # a failed fit (max_failures exhausted) still gets a summary
         status = "failed"
         print(f"Training failed: {type(exc).__name__}: {exc}", flush=True)
     finally:
-        if status == "interrupted":
-            print("Interrupted: stopping workers and the Ray cluster.", flush=True)
         progress.stop()
         summary = close_run_dir(run_dir, status, t_start)
         if started:
@@ -349,7 +518,9 @@ def print_summary(summary: dict[str, Any]) -> None:
                                  f"{_fmt(summary.get('eval_s_mean'), '.2f')} s per eval)")),
             ("tokens/s (mean)", _fmt(summary["tokens_per_s"], ",.0f")),
             ("world sizes seen", summary["world_sizes_seen"]), ("restarts", summary["restarts"]),
+            ("resumes", summary.get("resumes", 0)),
             ("rollbacks", summary["rollbacks"]), ("fallbacks to bf16", summary["fallbacks"]),
+            ("skipped steps", summary.get("skipped_steps", 0)),
             ("samples consumed", summary["samples_consumed"]),
             ("checkpoint stall (s)", stall),
             ("wall time (s)", summary["wall_time_s"])]

@@ -34,6 +34,7 @@ def main(argv: list[str]) -> int:
     from orchestration.driver.ray_job import (
         close_run_dir,
         default_run_name,
+        final_error,
         final_status,
         open_run_dir,
         print_summary,
@@ -78,6 +79,8 @@ def main(argv: list[str]) -> int:
             dist.destroy_process_group()
         if rank == 0:
             status = final_status(run_dir) or "failed"
+            if final_error(run_dir):
+                print(f"Training failed: {final_error(run_dir)}", file=sys.stderr, flush=True)
             print_summary(close_run_dir(run_dir, status, t_start))
     if rank == 0:
         return 0 if status == "completed" else 1

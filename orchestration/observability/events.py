@@ -20,6 +20,8 @@ METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
 CONFIG_FILE = "config.yaml"
 FINAL_STATE_FILE = "final_state.json"
+# Written by the driver at Ctrl-C: the workers stop at their next logged step (orchestration/driver/ray_job.py).
+STOP_FILE = "stop_requested"
 
 
 def _append_line(path: Path, record: dict[str, Any]) -> None:
@@ -102,6 +104,18 @@ def summarize(run_dir: Path, status: str, wall_time_s: float | None = None) -> d
         return sum(1 for e in events if e["event"] == name and e.get("worker_rank", 0) == 0)
 
     starts = [e for e in events if e["event"] == "worker_group_start"]
+    # A worker group is a restart (Ray Train replaced a lost worker, or resized) unless it is the first one after a
+    # driver's run_start; that first one resumes (a resume) when the run had checkpoints.
+    restarts = resumes = 0
+    first_of_start, in_first_group = True, False
+    for e in events:
+        if e["event"] == "run_start":
+            first_of_start = True
+        elif e["event"] == "worker_group_start" and e.get("worker_rank", 0) == 0:
+            in_first_group, first_of_start = first_of_start, False
+            restarts += 0 if in_first_group else 1
+        elif e["event"] == "resume" and in_first_group:
+            resumes += 1
     losses = [m for m in metrics if m.get("loss") is not None]
     evals = [m for m in metrics if m.get("eval_loss") is not None]
     tput = [m["tokens_per_s"] for m in metrics if m.get("tokens_per_s")]
@@ -123,11 +137,14 @@ def summarize(run_dir: Path, status: str, wall_time_s: float | None = None) -> d
         "final_eval_step": evals[-1]["step"] if evals else None,
         "eval_s_mean": round(sum(m.get("eval_s", 0.0) for m in evals) / len(evals), 4) if evals else None,
         "world_sizes_seen": sorted({e["world_size"] for e in starts}),
-        "restarts": max(0, len(starts) - 1),
+        "restarts": restarts,
+        "resumes": resumes,
         "rollbacks": count("rollback"),
         "fallbacks": sum(1 for e in events if e["event"] == "precision_changed" and e.get("to") == "bf16"
                          and e.get("worker_rank", 0) == 0),
-        "skipped_steps": count("step_skipped"),
+        # Steps whose update was dropped: skips, and fallbacks to BF16 (a fallback skips the step that caused it).
+        "skipped_steps": count("step_skipped") + sum(1 for e in events if e["event"] == "precision_changed"
+                                                     and e.get("to") == "bf16" and e.get("worker_rank", 0) == 0),
         # An interrupted or failed run has no final state: its last metrics line says how far it got.
         "samples_consumed": final_state.get("samples_consumed",
                                             metrics[-1].get("samples_consumed") if metrics else None),

@@ -9,21 +9,27 @@ periodic checkpoints that are marked good once the monitors passed the steps aft
 from __future__ import annotations
 
 import copy
+import errno
 import functools
+import json
 import math
 import os
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 
 from fp8 import grouped as fp8_grouped
 from fp8.linear import Float8Linear
 from models.loss import head_fuses_loss, model_lm_loss
 from optim import ChunkedAdamW, clip_and_step
-from orchestration.config import JobConfig
+from orchestration.checkpoint.directory import CheckpointError
+from orchestration.checkpoint.state import dcp_failure_summary
+from orchestration.config import JobConfig, redact_secrets, to_dict
 from orchestration.data.byte_stream import VOCAB_SIZE as BYTE_VOCAB_SIZE
 from orchestration.data.select import build_datasets
 from orchestration.divergence.guard import StepGuard
@@ -32,6 +38,7 @@ from orchestration.observability.events import (
     EVENTS_FILE,
     FINAL_STATE_FILE,
     METRICS_FILE,
+    STOP_FILE,
     RunDir,
     read_jsonl,
 )
@@ -47,6 +54,40 @@ from orchestration.training.distributed import (
 from orchestration.training.elastic import BatchPlan, count_in_ranges, merge_ranges, plan_batch
 from orchestration.training.gc_policy import ManagedGc
 from orchestration.validation import check_preset_device, from_dict
+
+
+class RunFailed(Exception):
+    """A failure that restarting the worker group cannot fix (no space left for a checkpoint, every checkpoint of the
+    run corrupt): every rank ends its loop with status "failed" and this message (final_state.json's "error")
+    instead of raising to Ray Train, which would retry it max_failures times, each logged as a lost worker."""
+
+
+# What an out-of-space write looks like once DCP and our collectives have turned it into text (all ranks see the
+# same text, so they agree): the errno, or torch's zip writer's short write ("unexpected pos 704 vs 598" was rank
+# 0's only trace on a full 45 MB tmpfs, rank 1 had the errno).
+OUT_OF_SPACE_MARKERS = (os.strerror(errno.ENOSPC), os.strerror(errno.EDQUOT), "[Errno 28]", "unexpected pos")
+
+
+def is_out_of_space(exc: BaseException) -> bool:
+    seen: list[BaseException] = []
+    while exc is not None and exc not in seen:
+        seen.append(exc)
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    causes = [f[0] if isinstance(f, tuple) else f for e in seen for f in getattr(e, "failures", {}).values()]
+    if any(isinstance(c, OSError) and c.errno in (errno.ENOSPC, errno.EDQUOT) for c in causes):
+        return True
+    text = " ".join(str(e) for e in seen + causes)
+    return any(marker in text for marker in OUT_OF_SPACE_MARKERS)
+
+
+def error_summary(exc: BaseException) -> str:
+    """One line per distinct cause: a DCP failure's per-rank causes without their tracebacks."""
+    if isinstance(exc, CheckpointException):
+        return f"{type(exc).__name__}: {dcp_failure_summary(exc)}"
+    return f"{type(exc).__name__}: {exc}"
+
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -265,6 +306,7 @@ class Trainer:
         if self.device.type == "cuda":  # the config checked explicit devices; device=auto is known only here
             check_preset_device(job.cluster.env_preset, "rocm" if torch.version.hip is not None else "cuda")
         self.run_dir = RunDir(config["run_dir"], self.rank)
+        self.corrupt_checkpoints: list[dict[str, Any]] = []  # checkpoint_corrupt events of this worker's manager
         self.group_id = config.get("group_id") or f"{int(t_setup)}"
         # Set by the Ray driver (orchestration.driver.ray_job); torchrun and in-process tests run without Ray reports.
         self.under_ray = config.get("launcher") == "ray"
@@ -287,6 +329,7 @@ class Trainer:
                                       keep_good=job.checkpoint.keep_good, rank=self.rank,
                                       world_size=self.world_size, event_sink=self._event_sink)
         self.guard = StepGuard(self)
+        self.stop_requested = False  # agreed by all ranks at a logged step (the driver's Ctrl-C, STOP_FILE)
         self.router_bias_done = False  # this step's router-bias update already launched, gated (gated_update)
         if job.faults.kind == "fp8_overflow":
             # Real numerics: an outlier enters the first FP8 layer, so the FP8 health statistics see it.
@@ -298,6 +341,8 @@ class Trainer:
 
     # -- events ---------------------------------------------------------------------------------------------
     def _event_sink(self, event: str, fields: dict[str, Any]) -> None:
+        if event == "checkpoint_corrupt":
+            self.corrupt_checkpoints.append(dict(fields))
         if self.rank == 0:
             record = self.run_dir.event(event, fields.pop("step", self.state.step), **fields)
             guard = getattr(self, "guard", None)
@@ -332,6 +377,14 @@ class Trainer:
         # (orchestration.driver.ray_job.check_start), so checkpoints found here are this start's own, and a Ray restart
         # after a lost worker must continue from them, not train again from step 0.
         info = self.ckpt.latest(collective=True)
+        if info is None and self.job.checkpoint.resume and self.ckpt.finalized():
+            # Every checkpoint failed verification (checkpoint_corrupt events name each): starting from step 0 here
+            # would mix two runs and let retention delete the new ones while the corrupt newer ones count.
+            damage = "; ".join(f"{Path(e['path']).name}: {e['reason']}" for e in self.corrupt_checkpoints)
+            raise RunFailed(f"run directory {self.run_dir.path} cannot resume: every checkpoint is damaged "
+                            f"({damage or 'see the checkpoint_corrupt events'}). Start the run over in its "
+                            "directory with checkpoint.resume=false, or choose a new run_name (nothing was "
+                            "changed on disk)")
         t_load = time.time()
         if info is not None:
             self.check_resumable(info)
@@ -356,8 +409,9 @@ class Trainer:
             last_metrics = read_jsonl(self.run_dir.path / METRICS_FILE)[-1:]
             last_seen = max([e["time"] for e in previous] + [m["time"] for m in last_metrics if "time" in m],
                             default=time.time())
+            # A driver's run_start after the last group: a new start of the run (a resume), not a Ray restart.
             unfinished = bool(last_group) and not any(
-                e["event"] == "run_end" and e["time"] >= last_group[-1]["time"] for e in previous)
+                e["event"] in ("run_end", "run_start") and e["time"] >= last_group[-1]["time"] for e in previous)
             if unfinished:
                 # Ray Train restarted the group: smaller or equal size = a worker was lost (node gone, process
                 # crashed); larger = the cluster gained room and the elastic policy grew the group.
@@ -366,10 +420,27 @@ class Trainer:
                            previous_world_size=before, world_size=self.world_size, last_seen_time=last_seen)
             self.event("resume", from_step=self.state.step, world_size=self.world_size,
                        checkpoint=str(info.path), downtime_s=round(time.time() - last_seen, 3),
-                       setup_s=round(self.setup_s, 3), checkpoint_load_s=round(load_s, 3))
+                       setup_s=round(self.setup_s, 3), checkpoint_load_s=round(load_s, 3),
+                       origin="restart" if unfinished else "new_start",
+                       metrics_superseded=self.drop_superseded_metrics(self.state.step))
         else:
             # A step-0 checkpoint, good by definition: a rollback always has somewhere to go.
             self.save_checkpoint(good=True)
+
+    def drop_superseded_metrics(self, from_step: int) -> int:
+        """Rank 0, on resume: remove metrics.jsonl's lines of the steps after `from_step` (written by the start that
+        died after its last checkpoint; they are trained again now, and two lines for one step would read as two
+        different losses). Returns how many were removed."""
+        if self.rank != 0:
+            return 0
+        path = self.run_dir.path / METRICS_FILE
+        records = read_jsonl(path)
+        kept = [m for m in records if m.get("step", 0) <= from_step]
+        if len(kept) < len(records):
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text("".join(json.dumps(m) + "\n" for m in kept))
+            os.replace(tmp, path)
+        return len(records) - len(kept)
 
     def check_same_corpus_on_every_rank(self) -> None:
         """Every rank reads its samples from its own copy of data.source; copies that differ (another Python's
@@ -443,7 +514,10 @@ class Trainer:
         extra: dict[str, Any] = {"train_state": self.state.to_dict(), "plan": self.plan.to_dict(),
                                  "model": self.job.model.name,
                                  "guard": self.guard.state_dict(), "data_fingerprint": self.dataset.fingerprint,
-                                 "data_sampling": self.data_sampling()}
+                                 "data_sampling": self.data_sampling(),
+                                 # What the driver compares a resume's settings with (config.yaml alone is
+                                 # rewritten at each start, and may be gone).
+                                 "job_config": redact_secrets(to_dict(self.job))}
         if getattr(self.dataset, "identity", None) is not None:  # a prepared corpus: what a resume must find again
             extra["data_corpus"] = self.dataset.identity
         if self.recipe is not None:
@@ -467,8 +541,11 @@ class Trainer:
         self.collect_checkpoint()
         t0 = time.time()
         # With background saves on, synchronous ones also write from the pinned host copy (3x faster on the H200).
-        path = self.ckpt.save(self.state.step, self.model, self.optimizer, self.scheduler, self.extra_state(),
-                              background=background, stage=self.async_saves)
+        try:
+            path = self.ckpt.save(self.state.step, self.model, self.optimizer, self.scheduler, self.extra_state(),
+                                  background=background, stage=self.async_saves)
+        except (CheckpointError, CheckpointException) as exc:
+            self.checkpoint_failed(self.state.step, exc)
         if good:
             self.ckpt.mark_good(self.state.step)
         else:
@@ -493,10 +570,37 @@ class Trainer:
             self.event("checkpoint_abandoned" if not finalized else "checkpoint_finished_after_error",
                        all_ranks=True, checkpoint_step=step)
 
+    def checkpoint_failed(self, step: int | None, exc: BaseException) -> None:
+        """A save failed on every rank (the manager's collectives raise it everywhere): a checkpoint_failed event
+        with its cause, its partial directory removed (rank 0), then RunFailed when the disk is full - a restart
+        would fail the same way - or the error again for Ray Train to retry."""
+        from orchestration.checkpoint.directory import TMP_PREFIX
+
+        out_of_space = is_out_of_space(exc)
+        if self.rank == 0:
+            for partial in self.ckpt.root.glob(f"{TMP_PREFIX}*"):  # this save's; no other save is in flight
+                shutil.rmtree(partial, ignore_errors=True)
+        newest = self.ckpt.finalized()[:1]
+        needed = sum(p.stat().st_size for p in newest[0][1].rglob("*") if p.is_file()) if newest else 0
+        free = shutil.disk_usage(self.ckpt.root).free
+        self.event("checkpoint_failed", checkpoint_step=step,
+                   error=error_summary(exc)[:2000], out_of_space=out_of_space, free_bytes=free,
+                   checkpoint_bytes=needed or None)
+        if not out_of_space:
+            raise exc
+        root = self.run_dir.path.parent
+        kept = f"the newest checkpoint, {newest[0][1].name}, is intact" if newest else "no checkpoint was saved"
+        raise RunFailed(f"no space left on {root} for a checkpoint of {needed or 'unknown'} bytes ({free} free): "
+                        f"free {max(needed - free, 0) or needed or 'some'} bytes or point run_root elsewhere "
+                        f"({kept}; resume with the same run_name)") from exc
+
     def collect_checkpoint(self) -> None:
         """Wait for the background save in flight, if any (its error is raised here), then log its timing - seconds
         is how long training stood still for it, background_s how long the thread took - and report it to Ray."""
-        done = self.ckpt.wait()
+        try:
+            done = self.ckpt.wait()
+        except (CheckpointError, CheckpointException) as exc:
+            self.checkpoint_failed(None, exc)  # its step is in the error's text
         if done is None:
             return
         step, path, timing = done
@@ -508,16 +612,12 @@ class Trainer:
         """ray.train.report of a finished checkpoint (every rank calls it at the same point: the same save)."""
         if not (self.under_ray and self.job.checkpoint.report_to_ray):
             return
-        import ray.train
-
-        from orchestration.checkpoint.directory import ray_checkpoint_dir
+        from orchestration.training.ray_report import ray_keeps_a_copy, report_checkpoint
 
         # A background save can finish after a rollback discarded its step: every rank still reports (Ray expects the
         # same number of reports from each), without the directory that is gone.
-        exists = path is not None and Path(path).is_dir()
-        checkpoint = ray.train.Checkpoint.from_directory(ray_checkpoint_dir(path)) if (exists and self.rank == 0) else None
-        ray.train.report({"step": self.state.step if step is None else step, "precision": self.state.precision},
-                         checkpoint=checkpoint)
+        report_checkpoint({"step": self.state.step if step is None else step, "precision": self.state.precision},
+                          path, self.rank, upload=ray_keeps_a_copy(self.job.cluster.storage_path))
 
     # -- one step -------------------------------------------------------------------------------------------
     def compute_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -622,6 +722,9 @@ class Trainer:
                                  tokens_since_log / max(now - t_last_log - eval_s, 1e-9), now - t0 - eval_s,
                                  eval_fields)
                 t_last_log, tokens_since_log = now, 0
+                if self.stop_requested:
+                    status = "interrupted"
+                    break
             self.maybe_mark_good()
             if self.state.step % job.checkpoint.every_steps == 0 and self.state.step < job.train.steps:
                 self.save_checkpoint(background=self.async_saves)
@@ -700,11 +803,15 @@ class Trainer:
 
     def log_metrics(self, loss: torch.Tensor, aux: torch.Tensor, grad_norm: torch.Tensor, tokens_per_s: float,
                     step_time_s: float, eval_fields: dict[str, Any] | None = None) -> None:
-        values = torch.stack([loss.float(), aux.float(), grad_norm.float()])
+        # The driver's stop request (Ctrl-C) rides on this all-reduce, so every rank sees it at the same step.
+        asked = float((self.run_dir.path / STOP_FILE).exists())
+        values = torch.stack([loss.float(), aux.float(), grad_norm.float(),
+                              torch.tensor(asked, device=loss.device)])
         if self.world_size > 1:
             torch.distributed.all_reduce(values)
             values /= self.world_size
-        loss_v, aux_v, gn_v = values.tolist()
+        loss_v, aux_v, gn_v, stop_v = values.tolist()
+        self.stop_requested = stop_v > 0
         record = {"step": self.state.step, "loss": loss_v, "aux_loss": aux_v,
                   "lr": self.optimizer.param_groups[0]["lr"], "grad_norm": gn_v, "tokens_per_s": tokens_per_s,
                   "step_time_s": step_time_s, "world_size": self.world_size, "precision": self.state.precision,
@@ -744,12 +851,15 @@ class Trainer:
             self._flops_per_token = plan.flops_per_token
         return self._flops_per_token
 
-    def finish(self, status: str) -> None:
-        self.collect_checkpoint()  # a stopped run's last periodic save still finishes and is reported
+    def finish(self, status: str, error: str | None = None) -> None:
+        if error is None:
+            self.collect_checkpoint()  # a stopped run's last periodic save still finishes and is reported
         if self.rank == 0:
             final = self.state.to_dict()
             final["samples_consumed"] = count_in_ranges(self.state.consumed_ranges)
             final["status"] = status
+            if error is not None:
+                final["error"] = error
             self.run_dir.write_json(FINAL_STATE_FILE, final)
         self.guard.finish(status)
         if self.under_ray:
@@ -764,9 +874,13 @@ def train_loop(config: dict[str, Any]) -> None:
         os.environ.setdefault(key, str(value))
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     trainer = Trainer(config)
-    trainer.start()
     try:
+        trainer.start()
         status = trainer.run()
+    except RunFailed as exc:
+        trainer.abandon_checkpoint()
+        trainer.finish("failed", error=str(exc))
+        return
     except BaseException:
         trainer.abandon_checkpoint()
         raise

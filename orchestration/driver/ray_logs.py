@@ -1,0 +1,39 @@
+"""Ray Train log records that reach the user's console at shutdown but report nothing wrong with the run.
+
+Installed in every process of the job (the TrainController actor included) as Ray's worker_process_setup_hook.
+"""
+
+from __future__ import annotations
+
+import logging
+
+# At the end of a run the controller stops its PlacementGroupCleaner actor with a timeout, and on a loaded machine
+# the stop outlives it: Ray logs the GetTimeoutError with a ~30-line traceback, then the cleaner says its monitor
+# thread did not exit in time. The controller has finished by then and removes the placement group itself; the
+# cleaner only matters when the controller dies ungracefully. Both become debug records.
+HARMLESS_AT_SHUTDOWN = {
+    "ray.train.v2._internal.callbacks.placement_group_callback": "Failed to stop PlacementGroupCleaner gracefully",
+    "ray.train.v2._internal.execution.controller.placement_group_cleaner": "Monitor thread did not exit within",
+}
+
+
+class DebugLevel(logging.Filter):
+    """Turns records starting with `prefix` into debug records without their traceback."""
+
+    def __init__(self, prefix: str):
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.getMessage().startswith(self.prefix):
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+            record.exc_info = record.exc_text = None
+            return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+        return True
+
+
+def quiet_ray_train_shutdown() -> None:
+    for name, prefix in HARMLESS_AT_SHUTDOWN.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, DebugLevel) for f in logger.filters):
+            logger.addFilter(DebugLevel(prefix))

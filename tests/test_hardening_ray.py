@@ -1,0 +1,267 @@
+"""Faults of the whole job on a real embedded Ray cluster: a full disk (a real size-limited tmpfs), Ctrl-C, a killed
+driver and the resumes after them, and what the cluster exposes on the network (the listening sockets of every
+process of the job, read from /proc). Slow: ~2 minutes in all."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from orchestration.observability.events import read_jsonl
+from tests.conftest import REPO, launch
+
+pytestmark = pytest.mark.slow
+
+LOOPBACK = ("127.0.0.1", "::1")
+DENSE = ["model=debug_dense", "logging.wandb=false", "train.log_every=1", "checkpoint.every_steps=5"]
+
+
+# -- helpers: real mounts, real process trees, real sockets ------------------------------------------------------
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 14 MiB tmpfs (debug_dense checkpoints are 5.53 MB: two fit, a third does not); unmounted afterwards."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=14m", "tmpfs", str(mount)], check=False,
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a size-limited tmpfs here (needs root): {proc.stderr.strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "--lazy", str(mount)], check=False)
+
+
+def process_tree(root_pid: int) -> list[int]:
+    """root_pid and all its descendants, from /proc/<pid>/stat."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat[stat.rfind(")") + 2:].split()[1])
+        children.setdefault(ppid, []).append(int(entry))
+    tree, todo = [], [root_pid]
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        todo.extend(children.get(pid, []))
+    return tree
+
+
+def _listening_inodes() -> dict[int, tuple[str, int]]:
+    import ipaddress
+
+    found = {}
+    for name in ("tcp", "tcp6"):
+        try:
+            lines = Path(f"/proc/net/{name}").read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if fields[3] != "0A":  # LISTEN
+                continue
+            hex_ip, hex_port = fields[1].split(":")
+            raw = bytes.fromhex(hex_ip)
+            # /proc prints each 32-bit word in host (little-endian) order
+            packed = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+            found[int(fields[9])] = (str(ipaddress.ip_address(packed)), int(hex_port, 16))
+    return found
+
+
+def listening_sockets(pids: list[int]) -> list[tuple[int, str, str, int]]:
+    """(pid, process name, address, port) of every listening TCP socket the processes hold."""
+    inodes = _listening_inodes()
+    out = set()
+    for pid in pids:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+            name = Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")[:60]
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith("socket:[") and int(target[8:-1]) in inodes:
+                out.add((pid, name, *inodes[int(target[8:-1])]))
+    return sorted(out)
+
+
+def kill_tree(pids: list[int]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def start(env: dict, run_root: Path, run_name: str, *overrides: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(REPO / "launch.py"), f"run_root={run_root}", f"run_name={run_name}",
+                             *overrides], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+
+
+def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 240) -> int:
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        metrics = read_jsonl(run_dir / "metrics.jsonl")
+        if metrics and metrics[-1]["step"] >= step:
+            return metrics[-1]["step"]
+        time.sleep(0.2)
+    raise AssertionError(f"step {step} not reached; output: {proc.stdout.read()[-3000:] if proc.poll() else ''}")
+
+
+# -- the tests ----------------------------------------------------------------------------------------------------
+
+
+def test_disk_full_fails_once_with_its_cause_and_keeps_the_last_checkpoint(small_disk, isolated_env,
+                                                                           no_ray_leftovers):
+    run_dir = small_disk / "full"
+    t0 = time.time()
+    proc = launch(isolated_env, f"run_root={small_disk}", "run_name=full", *DENSE, "train.steps=40", timeout=400)
+    wall_s = time.time() - t0
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out[-4000:]
+    # The preflight saw that three checkpoints (keep_last) and the next one do not fit in 14 MiB.
+    assert "free on" in out and "checkpoint needs" in out, out[-4000:]
+    assert f"no space left on {small_disk}" in out and "or point run_root elsewhere" in out, out[-4000:]
+    assert "Error executing job" not in out and "Traceback" not in proc.stderr
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "failed"
+    events = read_jsonl(run_dir / "events.jsonl")
+    failed = [e for e in events if e["event"] == "checkpoint_failed"]
+    assert len(failed) == 1 and failed[0]["checkpoint_step"] == 10 and failed[0]["out_of_space"], failed
+    assert "No space left on device" in failed[0]["error"]
+    names = [e["event"] for e in events]
+    assert names.count("worker_group_start") == 1 and "worker_lost" not in names  # not retried as a lost worker
+
+    from orchestration.checkpoint.directory import verify_checkpoint
+
+    checkpoints = run_dir / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step_000000", "step_000005"]  # no partial left
+    assert verify_checkpoint(checkpoints / "step_000005").step == 5
+    # Ray kept no second copy of any checkpoint in its storage (run_root/_ray).
+    assert not list((small_disk / "_ray").rglob("checkpoint_*")), list((small_disk / "_ray").rglob("*"))
+    print(f"disk full: failed run ended in {wall_s:.1f} s, summary written, step 5 intact")
+
+
+def test_preflight_refuses_a_disk_that_cannot_hold_one_checkpoint(tmp_path, isolated_env):
+    mount = tmp_path / "tiny"
+    mount.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)], check=False,
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a size-limited tmpfs here (needs root): {proc.stderr.strip()}")
+    try:
+        refused = launch(isolated_env, f"run_root={mount}", "run_name=tiny", *DENSE, "train.steps=10", timeout=120)
+    finally:
+        subprocess.run(["umount", "--lazy", str(mount)], check=False)
+    assert refused.returncode == 2, refused.stdout[-2000:] + refused.stderr[-2000:]
+    assert "checkpoint needs" in refused.stderr and "point run_root elsewhere" in refused.stderr
+    assert "Ray dashboard" not in refused.stdout
+
+
+def test_ctrl_c_killed_driver_and_resumes(tmp_path, isolated_env, no_ray_leftovers):
+    """Ctrl-C stops at a step boundary within seconds, without a traceback; a SIGKILLed driver then resumes; the
+    run directory counts both as resumes, never as lost workers, and holds each step's metrics once. The
+    embedded cluster's listening sockets are read while it trains."""
+    root = tmp_path / "runs"
+    run_dir = root / "cc"
+    env = {k: v for k, v in isolated_env.items() if k != "RAY_AUTH_MODE"}  # the product's default auth
+
+    # 1. Ctrl-C.
+    proc = start(env, root, "cc", *DENSE, "train.steps=100000")
+    try:
+        wait_for_step(run_dir, 7, proc)
+        sockets = listening_sockets(process_tree(proc.pid))
+        checkpoints_before = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+        step_at_signal = read_jsonl(run_dir / "metrics.jsonl")[-1]["step"]
+        t_signal = time.time()
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+        exit_s = time.time() - t_signal
+    finally:
+        if proc.poll() is None:
+            kill_tree(process_tree(proc.pid))
+    assert proc.returncode == 1, out[-3000:]
+    assert exit_s < 10, (exit_s, out[-3000:])
+    last_step = read_jsonl(run_dir / "metrics.jsonl")[-1]["step"]
+    assert last_step - step_at_signal <= 2, (step_at_signal, last_step)
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == checkpoints_before
+    assert "Traceback" not in out and "PlacementGroupCleaner" not in out, out[-3000:]
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "interrupted"
+    exposed = [s for s in sockets if s[2] not in LOOPBACK]
+    print(f"Ctrl-C: exit {exit_s:.1f} s after the signal, {last_step - step_at_signal} step(s) after it")
+
+    # 2. A resumed start whose driver is SIGKILLed mid-run (its Ray processes killed with it, by pid).
+    resumed_from = int(max(checkpoints_before)[5:])
+    proc = start(env, root, "cc", *DENSE, "train.steps=100000")
+    try:
+        wait_for_step(run_dir, last_step + 3, proc)
+        tree = process_tree(proc.pid)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.communicate(timeout=30)
+    finally:
+        kill_tree(process_tree(proc.pid) if proc.poll() is None else [])
+    kill_tree(tree)
+    time.sleep(1)
+    killed_at = read_jsonl(run_dir / "metrics.jsonl")[-1]["step"]
+
+    # 3. Resume to the end.
+    final_steps = killed_at + 4
+    t_resume = time.time()
+    done = launch(env, f"run_root={root}", "run_name=cc", *DENSE, f"train.steps={final_steps}", timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    events = read_jsonl(run_dir / "events.jsonl")
+    resumes = [e for e in events if e["event"] == "resume"]
+    assert len(resumes) == 2 and resumes[0]["from_step"] == resumed_from, resumes
+    assert all(e["origin"] == "new_start" for e in resumes), resumes
+    assert "worker_lost" not in [e["event"] for e in events]
+    restart_s = resumes[-1]["time"] - t_resume
+    progress = [int(line.split()[2].split("/")[0]) for line in done.stdout.splitlines()
+                if line.startswith("[progress]")]
+    assert progress and min(progress) > resumes[-1]["from_step"], progress  # nothing stale from the killed run
+    steps = [m["step"] for m in read_jsonl(run_dir / "metrics.jsonl")]
+    assert steps == list(range(1, final_steps + 1)), steps  # each step once: the killed runs' extra lines dropped
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["restarts"] == 0 and summary["resumes"] == 2, summary
+    assert "skipped steps" in done.stdout
+    print(f"killed driver: resumed start reached its first step {restart_s:.1f} s after launch")
+
+    # Network: Ray 2.60 binds GCS, raylet and worker gRPC servers to every interface (no option moves them; it
+    # replaces a loopback node address by the routable one), so what is not on loopback must refuse callers
+    # without the cluster's token.
+    assert exposed == [s for s in exposed if s[1].startswith(("ray::", "/"))]
+    unauthenticated = [s for s in exposed if _answers_without_token(s[2], s[3])]
+    assert not unauthenticated, unauthenticated
+
+
+def _answers_without_token(address: str, port: int) -> bool:
+    """Whether the Ray dashboard agent's job API (the route that runs commands) answers a caller with no token."""
+    import urllib.error
+    import urllib.request
+
+    host = "127.0.0.1" if address in ("0.0.0.0", "::") else address
+    try:
+        urllib.request.urlopen(f"http://{host}:{port}/api/job_agent/jobs/", timeout=3)
+    except urllib.error.HTTPError as exc:
+        return exc.code not in (401, 403, 404, 405)
+    except (OSError, ValueError):
+        return False  # not HTTP (gRPC), reset or refused
+    return True

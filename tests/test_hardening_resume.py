@@ -1,0 +1,159 @@
+"""Resuming a run whose directory is not as it was left: every checkpoint corrupt, checkpoint.resume=false over a
+run, a data source without files, changed model settings with config.yaml gone. Each case is refused before
+training starts (most before Ray starts), names what is wrong and what to do, and changes nothing on disk.
+
+One real run (torchrun launcher, one process, no Ray: ~15 s) saves steps 0, 5 and 10; each test works on a copy.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from orchestration.observability.events import read_jsonl
+from tests.conftest import REPO, launch
+
+pytestmark = pytest.mark.slow
+
+RUN = "saved"
+SETTINGS = ["model=debug_dense", "logging.wandb=false", "logging.ray_metrics=false", "train.log_every=1",
+            "checkpoint.every_steps=5", "train.warmup_steps=2"]
+
+
+def torchrun(env: dict, run_root: Path, *overrides: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """The worker loop in one local process (orchestration.driver.torchrun under torch.distributed.run)."""
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
+                           "-m", "orchestration.driver.torchrun", f"run_root={run_root}", f"run_name={RUN}",
+                           *SETTINGS, *overrides], check=False, cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("saved_root")
+    proc = torchrun(_env(root), root, "train.steps=10")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    steps = sorted(p.name for p in (root / RUN / "checkpoints").iterdir())
+    assert steps == ["step_000000", "step_000005", "step_000010"], steps
+    return root
+
+
+def _env(tmp: Path) -> dict:
+    """tests.conftest.isolated_env for a module-scoped fixture."""
+    import os
+
+    return {**os.environ, "WANDB_MODE": "offline", "WANDB_DIR": str(tmp / "wandb"), "RAY_AUTH_MODE": "disabled",
+            "PYTHONUNBUFFERED": "1", "RAY_USAGE_STATS_ENABLED": "0"}
+
+
+@pytest.fixture
+def run_copy(saved_run, tmp_path) -> Path:
+    """A private copy of the saved run's root; returns the run root."""
+    root = tmp_path / "root"
+    shutil.copytree(saved_run, root)
+    return root
+
+
+def _snapshot(run_dir: Path) -> list:
+    return sorted((str(p.relative_to(run_dir)), p.stat().st_size, p.stat().st_mtime_ns)
+                  for p in run_dir.rglob("*") if p.is_file())
+
+
+def _shards(checkpoint: Path) -> list[Path]:
+    return sorted((checkpoint / "dcp").glob("*.distcp"))
+
+
+def test_resume_false_over_a_run_names_its_newest_checkpoint(run_copy, isolated_env):
+    before = _snapshot(run_copy / RUN)
+    proc = launch(isolated_env, f"run_root={run_copy}", f"run_name={RUN}", *SETTINGS, "checkpoint.resume=false",
+                  timeout=120)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "step_000010 the newest" in proc.stderr, proc.stderr
+    assert "Ray dashboard" not in proc.stdout
+    assert _snapshot(run_copy / RUN) == before
+
+
+def test_every_checkpoint_damaged_is_refused_before_ray_starts(run_copy, isolated_env):
+    """Truncated shards in all three checkpoints: no start from step 0 in the same directory, no Ray; the message
+    lists each checkpoint with its reason and the two ways forward."""
+    checkpoints = run_copy / RUN / "checkpoints"
+    for step_dir in checkpoints.iterdir():
+        shard = _shards(step_dir)[0]
+        shard.write_bytes(shard.read_bytes()[:-7])
+    before = _snapshot(run_copy / RUN)
+    proc = launch(isolated_env, f"run_root={run_copy}", f"run_name={RUN}", *SETTINGS, "train.steps=20", timeout=120)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    for name in ("step_000000", "step_000005", "step_000010"):
+        assert f"{name}: size mismatch" in proc.stderr, proc.stderr
+    assert "checkpoint.resume=false" in proc.stderr and "run_name" in proc.stderr
+    assert "Ray dashboard" not in proc.stdout
+    assert _snapshot(run_copy / RUN) == before
+
+
+def test_every_checkpoint_corrupt_is_refused_by_the_workers_and_resume_false_starts_over(run_copy, isolated_env):
+    """A flipped byte in a shard of each checkpoint (sizes intact, so only the digests tell): the workers refuse
+    before training, once (no retry), and write no new checkpoint; checkpoint.resume=false then starts the run over
+    in the same directory, and the corrupt checkpoints never count for retention."""
+    checkpoints = run_copy / RUN / "checkpoints"
+    for step_dir in checkpoints.iterdir():
+        shard = _shards(step_dir)[0]
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        shard.write_bytes(bytes(data))
+    before = {p.name: _snapshot(p) for p in checkpoints.iterdir()}
+    refused = torchrun(isolated_env, run_copy, "train.steps=20")
+    assert refused.returncode != 0, refused.stdout[-2000:]
+    out = refused.stdout + refused.stderr
+    for name in ("step_000000", "step_000005", "step_000010"):
+        assert f"{name}: sha256 mismatch" in out, out[-4000:]
+    assert "checkpoint.resume=false" in out and "run_name" in out
+    assert {p.name: _snapshot(p) for p in checkpoints.iterdir()} == before  # nothing saved over them
+    summary = json.loads((run_copy / RUN / "summary.json").read_text())
+    assert summary["status"] == "failed"
+
+    # Starting over: steps 0 and 5 replace the corrupt ones of the same name; the corrupt step 10 stays (never read,
+    # never counted: keep_last=1 must keep the new step 5, not the corrupt step 10).
+    over = torchrun(isolated_env, run_copy, "train.steps=5", "checkpoint.resume=false", "checkpoint.keep_last=1",
+                    "checkpoint.keep_good=1")
+    assert over.returncode == 0, over.stdout[-3000:] + over.stderr[-3000:]
+    from orchestration.checkpoint.directory import verify_checkpoint
+
+    assert verify_checkpoint(checkpoints / "step_000005").step == 5
+    assert (checkpoints / "step_000010").is_dir()
+    events = read_jsonl(run_copy / RUN / "events.jsonl")
+    assert not [e for e in events if e["event"] == "checkpoint_deleted" and e["step"] == 5]
+
+
+def test_changed_model_settings_with_config_yaml_missing_are_refused_from_the_checkpoint(run_copy, isolated_env):
+    """config.yaml deleted: the check reads the settings the newest checkpoint was saved with, refuses the changed
+    model before Ray starts, and does not write config.yaml; the right settings then resume."""
+    run_dir = run_copy / RUN
+    (run_dir / "config.yaml").unlink()
+    proc = launch(isolated_env, f"run_root={run_copy}", f"run_name={RUN}", *SETTINGS, "+model.overrides.n_layers=1",
+                  "train.steps=20", timeout=120)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "model.overrides (saved {}, now {'n_layers': 1})" in proc.stderr, proc.stderr
+    assert "Ray dashboard" not in proc.stdout
+    assert not (run_dir / "config.yaml").exists()
+
+    resumed = torchrun(isolated_env, run_copy, "train.steps=12")
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    resumes = [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "resume"]
+    assert [e["from_step"] for e in resumes] == [10]
+
+
+def test_data_source_without_files_is_refused_before_ray_starts(tmp_path, isolated_env):
+    empty = tmp_path / "corpus"
+    empty.mkdir()
+    (empty / "notes.bin").write_bytes(b"not text")
+    proc = launch(isolated_env, f"run_root={tmp_path / 'runs'}", "run_name=nodata", *SETTINGS,
+                  f"data.source={empty}", timeout=120)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "data.source" in proc.stderr and str(empty) in proc.stderr, proc.stderr
+    assert "Ray dashboard" not in proc.stdout
+    assert not (tmp_path / "runs" / "nodata").exists()
