@@ -100,7 +100,6 @@ def parallelize(model: nn.Module, world_size: int, sharding: str, param_dtype: s
     return model
 
 
-
 _WRAPPER_PREFIX = "_checkpoint_wrapped_module."
 
 
