@@ -247,6 +247,11 @@ class MonitorConfig:
     shadow_rel_tol: float = 0.05
     """Largest tolerated |loss_fp8 - loss_bf16| / |loss_bf16| on the shadow micro-batch."""
 
+    # --- held-out eval gap: the same weights evaluated in FP8 and in BF16 at each evaluation (train.eval_every) ----
+    eval_gap_max: float = 0.02
+    """Largest tolerated (eval_loss_fp8 - eval_loss_bf16) / eval_loss_bf16 while FP8 is on; above it the policy falls
+    back to BF16 as for the other FP8 detectors (cool-down, retry, relapses). 0 skips the BF16 evaluation."""
+
     # --- policy: skip ----------------------------------------------------------------------------------------------
     skips_before_escalation: int = 1
     """Bad steps inside `escalation_window` that are only skipped; the next one escalates (fallback or rollback)."""
@@ -293,6 +298,7 @@ class MonitorConfig:
         need(self.fp8_amax_growth_max > 1, "fp8_amax_growth_max", "> 1 (a growth ratio)")
         for key in ("loss_std_floor_rel", "loss_std_floor_abs", "grad_norm_log_std_floor"):
             need(getattr(self, key) >= 0, key, ">= 0")
+        need(self.eval_gap_max >= 0, "eval_gap_max", ">= 0 (0 = no BF16 evaluation)")
         for key in ("fp8_saturated_frac_max", "fp8_underflow_frac_max"):
             need(0.0 <= getattr(self, key) <= 1.0, key, "a fraction in [0, 1]")
         for key in ("shadow_every", "skips_before_escalation", "max_relapses", "max_rollbacks",
@@ -306,9 +312,9 @@ class MonitorConfig:
 
 
 # Fault injection (orchestration/training/faults.py reads these).
-FAULT_KINDS = ("none", "nan_grad", "loss_spike", "fp8_overflow", "kill_worker", "crash")
+FAULT_KINDS = ("none", "nan_grad", "loss_spike", "fp8_overflow", "fp8_scale_error", "kill_worker", "crash")
 PROCESS_FAULTS = ("kill_worker", "crash")
-DEFAULT_MAGNITUDE = {"loss_spike": 100.0, "fp8_overflow": 1e6}
+DEFAULT_MAGNITUDE = {"loss_spike": 100.0, "fp8_overflow": 1e6, "fp8_scale_error": 1.0}
 
 
 @dataclass
@@ -321,6 +327,9 @@ class FaultConfig:
     loss_spike: the loss (and so every gradient) is multiplied by `magnitude`.
     fp8_overflow: one element of the input of the hooked layer becomes `magnitude` x its amax, an outlier that
     crushes the FP8 dynamic range (underflow, amax growth) or saturates with delayed scaling.
+    fp8_scale_error: the outputs of the transformer blocks' FP8 linears get a per-channel scale error exp(magnitude *
+    N(0, 1)), drawn anew each step, while they run in FP8 (wrong dequantization scales): the FP8 path gets worse
+    without any NaN; BF16 is untouched.
     kill_worker: the process SIGKILLs itself (like a lost node). crash: raises InjectedCrash (a Python failure)."""
     rank: int = 0
     """Rank that sees the fault; -1 = every rank."""

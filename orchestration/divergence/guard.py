@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from orchestration.divergence.agreement import agree_and_decide
-from orchestration.divergence.monitor import StepMonitor
+from orchestration.divergence.monitor import Finding, StepMonitor
 from orchestration.divergence.policy import DivergencePolicy, FallbackToBF16, RetryFP8, Rollback, SkipStep, Stop
 from orchestration.training.elastic import merge_ranges
 from orchestration.training.faults import FaultInjector
@@ -126,6 +126,35 @@ class StepGuard:
             self._rollback(decision)
             return "rolled_back"
         raise AssertionError(f"unhandled decision {decision!r}")
+
+    @property
+    def checks_eval_gap(self) -> bool:
+        """Whether an evaluation now also evaluates the weights in BF16 for the eval-gap check: monitors on, an FP8
+        run, FP8 findings in force (not in a whole-model BF16 cool-down), monitor.eval_gap_max > 0."""
+        return (self.enabled and self.fp8_run and self.policy.acts_on_fp8_findings
+                and self.trainer.job.monitor.eval_gap_max > 0)
+
+    def check_eval_gap(self, eval_fp8: float, eval_bf16: float) -> None:
+        """The policy's decision on one evaluation's relative gap (eval_fp8 - eval_bf16) / eval_bf16, taken between
+        steps on every rank (both losses are all-reduced, so every rank decides the same); a fallback is applied at
+        once, so training goes on in BF16 from the next step."""
+        t = self.trainer
+        step, limit = t.state.step, t.job.monitor.eval_gap_max
+        gap = (eval_fp8 - eval_bf16) / abs(eval_bf16) if eval_bf16 else float("inf")
+        if gap <= limit:  # a NaN gap (a non-finite FP8 evaluation) does not pass
+            return
+        decision = self.policy.decide_eval_gap(Finding("eval_gap", rank=0, value=gap, threshold=limit, step=step))
+        if decision.kind == "proceed":
+            return
+        t.event("eval_gap_exceeded", all_ranks=True, eval_loss_fp8=eval_fp8, eval_loss_bf16=eval_bf16, rel_gap=gap,
+                threshold=limit)
+        for record in decision.events():
+            name = record.pop("event")
+            record.pop("step", None)
+            t.event(name, all_ranks=True, **record)
+        self.last_bad_step = step
+        if isinstance(decision, FallbackToBF16):
+            self._set_precision("bf16", decision.scope)
 
     def _set_precision(self, precision: str, scope: tuple[str, ...] | None) -> None:
         import fp8

@@ -82,6 +82,7 @@ DETECTOR_KIND = {
     "fp8_underflow": "fp8",
     "fp8_amax_growth": "fp8",
     "shadow_mismatch": "fp8",
+    "eval_gap": "fp8",  # held-out eval loss, FP8 vs BF16 (StepGuard.check_eval_gap), outside the per-step slots
 }
 NOT_MEASURED = float("-inf")
 """Slot value of a statistic this rank did not measure this step (never wins the MAX, never trips)."""

@@ -265,6 +265,15 @@ class DivergencePolicy:
             return SkipStep(step=step, evidence=evidence)
         return self._rollback(step, evidence)
 
+    def decide_eval_gap(self, finding: Finding) -> Decision:
+        """A held-out evaluation between steps found the FP8 path worse than BF16 on the same weights (the finding:
+        detector eval_gap, the same on every rank as the losses are all-reduced): a fallback to BF16 like any FP8
+        finding, with the same cool-down, retry and relapse rules. Proceed when FP8 findings do not apply now."""
+        if self.s.stopped is not None or not self.acts_on_fp8_findings:
+            return Proceed(step=finding.step)
+        self.s.last_bad_step = finding.step
+        return self._fallback(finding.step, (finding,))
+
     def _fallback(self, step: int, evidence: tuple[Finding, ...]) -> FallbackToBF16:
         s, cfg = self.s, self.config
         if s.retry_step is not None and step - s.retry_step <= cfg.relapse_window:

@@ -337,6 +337,14 @@ class Trainer:
             if target is None:
                 raise ValueError("faults=fp8_overflow needs an FP8 model: use precision=fp8")
             self.guard.faults.attach_activation_fault(target, self.rank, lambda: self.state.step)
+        if job.faults.kind == "fp8_scale_error":
+            # The blocks' FP8 linears (not the output head, whose fused form returns the loss itself).
+            targets = [m for name, m in self.model.named_modules()
+                       if isinstance(m, Float8Linear) and name.startswith("layers.")]
+            if not targets:
+                raise ValueError("faults=fp8_scale_error needs an FP8 model: use precision=fp8")
+            for target in targets:
+                self.guard.faults.attach_fp8_scale_fault(target, self.rank, lambda: self.state.step)
         self.setup_s = time.time() - t_setup
 
     # -- events ---------------------------------------------------------------------------------------------
@@ -797,9 +805,24 @@ class Trainer:
         from orchestration.training.evaluation import evaluate
 
         t0 = time.time()
-        eval_loss = evaluate(self.model, self.validation, self.eval_sequences, self.plan.micro_batch_size, self.rank,
-                             self.world_size, self.device, lambda x, y: self.compute_loss(x, y)[0])
-        return {"eval_loss": eval_loss, "eval_s": round(time.time() - t0, 4), "eval_sequences": self.eval_sequences}
+
+        def run() -> float:
+            return evaluate(self.model, self.validation, self.eval_sequences, self.plan.micro_batch_size, self.rank,
+                            self.world_size, self.device, lambda x, y: self.compute_loss(x, y)[0])
+
+        fields: dict[str, Any] = {"eval_loss": run()}
+        if self.guard.checks_eval_gap:
+            # The same weights on the same sequences in BF16 (monitor.eval_gap_max): the FP8 path's cost in quality.
+            import fp8
+
+            fp8.set_precision(self.model, "bf16")
+            try:
+                fields["eval_loss_bf16"] = run()
+            finally:
+                self.guard.apply_policy_precision()
+            fields["eval_gap"] = (fields["eval_loss"] - fields["eval_loss_bf16"]) / abs(fields["eval_loss_bf16"])
+            self.guard.check_eval_gap(fields["eval_loss"], fields["eval_loss_bf16"])
+        return {**fields, "eval_s": round(time.time() - t0, 4), "eval_sequences": self.eval_sequences}
 
     def log_metrics(self, loss: torch.Tensor, aux: torch.Tensor, grad_norm: torch.Tensor, tokens_per_s: float,
                     step_time_s: float, eval_fields: dict[str, Any] | None = None) -> None:
