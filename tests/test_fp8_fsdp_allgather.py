@@ -171,6 +171,35 @@ def test_fp8_all_gather_is_bit_equal_to_gathering_in_high_precision(tmp_path, wo
               f"blocks) fp8 {fp8_step['fp8_gather_bytes']} vs {fp8_step['reference_bytes']}")
 
 
+def _compiled_worker(rank: int, world: int, port: int, out: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.set_num_threads(1)
+    with rank_process_group("gloo", f"tcp://127.0.0.1:{port}", rank, world):
+        model, ref = _build_pair(init_device_mesh("cpu", (world,)), torch.float32)
+        for m in (model, ref):  # as orchestration.training.loop.compile_blocks: each FSDP2 block compiled
+            for name, block in list(m.layers.named_children()):
+                m.layers.register_module(name, torch.compile(block))
+        tokens = torch.randint(0, 256, (world * BATCH, SEQ + 1), generator=torch.Generator().manual_seed(5))
+        tokens = tokens[rank * BATCH:(rank + 1) * BATCH]
+        losses, grads = [], []
+        for m in (model, ref):
+            loss = m(tokens[:, :-1], tokens[:, 1:])
+            loss.backward()
+            losses.append(loss.item())
+            grads.append({n: _local(p.grad) for n, p in m.named_parameters()})
+        with open(Path(out) / f"compiled{rank}.json", "w") as f:
+            json.dump({"losses": losses, "grads_unequal": [n for n in grads[1]
+                                                           if not torch.equal(grads[0][n], grads[1][n])]}, f)
+
+
+def test_fp8_all_gather_is_bit_equal_under_torch_compile(tmp_path):
+    mp.spawn(_compiled_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    for rank in range(2):
+        data = json.loads((tmp_path / f"compiled{rank}.json").read_text())
+        assert data["losses"][0] == data["losses"][1] and data["grads_unequal"] == [], data
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Checkpoints: saved at 2 ranks with the fp8 all-gather, loaded by 1 plain process, saved there, loaded at 4 ranks
 
