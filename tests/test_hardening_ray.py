@@ -246,22 +246,24 @@ def test_ctrl_c_killed_driver_and_resumes(tmp_path, isolated_env, no_ray_leftove
 
     # Network: Ray 2.60 binds GCS, raylet and worker gRPC servers to every interface (no option moves them; it
     # replaces a loopback node address by the routable one), so what is not on loopback must refuse callers
-    # without the cluster's token.
+    # without the cluster's token (its Prometheus exporters excepted: read-only metrics, no control route).
     assert exposed == [s for s in exposed if s[1].startswith(("ray::", "/"))]
     unauthenticated = [s for s in exposed if _answers_without_token(s[2], s[3])]
     assert not unauthenticated, unauthenticated
 
 
 def _answers_without_token(address: str, port: int) -> bool:
-    """Whether the Ray dashboard agent's job API (the route that runs commands) answers a caller with no token."""
+    """Whether a listener answers the Ray dashboard agent's job API route (the one that runs commands) for a caller
+    with no token. Prometheus exporters answer any path with read-only metrics text: not a control route."""
     import urllib.error
     import urllib.request
 
     host = "127.0.0.1" if address in ("0.0.0.0", "::") else address
     try:
-        urllib.request.urlopen(f"http://{host}:{port}/api/job_agent/jobs/", timeout=3)
+        with urllib.request.urlopen(f"http://{host}:{port}/api/job_agent/jobs/", timeout=3) as response:
+            body = response.read(200)
     except urllib.error.HTTPError as exc:
         return exc.code not in (401, 403, 404, 405)
     except (OSError, ValueError):
         return False  # not HTTP (gRPC), reset or refused
-    return True
+    return not body.startswith((b"# HELP", b"# TYPE"))
