@@ -158,6 +158,11 @@ def start_ray(job: JobConfig, plan: RayPlan) -> bool:
     os.environ.update(env)
     runtime_env = dict(job.cluster.runtime_env)
     runtime_env.setdefault("env_vars", {}).update(env)
+    # Ray imports the setup hook below before it puts the driver's directory on a worker's path: without the repository
+    # on PYTHONPATH, every worker died with "No module named 'orchestration'" on a GPU machine where the project is
+    # run from its checkout rather than pip-installed.
+    runtime_env["env_vars"].setdefault(
+        "PYTHONPATH", os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p))
     runtime_env.setdefault("worker_process_setup_hook", "orchestration.driver.ray_logs.quiet_ray_train_shutdown")
     # The run's name in the Name column of the dashboard's Jobs page (a job submitted with its own metadata keeps it).
     job_config = RayJobConfig(metadata=job_metadata(plan.name))
