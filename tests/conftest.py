@@ -53,7 +53,7 @@ def restore_grouped_body_mode(monkeypatch):
     import fp8.grouped
 
     monkeypatch.setattr(fp8.grouped, "_body_mode_override", None)
-    worker = sys.modules.get("orchestration.training.loop")
-    if worker is not None:
-        monkeypatch.setattr(worker, "_BODIES_SET_EAGER_FOR_GRAPHS", False)
+    compile_module = sys.modules.get("orchestration.training.compile")
+    if compile_module is not None:
+        monkeypatch.setattr(compile_module, "_BODIES_SET_EAGER_FOR_GRAPHS", False)
     yield

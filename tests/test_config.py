@@ -198,7 +198,7 @@ def test_adamw_is_fused_on_gpus_and_default_on_cpu():
     hyperparameters; CPU runs keep torch's default implementation."""
     import torch
 
-    from orchestration.training.loop import adamw_kwargs
+    from orchestration.training.optimizer import adamw_kwargs
 
     job = compose_job("train.lr=0.002", "train.beta2=0.9", "train.weight_decay=0.05")
     gpu = adamw_kwargs(job, torch.device("cuda", 0))
@@ -219,7 +219,7 @@ def test_train_adamw_picks_our_triton_step_on_nvidia_gpus_only(monkeypatch):
     import torch
 
     from optim import ChunkedAdamW
-    from orchestration.training.loop import adamw_implementation, make_optimizer
+    from orchestration.training.optimizer import adamw_implementation, make_optimizer
 
     auto, triton, torch_impl = compose_job(), compose_job("train.adamw=triton"), compose_job("train.adamw=torch")
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")

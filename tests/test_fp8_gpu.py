@@ -340,7 +340,7 @@ def test_fp8_moe_model_under_cuda_graphs_matches_default_compile(mark_steps):
         for mode in ("default", "reduce-overhead"):
             torch._dynamo.reset()
             model = _moe_model("fp8", compiled=False)
-            # What orchestration.training.loop.compile_blocks does (that module needs the launcher's config libraries, not
+            # What orchestration.training.compile.compile_blocks does (that module needs the launcher's config libraries, not
             # on the GPU image; tests/test_fp8_grouped.py pins that compile_blocks sets the body mode this way).
             fp8_grouped.set_body_mode("eager" if mode == "reduce-overhead" else None)
             for block in model.layers.values():

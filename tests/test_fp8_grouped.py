@@ -181,9 +181,9 @@ def test_body_mode_switch_and_compile_blocks_sets_it():
     """Bodies compile by default; the worker's compile_blocks picks eager bodies for every CUDA-graph mode (compiled
     bodies break CUDA-graph trees' step tracking), undoes only its own setting afterwards (an explicit choice survives
     a default-mode compile), and bad values fail."""
-    pytest.importorskip("omegaconf")  # orchestration.training.loop's config; absent on the GPU image
+    pytest.importorskip("omegaconf")  # orchestration.training.compile's config; absent on the GPU image
     from fp8 import grouped
-    from orchestration.training.loop import compile_blocks
+    from orchestration.training.compile import compile_blocks
 
     class Blocks(torch.nn.Module):
         def __init__(self):

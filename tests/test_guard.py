@@ -25,7 +25,7 @@ def make_trainer(tmp_path, *overrides):
 def record_shadow_checks(trainer) -> dict[int, tuple[float, float]]:
     """{step: (fp8 loss, bf16 loss)} of every shadow check the trainer's guard runs from now on."""
     shadows = {}
-    shadow_losses = trainer.guard.shadow_losses
+    shadow_losses = trainer.shadow_losses
 
     def recorded():
         losses = shadow_losses()
@@ -33,7 +33,7 @@ def record_shadow_checks(trainer) -> dict[int, tuple[float, float]]:
             shadows[trainer.state.step] = tuple(v.item() for v in losses)
         return losses
 
-    trainer.guard.shadow_losses = recorded
+    trainer.shadow_losses = recorded
     return shadows
 
 
@@ -329,35 +329,35 @@ def _interp_the_gated_update_skips_exactly_the_step_the_guard_rejects(tmp_path, 
     step), and every other step must apply once (orchestration.divergence.agreement.agree_and_decide)."""
     import torch
 
-    import orchestration.training.loop as worker_mod
+    import orchestration.training.optimizer as optimizer_mod
     from optim import ChunkedAdamW
 
-    monkeypatch.setattr(worker_mod, "adamw_implementation", lambda job, device: "triton")
+    monkeypatch.setattr(optimizer_mod, "adamw_implementation", lambda job, device: "triton")
     trainer = make_trainer(tmp_path, "model=debug_moe", "+model.overrides.aux_free_bias=true", "precision=bf16",
                            "train.steps=4", "faults=nan_grad", "faults.rank=0", "faults.step=2")
     moe = trainer.model.layers["1"].moe
     assert isinstance(trainer.optimizer, ChunkedAdamW)
     record, biases = {}, {}
-    check = trainer.guard.check
+    check = trainer.check
 
-    def recorded(loss, grad_norm, gated_update=None):
+    def recorded(loss, grad_norm, gated_update):
         before = [p.detach().clone() for p in trainer.model.parameters()]
         launches = trainer.optimizer.kernel_steps
         bias, counts = moe.expert_bias.clone(), moe.tokens_per_expert.clone()
-        action = check(loss, grad_norm, gated_update)
+        decision, update_applied = check(loss, grad_norm, gated_update)
         biases[trainer.state.step] = (bias, moe.expert_bias.clone(), counts, moe.tokens_per_expert.clone())
         counts = {trainer.optimizer.state[p]["step"].item() for p in trainer.model.parameters()}
-        record[trainer.state.step] = (action, trainer.guard.update_applied, before,
+        record[trainer.state.step] = (decision.kind, update_applied, before,
                                       trainer.optimizer.kernel_steps - launches, counts)
-        return action
+        return decision, update_applied
 
-    trainer.guard.check = recorded
+    trainer.check = recorded
     trainer.start()
     assert trainer.run() == "completed"
     after = [p.detach().clone() for p in trainer.model.parameters()]
     # One launch a step, in the guard (before its host read); the step counts do not advance at the skipped step.
     assert [(s, r[0], r[1], r[3]) for s, r in sorted(record.items())] == [
-        (0, "proceed", True, 1), (1, "proceed", True, 1), (2, "skip", False, 1), (3, "proceed", True, 1)]
+        (0, "proceed", True, 1), (1, "proceed", True, 1), (2, "skip_step", False, 1), (3, "proceed", True, 1)]
     (c0,), (c1,), (c2,), (c3,) = (record[s][4] for s in range(4))
     assert (c1 - c0, c2 - c1, c3 - c2) == (1.0, 0.0, 1.0)
     for s, (bias_before, bias_after, counts_before, counts_after) in biases.items():

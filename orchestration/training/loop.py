@@ -12,10 +12,10 @@ import copy
 import errno
 import functools
 import json
-import math
 import os
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,16 +23,15 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
-from fp8 import grouped as fp8_grouped
 from fp8.linear import Float8Linear
-from models.loss import head_fuses_loss, model_lm_loss
-from optim import ChunkedAdamW, clip_and_step
+from optim import ChunkedAdamW
 from orchestration.checkpoint.directory import CheckpointError
 from orchestration.checkpoint.state import dcp_failure_summary
 from orchestration.config import JobConfig, redact_secrets, to_dict
 from orchestration.data.byte_stream import VOCAB_SIZE as BYTE_VOCAB_SIZE
 from orchestration.data.select import build_datasets
 from orchestration.divergence.guard import StepGuard
+from orchestration.divergence.policy import Decision
 from orchestration.observability.events import (
     CONFIG_FILE,
     EVENTS_FILE,
@@ -42,17 +41,19 @@ from orchestration.observability.events import (
     RunDir,
     read_jsonl,
 )
+from orchestration.training.compile import compile_blocks, compile_enabled
+from orchestration.training.decisions import apply_decision, apply_eval_gap_decision, apply_policy_precision
 from orchestration.training.distributed import (
-    all_reduce_grads_if_unsharded,
     broadcast_from_rank0_if_unsharded,
-    global_grad_norm,
     init_distributed,
     init_weights_by_unit,
-    local_grad_norm,
     parallelize,
 )
 from orchestration.training.elastic import BatchPlan, count_in_ranges, merge_ranges, plan_batch
+from orchestration.training.faults import FaultInjector
 from orchestration.training.gc_policy import ManagedGc
+from orchestration.training.optimizer import lr_at, make_optimizer
+from orchestration.training.step import MicroBatch, StepModel, compute_loss, train_step
 from orchestration.validation import check_preset_device, from_dict
 
 
@@ -111,15 +112,6 @@ class TrainState:
     def from_dict(cls, data: dict[str, Any]) -> TrainState:
         return cls(**{k: data[k] for k in ("step", "cursor", "consumed_ranges", "skipped_ranges", "precision",
                                             "lr_scale") if k in data})
-
-
-def lr_at(step: int, job: JobConfig) -> float:
-    """Linear warmup then cosine to min_lr_ratio, a function of the global step only (continues across restarts)."""
-    t = job.train
-    if t.warmup_steps > 0 and step < t.warmup_steps:
-        return (step + 1) / t.warmup_steps
-    progress = min(1.0, (step - t.warmup_steps) / max(1, t.steps - t.warmup_steps))
-    return t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 def build_training_model(job: JobConfig, world_size: int, device: torch.device,
@@ -211,87 +203,12 @@ def require_fp8_grouped_gemm(model: torch.nn.Module, backend) -> None:
         "precision.fp8_experts=false (experts in bf16, the other layers in FP8) or precision=bf16")
 
 
-def adamw_kwargs(job: JobConfig, device: torch.device) -> dict[str, Any]:
-    """AdamW's settings. Fused on GPUs: one multi-tensor kernel per step for all parameters instead of torch's
-    default foreach chain (about a dozen launches, and their host time, where the MoE step's GPU already waits on
-    the host before the optimizer, BENCHMARKS.md session 10); torchtitan's default, and what benchmarks/train_step.py
-    times. CPU runs keep torch's default implementation. A resumed run takes the implementation its checkpoint was
-    saved with (torch restores a param group's settings with its state)."""
-    return {"lr": job.train.lr, "betas": (job.train.beta1, job.train.beta2), "weight_decay": job.train.weight_decay,
-            "fused": True if device.type == "cuda" else None}
-
-
-def adamw_implementation(job: JobConfig, device: torch.device) -> str:
-    """train.adamw resolved for this worker's device: "triton" (optim.ChunkedAdamW) or "torch"."""
-    nvidia = device.type == "cuda" and torch.version.hip is None
-    if job.train.adamw == "triton" and not nvidia:
-        raise ValueError(f"train.adamw=triton runs a Triton kernel on NVIDIA GPUs; this worker's device is "
-                         f"{'ROCm' if device.type == 'cuda' else device.type}: use train.adamw=auto or torch")
-    if job.train.adamw == "auto":
-        return "triton" if nvidia else "torch"
-    return job.train.adamw
-
-
-def make_optimizer(job: JobConfig, device: torch.device, params) -> torch.optim.Optimizer:
-    kwargs = adamw_kwargs(job, device)
-    if adamw_implementation(job, device) == "triton":
-        return ChunkedAdamW(params, **kwargs)
-    return torch.optim.AdamW(params, **kwargs)
-
-
 def fp8_all_gather_enabled(job: JobConfig, recipe: str | None) -> bool:
     """precision.fp8_all_gather, where null means: on for the tensorwise recipe (the only one whose weights have one
     scale, so the gathered fp8 bytes are the GEMM's operand). parallelize ignores it unless FSDP2 shards."""
     if job.precision.fp8_all_gather is not None:
         return job.precision.fp8_all_gather
     return recipe == "tensorwise"
-
-
-def compile_enabled(job: JobConfig, device: torch.device) -> bool:
-    """model.compile, where null means: compile on GPUs (ROCm included), eager on CPU."""
-    return job.model.compile if job.model.compile is not None else device.type == "cuda"
-
-
-_BODIES_SET_EAGER_FOR_GRAPHS = False
-
-
-def _uses_cuda_graphs(mode: str) -> bool:
-    """Whether blocks compiled with `mode` run as CUDA graphs (reduce-overhead, max-autotune, or Inductor's global
-    cudagraphs switch)."""
-    import torch._inductor
-    from torch._inductor import config as inductor_config
-
-    options = {} if mode == "default" else torch._inductor.list_mode_options(mode)
-    return bool(options.get("triton.cudagraphs") or inductor_config.triton.cudagraphs)
-
-
-def compile_blocks(model: torch.nn.Module, mode: str = "default") -> None:
-    """torch.compile each transformer block (torchtitan's granularity: one graph per block, reused by all).
-
-    Static shapes: the sequence length is fixed, and a graph that went dynamic after a shape change ran the fp8
-    step 5-20% slower on the H200 (BENCHMARKS.md). Inductor's defaults otherwise: turning its mix-order
-    reductions off (they fuse the RMSNorm backward with the next fp8 cast, a 1.75 ms kernel per Llama3-8B layer
-    in the profile) measured no faster for the whole step (198.3 vs 196.9 ms), so they stay on.
-    """
-    # CUDA graphs replay the MoE grouped-GEMM ops' bodies without their Python, and a compiled body bumps dynamo's
-    # generation counter, which graph trees read as a new iteration where no step is marked (the Trainer marks
-    # each one; other callers may not): eager bodies under graphs. Otherwise undo only what this function set.
-    global _BODIES_SET_EAGER_FOR_GRAPHS
-    if _uses_cuda_graphs(mode):
-        fp8_grouped.set_body_mode("eager")
-        _BODIES_SET_EAGER_FOR_GRAPHS = True
-    elif _BODIES_SET_EAGER_FOR_GRAPHS:
-        fp8_grouped.set_body_mode(None)
-        _BODIES_SET_EAGER_FOR_GRAPHS = False
-    for block in model.layers.values():
-        # fixed sequence length: no symbolic-shape kernels
-        block.compile(dynamic=False, mode=None if mode == "default" else mode)
-    head = getattr(model, "output", None)
-    if isinstance(head, Float8Linear) and not head_fuses_loss(head):
-        # An FP8 output head (precision.fp8_output_head) is compiled too, so Inductor fuses its casts; a bf16 head
-        # is one matmul, which compiling would not change; a head that fuses the loss runs its own kernels
-        # (fp8/head.py) and would only break the graph.
-        head.compile(dynamic=False, mode=None if mode == "default" else mode)
 
 
 class Trainer:
@@ -328,15 +245,19 @@ class Trainer:
         self.ckpt = CheckpointManager(self.run_dir.checkpoints, keep_last=job.checkpoint.keep_last,
                                       keep_good=job.checkpoint.keep_good, rank=self.rank,
                                       world_size=self.world_size, event_sink=self._event_sink)
-        self.guard = StepGuard(self)
+        self.step_model = StepModel(self.model, self.optimizer, self.device, self.compute_dtype, self.compiled,
+                                    self.cuda_graphs, self.world_size, job.train.sharding, job.train.grad_clip)
+        self.faults = FaultInjector(job.faults, rank=self.rank, marker_dir=self.run_dir.path / "faults")
+        self.guard = StepGuard(job.monitor, self.model, fp8_run=self.recipe is not None)
+        if self.rank == 0:
+            self.guard.start_loggers(job, self.run_dir.path, self.recipe)
         self.stop_requested = False  # agreed by all ranks at a logged step (the driver's Ctrl-C, STOP_FILE)
-        self.router_bias_done = False  # this step's router-bias update already launched, gated (gated_update)
         if job.faults.kind == "fp8_overflow":
             # Real numerics: an outlier enters the first FP8 layer, so the FP8 health statistics see it.
             target = next((m for m in self.model.modules() if isinstance(m, Float8Linear)), None)
             if target is None:
                 raise ValueError("faults=fp8_overflow needs an FP8 model: use precision=fp8")
-            self.guard.faults.attach_activation_fault(target, self.rank, lambda: self.state.step)
+            self.faults.attach_activation_fault(target, self.rank, lambda: self.state.step)
         if job.faults.kind == "fp8_scale_error":
             # The blocks' FP8 linears (not the output head, whose fused form returns the loss itself).
             targets = [m for name, m in self.model.named_modules()
@@ -344,7 +265,7 @@ class Trainer:
             if not targets:
                 raise ValueError("faults=fp8_scale_error needs an FP8 model: use precision=fp8")
             for target in targets:
-                self.guard.faults.attach_fp8_scale_fault(target, self.rank, lambda: self.state.step)
+                self.faults.attach_fp8_scale_fault(target, self.rank, lambda: self.state.step)
         self.setup_s = time.time() - t_setup
 
     # -- events ---------------------------------------------------------------------------------------------
@@ -515,6 +436,7 @@ class Trainer:
                 fp8.load_precision_state(self.model, extra["precision_state"])
         if "guard" in extra:
             self.guard.load_state_dict(extra["guard"])
+            apply_policy_precision(self)
         for group in self.optimizer.param_groups:
             group["lr"] = self.job.train.lr * lr_at(self.state.step, self.job) * self.state.lr_scale
 
@@ -629,44 +551,44 @@ class Trainer:
 
     # -- one step -------------------------------------------------------------------------------------------
     def compute_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(LM loss, weighted MoE aux loss) of one micro-batch, under the configured autocast."""
-        use_autocast = self.compute_dtype != torch.float32
-        if self.cuda_graphs:
-            # A new iteration for CUDA-graph trees: the previous step's graph outputs may be overwritten now.
-            torch.compiler.cudagraph_mark_step_begin()
-        with torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=use_autocast):
-            # The logits then the loss, or the loss fused into an FP8 head (fp8/head.py, tensorwise recipe)
-            lm_loss = model_lm_loss(self.model, inputs, targets, compiled=self.compiled)
-            aux = self.model.aux_loss()
-        return lm_loss, aux
+        """(LM loss, weighted MoE aux loss) of one micro-batch, as the step computes it."""
+        return compute_loss(self.step_model, inputs, targets)
 
-    def forward_backward(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Accumulate gradients over this rank's micro-batches.
-
-        Returns on device: this rank's mean LM loss (for the monitors), its share-weighted loss and aux loss (whose
-        mean over ranks is the global-batch mean, for logging).
-        """
+    def micro_batches(self) -> list[MicroBatch]:
+        """This rank's micro-batches of the current step, on the device. An empty micro-batch (uneven split) still
+        runs a forward on one sample with weight 0, so every rank issues the same FSDP collectives."""
         plan, base = self.plan, self.state.cursor
         lo, hi = plan.rank_range(self.rank)
-        rank_loss = torch.zeros((), device=self.device)
-        weighted_loss = torch.zeros((), device=self.device)
-        weighted_aux = torch.zeros((), device=self.device)
+        batches = []
         for micro in range(plan.grad_accum):
             start, end = plan.sample_slice(self.rank, micro)
             n = end - start
-            # An empty micro-batch (uneven split) still runs a forward on one sample with weight 0, so every rank
-            # issues the same FSDP collectives.
             inputs, targets = self.dataset.batch(base + (start if n else lo), base + (end if n else lo + 1))
-            inputs, targets = inputs.to(self.device), targets.to(self.device)
-            lm_loss, aux = self.compute_loss(inputs, targets)
-            lm_loss = self.guard.faults.maybe_corrupt_loss(lm_loss, self.state.step, self.rank)
-            weight = plan.loss_weight(n)
-            ((lm_loss + aux) * weight).backward()
-            rank_loss += lm_loss.detach() * (n / (hi - lo))
-            weighted_loss += lm_loss.detach() * weight
-            weighted_aux += aux.detach() * weight
-        all_reduce_grads_if_unsharded(self.model, self.world_size, self.job.train.sharding)
-        return rank_loss, weighted_loss, weighted_aux
+            batches.append(MicroBatch(inputs.to(self.device), targets.to(self.device), plan.loss_weight(n),
+                                      n / (hi - lo)))
+        return batches
+
+    def shadow_losses(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """When the guard's shadow check is due: this rank's first micro-batch recomputed (no grad) in FP8 as the run
+        trains now (layers the policy holds in bf16 stay there) and in all-bf16."""
+        if not self.guard.shadow_due(self.state.step):
+            return None
+        import fp8
+
+        start, end = self.plan.sample_slice(self.rank, 0)
+        inputs, targets = self.dataset.batch(self.state.cursor + start, self.state.cursor + end)
+        inputs, targets = inputs.to(self.device), targets.to(self.device)
+        with torch.no_grad():
+            loss_fp8 = self.compute_loss(inputs, targets)[0]
+            fp8.set_precision(self.model, "bf16")
+            loss_bf16 = self.compute_loss(inputs, targets)[0]
+        apply_policy_precision(self)
+        return loss_fp8, loss_bf16
+
+    def check(self, loss: torch.Tensor, grad_norm: torch.Tensor,
+              gated_update: Callable[[torch.Tensor], bool]) -> tuple[Decision, bool]:
+        """The step's divergence check (train_step's `check`): the guard's decision, identical on every rank."""
+        return self.guard.check(self.model, self.state.step, loss, grad_norm, gated_update, self.shadow_losses)
 
     def run(self) -> str:
         with ManagedGc(self.job.train.gc_every_steps) as managed_gc:
@@ -684,37 +606,23 @@ class Trainer:
             # An injected crash waits for a background save in flight, so that tests know where a restart resumes
             # (tests/test_checkpoint_async.py covers a save cut short: the .tmp- directory is ignored and removed);
             # that save's timing event is not written, and its error, if it failed, replaces the injected crash.
-            self.guard.faults.maybe_crash(self.state.step, self.rank, before=self.ckpt.wait)
-            loss, weighted_loss, aux = self.forward_backward()
-            self.guard.faults.maybe_corrupt_grads(self.model, self.state.step, self.rank)
-            local_norm = local_grad_norm(self.model, self.device)
-            # One pass over the gradients for both norms (clip_grad_norm_ would read them all a second time).
-            grad_norm = global_grad_norm(local_norm, self.world_size, job.train.sharding)
-            # The global norm is the same on every rank, so a NaN in one rank's shard would show everywhere and
-            # hide which rank produced it: a rank reports a non-finite norm only if its own shard is non-finite.
-            monitored_norm = torch.where(torch.isfinite(local_norm), torch.nan_to_num(grad_norm, nan=0.0, posinf=0.0),
-                                         local_norm)
-            self.router_bias_done = False
-            action = self.guard.check(loss, monitored_norm, gated_update=functools.partial(self.gated_update, grad_norm))
+            self.faults.maybe_crash(self.state.step, self.rank, before=self.ckpt.wait)
+            step, faults = self.state.step, self.faults
+            result = train_step(self.step_model, self.micro_batches(), step, self.check,
+                                corrupt_loss=functools.partial(faults.maybe_corrupt_loss, step=step, rank=self.rank),
+                                corrupt_grads=functools.partial(faults.maybe_corrupt_grads, step=step, rank=self.rank))
+            weighted_loss, aux, grad_norm = result.weighted_loss, result.weighted_aux, result.grad_norm
+            action = apply_decision(self, result.decision)
             if action == "stop":
                 status = "stopped_divergence"
                 break
             if action == "rolled_back":
                 continue
             step_range = [self.state.cursor, self.state.cursor + job.train.global_batch_size]
-            if action == "proceed":
-                # The clip is applied after the guard's host read, not before: a skipped step does not scale the
-                # gradients it drops. optim.ChunkedAdamW (train.adamw) scales inside its one launch; with torch's
-                # AdamW the scaling pass at least keeps the GPU busy while the host runs AdamW's Python prologue
-                # (the GPU waited 1.0-1.9 ms a step there in session 10's MoE host profile, BENCHMARKS.md).
-                if not self.guard.update_applied:
-                    clip_and_step(self.optimizer, self.model.parameters(), grad_norm, job.train.grad_clip)
-                if not self.router_bias_done:
-                    self.update_router_bias()
+            if result.updated:
                 self.state.consumed_ranges = merge_ranges(self.state.consumed_ranges + [step_range])
             else:  # skipped: the bad step never updates the weights
                 self.state.skipped_ranges = merge_ranges(self.state.skipped_ranges + [step_range])
-            self.optimizer.zero_grad(set_to_none=True)
             self.state.step += 1
             self.state.cursor += job.train.global_batch_size
             for group in self.optimizer.param_groups:
@@ -738,30 +646,6 @@ class Trainer:
                 self.save_checkpoint(background=self.async_saves)
             managed_gc.step(self.state.step)
         return status
-
-    def gated_update(self, grad_norm: torch.Tensor, gate: torch.Tensor) -> bool:
-        """The step's update launched before the guard's host read (StepGuard.check's gated_update), taking effect
-        only where the 0-d device `gate` is 1: the router's bias update always (every rank issues its collective
-        at the same point whatever its optimizer can do), then the clipped optimizer step, which only
-        optim.ChunkedAdamW's kernel can take gated. Returns whether the optimizer step was launched; if not, the
-        loop steps after the decision, as without a gate."""
-        self.update_router_bias(gate)
-        self.router_bias_done = True
-        return clip_and_step(self.optimizer, self.model.parameters(), grad_norm, self.job.train.grad_clip, gate)
-
-    def update_router_bias(self, gate: torch.Tensor | None = None) -> None:
-        """DeepSeek-V3 aux-loss-free balancing: one bias update per kept step from the expert loads of all ranks."""
-        update = getattr(self.model, "update_load_balance_bias", None)
-        if update is None:
-            return
-        if self.world_size > 1:
-            def all_ranks_sum(counts: torch.Tensor) -> torch.Tensor:
-                torch.distributed.all_reduce(counts)
-                return counts
-
-            update(all_ranks_sum, gate=gate)
-        else:
-            update(gate=gate)
 
     def maybe_mark_good(self) -> None:
         """A checkpoint is good once monitor.good_after_steps steps after it passed the monitors (DESIGN.md)."""
@@ -819,9 +703,11 @@ class Trainer:
             try:
                 fields["eval_loss_bf16"] = run()
             finally:
-                self.guard.apply_policy_precision()
+                apply_policy_precision(self)
             fields["eval_gap"] = (fields["eval_loss"] - fields["eval_loss_bf16"]) / abs(fields["eval_loss_bf16"])
-            self.guard.check_eval_gap(fields["eval_loss"], fields["eval_loss_bf16"])
+            apply_eval_gap_decision(self, self.guard.check_eval_gap(self.state.step, fields["eval_loss"],
+                                                                    fields["eval_loss_bf16"]),
+                                    fields["eval_loss"], fields["eval_loss_bf16"])
         return {**fields, "eval_s": round(time.time() - t0, 4), "eval_sequences": self.eval_sequences}
 
     def log_metrics(self, loss: torch.Tensor, aux: torch.Tensor, grad_norm: torch.Tensor, tokens_per_s: float,

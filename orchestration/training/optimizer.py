@@ -1,0 +1,49 @@
+"""The optimizer of the worker loop: AdamW (torch's, or optim.ChunkedAdamW's one-launch Triton step) and the LR
+schedule, a pure function of the global step."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from optim import ChunkedAdamW
+from orchestration.config import JobConfig
+
+
+def lr_at(step: int, job: JobConfig) -> float:
+    """Linear warmup then cosine to min_lr_ratio, a function of the global step only (continues across restarts)."""
+    t = job.train
+    if t.warmup_steps > 0 and step < t.warmup_steps:
+        return (step + 1) / t.warmup_steps
+    progress = min(1.0, (step - t.warmup_steps) / max(1, t.steps - t.warmup_steps))
+    return t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def adamw_kwargs(job: JobConfig, device: torch.device) -> dict[str, Any]:
+    """AdamW's settings. Fused on GPUs: one multi-tensor kernel per step for all parameters instead of torch's
+    default foreach chain (about a dozen launches, and their host time, where the MoE step's GPU already waits on
+    the host before the optimizer, BENCHMARKS.md session 10); torchtitan's default, and what benchmarks/train_step.py
+    times. CPU runs keep torch's default implementation. A resumed run takes the implementation its checkpoint was
+    saved with (torch restores a param group's settings with its state)."""
+    return {"lr": job.train.lr, "betas": (job.train.beta1, job.train.beta2), "weight_decay": job.train.weight_decay,
+            "fused": True if device.type == "cuda" else None}
+
+
+def adamw_implementation(job: JobConfig, device: torch.device) -> str:
+    """train.adamw resolved for this worker's device: "triton" (optim.ChunkedAdamW) or "torch"."""
+    nvidia = device.type == "cuda" and torch.version.hip is None
+    if job.train.adamw == "triton" and not nvidia:
+        raise ValueError(f"train.adamw=triton runs a Triton kernel on NVIDIA GPUs; this worker's device is "
+                         f"{'ROCm' if device.type == 'cuda' else device.type}: use train.adamw=auto or torch")
+    if job.train.adamw == "auto":
+        return "triton" if nvidia else "torch"
+    return job.train.adamw
+
+
+def make_optimizer(job: JobConfig, device: torch.device, params) -> torch.optim.Optimizer:
+    kwargs = adamw_kwargs(job, device)
+    if adamw_implementation(job, device) == "triton":
+        return ChunkedAdamW(params, **kwargs)
+    return torch.optim.AdamW(params, **kwargs)
