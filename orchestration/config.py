@@ -163,8 +163,8 @@ class TrainConfig:
     # generation collection every N steps on all ranks at once; 0 = Python's automatic GC.
     gc_every_steps: int = 50
     # The AdamW step: "triton" = optim.ChunkedAdamW (one Triton launch per step over every parameter, the gradient clip
-    # folded in: 2.6x torch's fused AdamW + clip pass for bf16 weights and 1.56x for fp32 on the H200, BENCHMARKS.md
-    # session 15), "torch" = torch.optim.AdamW (fused on GPUs), "auto" = triton on NVIDIA GPUs, torch elsewhere
+    # folded in: 2.6x torch's fused AdamW + clip pass for bf16 weights and 1.56x for fp32 on the H200, BENCHMARKS.md),
+    # "torch" = torch.optim.AdamW (fused on GPUs), "auto" = triton on NVIDIA GPUs, torch elsewhere
     # (ROCm: unverified, so torch). Same state dict either way: a checkpoint resumes under the other.
     adamw: str = "auto"
 
@@ -180,7 +180,7 @@ class CheckpointConfig:
     report_to_ray: bool = True
     # Periodic saves in the background: copy the state to pinned host memory (~1 s for 27 GB on the H200 host), then
     # write, hash and finalize in a thread while training goes on (a synchronous save of that state took 25 s,
-    # BENCHMARKS.md session 13). Costs host RAM equal to the rank's checkpoint shard, kept between saves.
+    # BENCHMARKS.md). Costs host RAM equal to the rank's checkpoint shard, kept between saves.
     # auto = always with cluster.device=cuda, else never; always; never. The step-0, post-rollback and final saves are always synchronous.
     async_save: str = "auto"
 

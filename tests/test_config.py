@@ -318,7 +318,7 @@ def test_a_resume_without_train_lr_keeps_the_saved_runs_lr(tmp_path):
 
     run = RunDir(tmp_path / "exp")
     saved = to_dict(job())
-    saved["train"]["lr"] = 0.003  # as every run saved before session 12 recorded it
+    saved["train"]["lr"] = 0.003  # a config.yaml that records the lr but not its source
     del saved["train"]["lr_source"]
     run.write_config(saved)
     (run.path / "checkpoints" / "step_000040").mkdir(parents=True)

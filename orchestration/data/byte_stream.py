@@ -36,7 +36,7 @@ def collect_text_files(source: Path, glob: str, max_files: int | None) -> list[P
 
 
 # How a sample index maps to a window start. 1: starts in [0, len - seq_len - 2], which never used the corpus's last
-# byte (runs checkpointed before session 13 keep it, see orchestration/training/loop.py check_resumable); 2: starts in
+# byte (checkpoints that do not record their rule keep it, see orchestration/training/loop.py check_resumable); 2: starts in
 # [0, len - seq_len - 1], every byte reachable.
 WINDOW_RULES = (1, 2)
 WINDOW_RULE = 2

@@ -138,7 +138,7 @@ def agree_and_decide(monitor: StepMonitor, policy: DivergencePolicy, verdict_D: 
     evaluate()). It is launched
     before the host read and the read does not wait for it, so the GPU runs the optimizer while the host evaluates
     (without it the GPU idled from the read until the host had decided and launched the optimizer: ~1.4 ms a step
-    in session 17's MoE host profile). A gate that disagrees with the decision is a bug: RuntimeError.
+    in the MoE host profile, BENCHMARKS.md). A gate that disagrees with the decision is a bug: RuntimeError.
     """
     on_device = agree_on_device(verdict_D, group)
     gate = None

@@ -8,6 +8,7 @@ The guard also feeds the decision counters and metrics to W&B and Ray (rank 0).
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -19,6 +20,8 @@ from orchestration.config import JobConfig, MonitorConfig
 from orchestration.divergence.agreement import agree_and_decide
 from orchestration.divergence.monitor import Finding, StepMonitor
 from orchestration.divergence.policy import Decision, DivergencePolicy, Proceed
+
+log = logging.getLogger(__name__)
 
 
 def fp8_watch_units(model: torch.nn.Module) -> tuple[str, ...]:
@@ -129,7 +132,7 @@ class StepGuard:
 
                 self.ray_metrics = TrainingMetrics(tags)
             except Exception as exc:  # noqa: BLE001  # outside Ray (torchrun, tests) there is no metrics agent
-                print(f"[rank 0] Ray metrics disabled: {exc}", flush=True)
+                log.info("Ray metrics disabled: %s", exc)
         if job.logging.wandb and job.logging.wandb_mode != "disabled":
             from orchestration.config import to_dict
             from orchestration.observability.wandb_logger import WandbRun, tags_from_config
@@ -149,8 +152,7 @@ class StepGuard:
         try:
             getattr(self.wandb, method)(*args)
         except Exception as exc:  # noqa: BLE001 - any W&B failure: disable it, keep training
-            print(f"[rank 0] W&B logging disabled after an error in {method}: {type(exc).__name__}: {exc}",
-                  flush=True)
+            log.warning("W&B logging disabled after an error in %s: %s: %s", method, type(exc).__name__, exc)
             self.wandb = None
 
     def log_event(self, record: dict[str, Any]) -> None:

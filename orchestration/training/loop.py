@@ -409,7 +409,7 @@ class Trainer:
                              "samples; restore data.* or choose a new run_name (nothing was changed on disk)")
         saved_sampling = extra.get("data_sampling")  # absent in checkpoints older than this check
         # A run keeps the window rule it started with, on every resume: rule 1 where the checkpoint predates the
-        # rule's record (session 13), so a resume replays exactly the samples the run would have read.
+        # rule's record, so a resume replays exactly the samples the run would have read.
         from orchestration.data.byte_stream import WINDOW_RULES
 
         rule = (saved_sampling or {}).get("window_rule", 1)

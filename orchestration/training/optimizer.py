@@ -24,7 +24,7 @@ def lr_at(step: int, job: JobConfig) -> float:
 def adamw_kwargs(job: JobConfig, device: torch.device) -> dict[str, Any]:
     """AdamW's settings. Fused on GPUs: one multi-tensor kernel per step for all parameters instead of torch's
     default foreach chain (about a dozen launches, and their host time, where the MoE step's GPU already waits on
-    the host before the optimizer, BENCHMARKS.md session 10); torchtitan's default, and what benchmarks/train_step.py
+    the host before the optimizer, BENCHMARKS.md); torchtitan's default, and what benchmarks/train_step.py
     times. CPU runs keep torch's default implementation. A resumed run takes the implementation its checkpoint was
     saved with (torch restores a param group's settings with its state)."""
     return {"lr": job.train.lr, "betas": (job.train.beta1, job.train.beta2), "weight_decay": job.train.weight_decay,
