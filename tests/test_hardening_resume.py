@@ -157,3 +157,16 @@ def test_data_source_without_files_is_refused_before_ray_starts(tmp_path, isolat
     assert "data.source" in proc.stderr and str(empty) in proc.stderr, proc.stderr
     assert "Ray dashboard" not in proc.stdout
     assert not (tmp_path / "runs" / "nodata").exists()
+
+
+def test_fp8_fallback_counts_its_skipped_step(tmp_path, isolated_env):
+    """An FP8 overflow on the only rank at step 30: the fallback to BF16 drops that step's update, and the summary
+    and the final table count it (skipped_steps said 0 while skipped_ranges held the step's samples)."""
+    proc = torchrun(isolated_env, tmp_path, "train.steps=40", "faults=fp8_overflow", "faults.rank=0",
+                    "faults.step=30", "monitor.cooldown_steps=5")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((tmp_path / RUN / "summary.json").read_text())
+    assert summary["fallbacks"] == 1
+    assert summary["skipped_ranges"] == [[30 * 16, 31 * 16]], summary["skipped_ranges"]
+    assert summary["skipped_steps"] == 1
+    assert any(line.split() == ["skipped", "steps", "1"] for line in proc.stdout.splitlines()), proc.stdout[-2000:]
