@@ -1,6 +1,6 @@
 """FP8 training numerics: pure functions and modules, no distributed code, nothing of ours imported.
 
-Public API (docs/INTERFACES.md): convert_to_fp8, set_precision, precision_state, load_precision_state,
+Public API (docs/INTERFACES.md, "fp8/"): convert_to_fp8, set_precision, precision_state, load_precision_state,
 fp8_dtypes, recommended_recipe, RECIPES, fp8_health, Float8Linear. Hardware is probed lazily (fp8.backend).
 """
 
