@@ -56,7 +56,6 @@ clean:
 # comes from the wheels in .whl/ (make bench-wheels, here). One JSON per benchmark lands in benchmarks/results/.
 SUITE ?= all
 BENCH_PY ?= python3
-WHEEL_PLATFORMS := --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64
 
 .PHONY: bench-gpu bench-wheels
 
@@ -64,7 +63,5 @@ bench-gpu:
 	$(BENCH_PY) benchmarks/run_suite.py $(SUITE) $(BENCH_ARGS)
 
 bench-wheels: $(STAMP)
-	mkdir -p .whl
-	$(BIN)/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-		$(WHEEL_PLATFORMS) -d .whl torchao==0.18.0 hydra-core==1.3.8 omegaconf==2.3.1
-	$(BIN)/python -m pip wheel -q --no-deps -w .whl antlr4-python3-runtime==4.9.3
+	PACKAGES="torchao==0.18.0 hydra-core==1.3.8 omegaconf==2.3.1" PIP="$(BIN)/python -m pip" \
+		bash deploy/offline_wheels.sh download .whl

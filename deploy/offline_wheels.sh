@@ -13,12 +13,14 @@
 #   deploy/offline_wheels.sh stage DIR STAGE        # copy what DIR holds into STAGE (e.g. /tmp) so a later copy
 #                                                   # can bring the remaining parts
 #
-# W&B is left out (20 MB): run with logging.wandb=false on such machines, or add it to EXTRA.
+# W&B is left out (20 MB): run with logging.wandb=false on such machines. PACKAGES="name==version ..." replaces the
+# list below (make bench-wheels: what the GPU benchmarks need); PIP names the pip to run (default python3 -m pip).
 set -euo pipefail
 
 # Packages the project needs beyond a CUDA PyTorch image (torch, triton, numpy, pyyaml, aiohttp, grpcio, pyarrow,
 # prometheus_client, tokenizers and matplotlib are there). Versions match pyproject.toml.
-REQUIREMENTS=("ray[default,train]==2.60.0" "hydra-core==1.3.8" "omegaconf==2.3.1")
+read -r -a REQUIREMENTS <<< "${PACKAGES:-ray[default,train]==2.60.0 hydra-core==1.3.8 omegaconf==2.3.1}"
+read -r -a PIP_CMD <<< "${PIP:-python3 -m pip}"
 # Already in the image: downloading them again would only pin different versions over the image's own.
 IN_IMAGE='^(aiohappyeyeballs|aiohttp|aiosignal|attrs|certifi|charset_normalizer|click|filelock|frozenlist|fsspec|grpcio|idna|msgpack|multidict|numpy|packaging|pandas|prometheus_client|propcache|protobuf|pyarrow|python_dateutil|pyyaml|requests|six|typing_extensions|urllib3|wrapt|yarl|py_spy)-'
 PLATFORMS=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64
@@ -29,9 +31,9 @@ download() {
     mkdir -p "$dir/parts"
     local all; all=$(mktemp -d)
     # hydra-core pins antlr4-python3-runtime 4.9.*, published only as an sdist: build its (pure Python) wheel here.
-    python3 -m pip wheel -q --no-deps -w "$all" "antlr4-python3-runtime==4.9.3"
-    python3 -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp "${PLATFORMS[@]}" \
-        --find-links "$all" -d "$all" "${REQUIREMENTS[@]}" ${EXTRA:-}
+    "${PIP_CMD[@]}" wheel -q --no-deps -w "$all" "antlr4-python3-runtime==4.9.3"
+    "${PIP_CMD[@]}" download -q --only-binary=:all: --python-version 3.12 --implementation cp "${PLATFORMS[@]}" \
+        --find-links "$all" -d "$all" "${REQUIREMENTS[@]}"
     local f name
     for f in "$all"/*.whl; do
         name=$(basename "$f")
@@ -74,5 +76,5 @@ case "${1:-}" in
     download) shift; download "$@" ;;
     stage) shift; stage "$@" ;;
     install) shift; install "$@" ;;
-    *) sed -n '2,16p' "$0"; exit 2 ;;
+    *) sed -n '2,17p' "$0"; exit 2 ;;
 esac
