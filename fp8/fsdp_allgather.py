@@ -198,10 +198,10 @@ def _match_gather_buffers(module: nn.Module, fp8_now: bool) -> None:
 
 
 def _eligible(module: nn.Module) -> bool:
-    from fp8.linear import Float8Linear
-
-    # Exactly Float8Linear: the LM head subclass runs its own fused kernels on the weight it is given.
-    return type(module) is Float8Linear and module.recipe.granularity == "tensorwise"
+    # Float8Linear declares itself eligible (its LM head subclass does not: it runs its own fused kernels on the
+    # weight); asked of the class so this module needs no import of fp8.linear, which imports it.
+    return (getattr(type(module), "fsdp_fp8_all_gather_eligible", False)
+            and module.recipe.granularity == "tensorwise")
 
 
 def _unwrap_state_dict(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:

@@ -157,6 +157,9 @@ class Float8Linear(nn.Linear):
     (also on CPU, where torch implements it: used to test that both paths agree).
     """
 
+    # fp8.fsdp_allgather wraps the weight of a layer that says so (it cannot import this module: this one imports it).
+    fsdp_fp8_all_gather_eligible = True
+
     def __init__(self, in_features, out_features, bias=True, device=None, dtype=None, recipe="tensorwise"):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.recipe: Recipe = get_recipe(recipe)

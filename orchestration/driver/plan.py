@@ -16,7 +16,7 @@ GIB = 1024**3
 def build_job_plan(job: JobConfig) -> dict[str, Any]:
     from models.planning import plan_model
     from models.registry import resolve_flavor
-    from orchestration.driver.ray_job import ray_plan, resolve_run_root
+    from orchestration.driver.ray_job import checkpoint_bytes, ray_plan, resolve_run_root
 
     c = job.cluster
     flavor = resolve_flavor(job.model.name, dict(job.model.overrides))
@@ -131,17 +131,6 @@ def print_scaling(scaling_plan_: dict[str, Any]) -> None:
             cells.append(f"{r['step_s']:7.3f} {r['tokens_per_s_per_gpu']:10,.0f} {r['mfu']:5.2f} "
                          f"{r['scaling_efficiency']:8.2f}")
         print(f"{row['world_size']:4d}  " + "  ".join(f"{c:>34s}" for c in cells))
-
-
-def checkpoint_bytes(job: JobConfig) -> int:
-    """Bytes of one checkpoint of this job: fp32 weights and AdamW's two fp32 moments, 12 bytes a parameter, plus 6%
-    for DCP's metadata and the RNG states (debug_dense: 5.22 MB of tensors, 5.54 MB on disk)."""
-    from models.planning import plan_model
-    from models.registry import resolve_flavor
-
-    flavor = resolve_flavor(job.model.name, dict(job.model.overrides))
-    params = plan_model(flavor, world_size=1, seq_len=job.data.seq_len, micro_batch=1).total_params
-    return int(12 * params * 1.06)
 
 
 def _suggestion(job: JobConfig) -> str:
