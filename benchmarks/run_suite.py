@@ -105,17 +105,18 @@ SUITES: dict[str, tuple[Benchmark, ...]] = {
                   optional=("torchao",), timeout_s=270),
         Benchmark("train_step_dense", "train_step.py",
                   ("--configs", "dense", "--only",
-                   "bf16+tadam,ours:tensorwise+head+tadam,ours:rowwise+tadam,torchao:tensorwise+head+tadam",
+                   "bf16,ours:tensorwise,ours_head:tensorwise,torchao_head:tensorwise,ours:rowwise",
                    "--steps", "8", "--warmup", "3", "--budget-s", "240"), "train_step.json",
                   requires=CONFIG_MODULES, optional=("torchao",), timeout_s=320),
     ),
-    # ours_nomon: the same step without the divergence check (BENCHMARKS.md, monitor overhead).
+    # ours_nocheck: ours without the divergence check (BENCHMARKS.md, monitor overhead); variants in priority order.
     "moe": (
         Benchmark("moe_grouped", "moe_grouped.py", ("--cases", "bf16_compiled", "ours_compiled", "torchao_compiled",
                                                     "--budget-s", "150"), "moe_grouped.json",
                   optional=("torchao",), timeout_s=210),
         Benchmark("train_step_moe", "train_step.py",
-                  ("--configs", "moe", "--only", "bf16+tadam,ours:tensorwise+head+tadam,torchao:moe+tadam,ours_nomon:tensorwise+head+tadam",
+                  ("--configs", "moe", "--only",
+                   "bf16,ours:tensorwise,ours_head:tensorwise,torchao:moe,ours_nocheck:tensorwise",
                    "--steps", "12", "--warmup", "3", "--budget-s", "300"), "train_step.json",
                   requires=CONFIG_MODULES, optional=("torchao",), timeout_s=380),
     ),

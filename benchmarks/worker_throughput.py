@@ -75,7 +75,7 @@ def summarize_run(run_dir: Path, skip_steps: int) -> dict:
         "losses": [(m["step"], m["loss"]) for m in metrics],
         "checkpoint_seconds": [(e.get("checkpoint_step", e["step"]), e["seconds"]) for e in events
                                if e["event"] == "checkpoint_timing"],
-        # where each save's time went (state dicts, DCP write, hashing, finalize; since session 12's review)
+        # where each save's time went (state dicts, DCP write, hashing, finalize)
         "checkpoint_timing": [{k: v for k, v in e.items() if k not in ("time", "event")}
                               for e in events if e["event"] == "checkpoint_timing"],
         "events": [{k: v for k, v in e.items() if k != "time"} for e in events if e["event"] in interesting],

@@ -1,0 +1,85 @@
+"""benchmarks/train_step.py times the product's train_step: run it on CPU (FP8 emulated) at the debug size and check
+its first-step losses against train_step called directly on the same model and batch."""
+
+import json
+
+import pytest
+import torch
+
+from benchmarks import train_step as bench
+from orchestration.config import JobConfig, ModelConfig, MonitorConfig, PrecisionConfig, TrainConfig
+from orchestration.divergence.guard import StepGuard
+from orchestration.training.loop import build_training_model
+from orchestration.training.optimizer import make_optimizer
+from orchestration.training.step import MicroBatch, StepModel, train_step
+from orchestration.validation import validate
+
+BATCH, SEQ = 2, 32  # the benchmark's "debug" config
+VARIANTS = ("bf16", "ours:tensorwise", "ours_head:tensorwise", "ours_nocheck:tensorwise", "torchao:tensorwise",
+            "torchao_head:tensorwise")
+
+
+def reference_first_loss(precision: str, recipe: str = "auto") -> float:
+    """Step 0's loss from the product's own pieces: the worker's model build, optimizer, guard and train_step, on
+    the benchmark's first batch (uniform tokens from a CPU generator seeded 0)."""
+    job = JobConfig(model=ModelConfig(name="debug_dense"), precision=PrecisionConfig(name=precision, recipe=recipe),
+                    train=TrainConfig(global_batch_size=BATCH, micro_batch_size=BATCH, sharding="none"),
+                    monitor=MonitorConfig())
+    job.data.seq_len = SEQ
+    validate(job)
+    device = torch.device("cpu")
+    torch.manual_seed(job.train.seed)
+    model, fp8_recipe = build_training_model(job, 1, device)
+    optimizer = make_optimizer(job, device, model.parameters())
+    sm = StepModel(model, optimizer, device, torch.bfloat16, False, False, 1, "none", job.train.grad_clip)
+    guard = StepGuard(job.monitor, model, fp8_run=fp8_recipe is not None)
+    tokens = torch.randint(0, model.args.vocab_size, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(0))
+    batch = [MicroBatch(tokens[:, :-1], tokens[:, 1:], 1.0, 1.0)]
+    result = train_step(sm, batch, 0, lambda loss, norm, gated: guard.check(model, 0, loss, norm, gated))
+    assert result.updated
+    return float(result.loss)
+
+
+def test_benchmark_times_the_product_step_on_cpu(tmp_path):
+    result = bench.main(["--configs", "debug", "--device", "cpu", "--steps", "2", "--warmup", "1",
+                         "--only", ",".join(VARIANTS), "--out", str(tmp_path)])
+    saved = json.loads((tmp_path / "train_step.json").read_text())
+    assert saved["configs"][0]["rows"] == json.loads(json.dumps(result["configs"][0]["rows"]))
+    rows = {r["variant"]: r for r in saved["configs"][0]["rows"]}
+    assert tuple(rows) == VARIANTS
+    try:
+        import torchao  # noqa: F401
+        have_torchao = True
+    except ImportError:
+        have_torchao = False
+    for variant, row in rows.items():
+        if variant.startswith("torchao") and not have_torchao:
+            assert row["error"].startswith("skipped: torchao is not installed"), row
+            continue
+        assert "error" not in row, row
+        assert len(row["times_ms"]) == 2 and all(t > 0 for t in row["times_ms"]), row
+        assert row["ms"] > 0 and row["tokens_per_s"] == pytest.approx(BATCH * SEQ / (row["ms"] / 1e3))
+        assert len(row["losses"]) == 3 and row["updates_applied"] == 3 and row["decisions"] == ["proceed"], row
+    assert rows["bf16"]["divergence_check"] and rows["ours:tensorwise"]["divergence_check"]
+    assert not rows["ours_nocheck:tensorwise"]["divergence_check"]
+    assert rows["bf16"]["speedup_vs_bf16"] == 1.0
+
+    bf16_ref = reference_first_loss("bf16")
+    fp8_ref = reference_first_loss("fp8", "tensorwise")
+    assert rows["bf16"]["losses"][0] == bf16_ref
+    assert rows["ours:tensorwise"]["losses"][0] == fp8_ref
+    # The check only decides (every step proceeds here): without it the same losses, step for step.
+    assert rows["ours_nocheck:tensorwise"]["losses"] == rows["ours:tensorwise"]["losses"]
+    # Emulated FP8 is not bf16 (the rows are not the same computation), and the FP8 head changes the loss further.
+    assert fp8_ref != bf16_ref and abs(fp8_ref - bf16_ref) / bf16_ref < 1e-2
+    assert rows["ours_head:tensorwise"]["losses"][0] != fp8_ref
+
+
+def test_bad_variant_fails_before_building_anything(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        bench.main(["--configs", "debug", "--device", "cpu", "--only", "ours+tadam", "--out", str(tmp_path)])
+    with pytest.raises(ValueError, match="recipe 'blockwise' is not one of"):
+        bench.Variant.parse("ours:blockwise")
+    with pytest.raises(ValueError, match="bf16 takes no recipe"):
+        bench.Variant.parse("bf16:tensorwise")
+    assert not (tmp_path / "train_step.json").exists()
