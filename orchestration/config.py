@@ -379,6 +379,21 @@ class JobConfig:
     dry_run: bool = False
 
 
+# Hydra composes conf/config.yaml onto this schema (its defaults list starts with `base_job`), so `launch.py --cfg job`
+# shows the typed config and a wrong type or an unknown key fails in Hydra, naming the key. Registered on import:
+# every entry point that composes (launch.py, orchestration/driver/torchrun.py, tests) imports this module first.
+BASE_JOB_SCHEMA = "base_job"
+
+
+def register_job_schema() -> None:
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name=BASE_JOB_SCHEMA, node=JobConfig)
+
+
+register_job_schema()
+
+
 def to_dict(job: JobConfig) -> dict[str, Any]:
     return dataclasses.asdict(job)
 

@@ -31,7 +31,10 @@ def load_job_config(cfg: DictConfig | dict) -> JobConfig:
     """Merge a composed config onto the schema (unknown keys and wrong types fail) and validate values."""
     schema = OmegaConf.structured(JobConfig)
     try:
-        merged = OmegaConf.merge(schema, cfg)
+        # As plain data: Hydra adds `+group.key=...` to its composed (schema-typed) config under open_dict, so
+        # merging that config as it is would carry an unknown key through; merged as plain data it fails here.
+        plain = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else cfg
+        merged = OmegaConf.merge(schema, plain)
         job = OmegaConf.to_object(merged)
     except OmegaConfBaseException as exc:
         key = getattr(exc, "full_key", None) or "?"
