@@ -10,14 +10,76 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, field
+from enum import Enum, StrEnum
 from pathlib import Path
 from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
-PRECISIONS = ("bf16", "fp8")
-RECIPES = ("auto", "tensorwise", "rowwise", "rowwise_gw_hp")
-DEVICES = ("cpu", "cuda", "rocm", "auto")
+
+# Choice fields are StrEnums: OmegaConf refuses any other value naming the key and the allowed ones, and a member
+# still equals, hashes and formats as its string ("fp8"), so code and saved configs compare it with plain strings.
+class Precision(StrEnum):
+    bf16 = "bf16"
+    fp8 = "fp8"
+
+
+class Recipe(StrEnum):
+    auto = "auto"
+    tensorwise = "tensorwise"
+    rowwise = "rowwise"
+    rowwise_gw_hp = "rowwise_gw_hp"
+
+
+class Device(StrEnum):
+    cpu = "cpu"
+    cuda = "cuda"
+    rocm = "rocm"
+    auto = "auto"
+
+
+class Sharding(StrEnum):
+    fsdp = "fsdp"
+    none = "none"
+
+
+class AdamW(StrEnum):
+    auto = "auto"
+    triton = "triton"
+    torch = "torch"
+
+
+class AsyncSave(StrEnum):
+    auto = "auto"
+    always = "always"
+    never = "never"
+
+
+class WandbMode(StrEnum):
+    auto = "auto"
+    offline = "offline"
+    online = "online"
+    disabled = "disabled"
+
+
+class FallbackScope(StrEnum):
+    model = "model"
+    layers = "layers"
+
+
+class FaultKind(StrEnum):
+    none = "none"
+    nan_grad = "nan_grad"
+    loss_spike = "loss_spike"
+    fp8_overflow = "fp8_overflow"
+    fp8_scale_error = "fp8_scale_error"
+    kill_worker = "kill_worker"
+    crash = "crash"
+
+
+PRECISIONS = tuple(p.value for p in Precision)
+RECIPES = tuple(r.value for r in Recipe)
+DEVICES = tuple(d.value for d in Device)
 DTYPES = ("float32", "bfloat16")
 ENV_PRESET_NAMES = ("none", "nccl_h100", "nccl_h200", "rccl_mi300x", "rccl_mi350x")
 # Which torch build each preset is for (orchestration/driver/env_presets.py holds their variables); None fits every
@@ -56,10 +118,10 @@ class ModelConfig:
 
 @dataclass
 class PrecisionConfig:
-    name: str = "fp8"  # bf16 | fp8
+    name: Precision = Precision.fp8
     # auto = the recommended recipe for the device (fp8.recommended_recipe): tensorwise on NVIDIA (the fastest
     # measured: 1.38x bf16 for the dense step on the H200, rowwise 1.20x), rowwise_gw_hp on ROCm; ignored for bf16.
-    recipe: str = "auto"
+    recipe: Recipe = Recipe.auto
     # Convert the LM output head to FP8 too (fp8.convert.make_module_filter), its loss fused into it under the
     # tensorwise recipe (fp8/head.py). Off by default, as in torchtitan: it is the fastest measured setting (the
     # largest GEMM of a dense step), but it changes the logits' numerics, so a quality check must decide it first.
@@ -88,7 +150,7 @@ class ClusterConfig:
     address: str | None = None  # None: embedded local cluster; "auto" or "ray://host:10001" joins one
     min_workers: int = 2
     max_workers: int = 2
-    device: str = "cpu"  # cpu | cuda | rocm | auto
+    device: Device = Device.cpu
     cpus_per_worker: float = 1.0
     gpus_per_worker: float = 0.0
     memory_per_worker_gb: float = 8.0  # accelerator (or host) memory per worker, for the dry-run fits check
@@ -158,7 +220,7 @@ class TrainConfig:
     eval_every: int = 50
     seed: int = 0
     # FSDP2 sharding when world_size > 1 ("fsdp") or plain DDP-style gradient all-reduce ("none").
-    sharding: str = "fsdp"
+    sharding: Sharding = Sharding.fsdp
     # Python GC on a schedule (orchestration/training/gc_policy.py): automatic collection off while training, a young-
     # generation collection every N steps on all ranks at once; 0 = Python's automatic GC.
     gc_every_steps: int = 50
@@ -166,7 +228,7 @@ class TrainConfig:
     # folded in: 2.6x torch's fused AdamW + clip pass for bf16 weights and 1.56x for fp32 on the H200, BENCHMARKS.md),
     # "torch" = torch.optim.AdamW (fused on GPUs), "auto" = triton on NVIDIA GPUs, torch elsewhere
     # (ROCm: unverified, so torch). Same state dict either way: a checkpoint resumes under the other.
-    adamw: str = "auto"
+    adamw: AdamW = AdamW.auto
 
 
 @dataclass
@@ -182,14 +244,14 @@ class CheckpointConfig:
     # write, hash and finalize in a thread while training goes on (a synchronous save of that state took 25 s,
     # BENCHMARKS.md). Costs host RAM equal to the rank's checkpoint shard, kept between saves.
     # auto = always with cluster.device=cuda, else never; always; never. The step-0, post-rollback and final saves are always synchronous.
-    async_save: str = "auto"
+    async_save: AsyncSave = AsyncSave.auto
 
 
 @dataclass
 class LoggingConfig:
     wandb: bool = True
     # auto: online when WANDB_API_KEY is set, else offline; WANDB_MODE in the environment overrides it.
-    wandb_mode: str = "auto"
+    wandb_mode: WandbMode = WandbMode.auto
     project: str = "elastic-fp8"
     group: str | None = None
     tags: list[str] = field(default_factory=list)
@@ -263,7 +325,7 @@ class MonitorConfig:
     """Window of the skip budget."""
 
     # --- policy: BF16 fallback -------------------------------------------------------------------------------------
-    fallback_scope: str = "model"
+    fallback_scope: FallbackScope = FallbackScope.model
     """'model': fall back to BF16 for the whole model; 'layers': only the offending FP8 layers when the evidence
     names them (a non-finite loss or a spike is never attributable, it falls back the whole model)."""
     cooldown_steps: int = 100
@@ -312,7 +374,7 @@ class MonitorConfig:
 
 
 # Fault injection (orchestration/training/faults.py reads these).
-FAULT_KINDS = ("none", "nan_grad", "loss_spike", "fp8_overflow", "fp8_scale_error", "kill_worker", "crash")
+FAULT_KINDS = tuple(k.value for k in FaultKind)
 PROCESS_FAULTS = ("kill_worker", "crash")
 DEFAULT_MAGNITUDE = {"loss_spike": 100.0, "fp8_overflow": 1e6, "fp8_scale_error": 1.0}
 
@@ -321,7 +383,7 @@ DEFAULT_MAGNITUDE = {"loss_spike": 100.0, "fp8_overflow": 1e6, "fp8_scale_error"
 class FaultConfig:
     """Which fault to inject, where and when (conf/faults)."""
 
-    kind: str = "none"
+    kind: FaultKind = FaultKind.none
     """none | nan_grad | loss_spike | fp8_overflow | kill_worker | crash.
     nan_grad: one gradient element of this rank's shard becomes NaN (after backward).
     loss_spike: the loss (and so every gradient) is multiplied by `magnitude`.
@@ -394,8 +456,13 @@ def register_job_schema() -> None:
 register_job_schema()
 
 
+def _plain_fields(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    return {key: value.value if isinstance(value, Enum) else value for key, value in pairs}
+
+
 def to_dict(job: JobConfig) -> dict[str, Any]:
-    return dataclasses.asdict(job)
+    """Plain data (Enums as their strings): what config.yaml, W&B and the workers get."""
+    return dataclasses.asdict(job, dict_factory=_plain_fields)
 
 
 SECRET_MARKERS = ("key", "token", "password", "secret")
