@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from models.loss import model_lm_loss
-from orchestration.training.loop import build_training_model
+from orchestration.training.model_setup import build_training_model
 from orchestration.validation import load_job_config
 
 

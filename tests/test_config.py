@@ -57,7 +57,7 @@ def test_compile_mode_reaches_every_block(monkeypatch, mode, expected):
     need a GPU, benchmarks/train_step.py's +cg variants run them on the H200)."""
     import torch
 
-    from orchestration.training.loop import build_training_model
+    from orchestration.training.model_setup import build_training_model
 
     seen = []
     original = torch.nn.Module.compile
@@ -79,7 +79,7 @@ def test_fp8_output_head_setting_reaches_the_conversion():
     import torch
 
     from fp8 import Float8Linear
-    from orchestration.training.loop import build_training_model
+    from orchestration.training.model_setup import build_training_model
 
     def fp8_layers(*overrides):
         job = compose_job("model=debug_dense", "model.compile=false", "cluster.min_workers=1",
@@ -170,7 +170,7 @@ def test_fp8_experts_setting_and_gpus_without_an_fp8_grouped_gemm():
     import fp8
     from fp8 import Float8Linear
     from fp8.backend import Fp8Backend
-    from orchestration.training.loop import build_training_model, require_fp8_grouped_gemm
+    from orchestration.training.model_setup import build_training_model, require_fp8_grouped_gemm
 
     def build(*overrides):
         job = compose_job("model=debug_moe", "model.compile=false", "cluster.min_workers=1", "cluster.max_workers=1",

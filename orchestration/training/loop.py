@@ -8,7 +8,6 @@ periodic checkpoints that are marked good once the monitors passed the steps aft
 
 from __future__ import annotations
 
-import copy
 import errno
 import functools
 import json
@@ -27,8 +26,7 @@ from fp8.linear import Float8Linear
 from optim import ChunkedAdamW
 from orchestration.checkpoint.directory import CheckpointError
 from orchestration.checkpoint.state import dcp_failure_summary
-from orchestration.config import JobConfig, redact_secrets, to_dict
-from orchestration.data.byte_stream import VOCAB_SIZE as BYTE_VOCAB_SIZE
+from orchestration.config import redact_secrets, to_dict
 from orchestration.data.select import build_datasets
 from orchestration.divergence.guard import StepGuard
 from orchestration.divergence.policy import Decision
@@ -41,17 +39,13 @@ from orchestration.observability.events import (
     RunDir,
     read_jsonl,
 )
-from orchestration.training.compile import compile_blocks, compile_enabled
+from orchestration.training.compile import compile_enabled
 from orchestration.training.decisions import apply_decision, apply_eval_gap_decision, apply_policy_precision
-from orchestration.training.distributed import (
-    broadcast_from_rank0_if_unsharded,
-    init_distributed,
-    init_weights_by_unit,
-    parallelize,
-)
+from orchestration.training.distributed import init_distributed
 from orchestration.training.elastic import BatchPlan, count_in_ranges, merge_ranges, plan_batch
 from orchestration.training.faults import FaultInjector
 from orchestration.training.gc_policy import ManagedGc
+from orchestration.training.model_setup import build_training_model
 from orchestration.training.optimizer import lr_at, make_optimizer
 from orchestration.training.step import MicroBatch, StepModel, compute_loss, train_step
 from orchestration.validation import check_preset_device, from_dict
@@ -112,103 +106,6 @@ class TrainState:
     def from_dict(cls, data: dict[str, Any]) -> TrainState:
         return cls(**{k: data[k] for k in ("step", "cursor", "consumed_ranges", "skipped_ranges", "precision",
                                             "lr_scale") if k in data})
-
-
-def build_training_model(job: JobConfig, world_size: int, device: torch.device,
-                         data_vocab_size: int = BYTE_VOCAB_SIZE):
-    """Model -> FP8 conversion -> FSDP2 -> materialize. Returns (model, fp8_recipe or None)."""
-    from models.registry import build_model
-
-    # Built on meta, converted and sharded there, then materialized and initialised on the device one unit at a
-    # time (init_weights_by_unit): no full copy on the host (a 70B model is 280 GB in fp32; even 4 layers of the
-    # 8B model took ~35 s to initialise on one CPU thread), the same weights at every world size.
-    model = build_model(job.model.name, device="meta", overrides=dict(job.model.overrides))
-    require_vocab_covers_data(model, job.model.name, data_vocab_size)
-    recipe = None
-    if job.precision.name == "fp8":
-        import fp8
-
-        recipe = job.precision.recipe if job.precision.recipe != "auto" else fp8.recommended_recipe(device)
-        module_filter = fp8.convert.make_module_filter(output_head=job.precision.fp8_output_head,
-                                                       experts=job.precision.fp8_experts)
-        fp8.convert_to_fp8(model, recipe, module_filter=module_filter)
-        if not fp8.precision_state(model)["modules"]:
-            # An "fp8" run with nothing in fp8 would fail later, at the first shadow check or RetryFP8.
-            raise ValueError(
-                f"precision=fp8 converts no layer of model {job.model.name}: none of its linears has both sizes a "
-                "multiple of 16 and no MoE experts run in FP8 (precision.fp8_experts); use precision=bf16")
-        if job.precision.fp8_output_head:
-            require_fp8_output_head(model, job.model.name)
-        require_fp8_grouped_gemm(model, fp8.get_backend(device))
-    template = copy.deepcopy(model)  # on meta: no memory
-    model = parallelize(model, world_size, job.train.sharding, job.precision.fsdp_param_dtype,
-                        job.precision.fsdp_reduce_dtype, job.model.activation_checkpointing,
-                        fp8_all_gather=fp8_all_gather_enabled(job, recipe))
-    init_weights_by_unit(model, template, job.train.seed, device)
-    broadcast_from_rank0_if_unsharded(model, world_size, job.train.sharding)
-    if device.type == "cuda":
-        # gpu_mem_peak_gib reports the training's peak, not the transient full-size unit of the initialisation
-        torch.cuda.reset_peak_memory_stats(device)
-    if compile_enabled(job, device):
-        compile_blocks(model, job.model.compile_mode)
-    return model, recipe
-
-
-def require_vocab_covers_data(model: torch.nn.Module, model_name: str, data_vocab_size: int) -> None:
-    """The data's token ids (0..data_vocab_size-1: bytes, or a prepared corpus's tokenizer) must be rows of the model's
-    vocabulary: a smaller vocabulary would fail at the first step (an index error in the embedding or the loss; on a
-    GPU the fused FP8 head's loss kernel does not check targets). The config check refuses it before Ray starts
-    (orchestration.data.select.fit_model_vocab); this one covers a worker started without it (torchrun, tests)."""
-    vocab = getattr(getattr(model, "args", None), "vocab_size", None)
-    if vocab is not None and vocab < data_vocab_size:
-        raise ValueError(f"model {model_name} has vocab_size={vocab}, below the {data_vocab_size} token ids of the "
-                         f"data; set model.overrides.vocab_size to at least {data_vocab_size}")
-
-
-def require_fp8_output_head(model: torch.nn.Module, model_name: str) -> None:
-    """precision.fp8_output_head=true must convert the head; a head left in bf16 would pass for an FP8 one silently
-    (the speed and the risk the user opted into would both be missing from the run)."""
-    import fp8
-
-    heads = fp8.convert.output_heads(model)
-    if not heads:
-        raise ValueError(f"precision.fp8_output_head=true but model {model_name} has no output head named 'output' "
-                         "or 'lm_head'; set precision.fp8_output_head=false")
-    for name, head in heads:
-        if not isinstance(head, Float8Linear):
-            padded_vocab = -(-head.out_features // 16) * 16
-            raise ValueError(  # noqa: TRY004 - a config value to change, not a wrong Python type
-                f"precision.fp8_output_head=true but model {model_name}'s head {name} ({head.in_features} -> "
-                f"{head.out_features}) cannot run in FP8: FP8 GEMMs need both sizes to be multiples of 16; pad the "
-                f"vocabulary (model.overrides.vocab_size={padded_vocab}) or the width, or set "
-                "precision.fp8_output_head=false")
-
-
-def require_fp8_grouped_gemm(model: torch.nn.Module, backend) -> None:
-    """FP8 experts on a GPU without torch._scaled_grouped_mm would run the emulated path: float32 grouped GEMMs,
-    slower than bf16 and far more memory. Refuse, naming the settings that keep the run FP8 elsewhere. (The CPU
-    emulates by design: correctness runs.)"""
-    import fp8
-
-    if backend.kind == "cpu" or backend.has_scaled_grouped_mm:
-        return
-    experts = [name for name, module in model.named_modules() if fp8.convert.is_fp8_grouped(module)]
-    if not experts:
-        return
-    where = ("gfx942 or gfx950 with a torch ROCm build that includes MSLK / FBGEMM GenAI" if backend.kind == "rocm"
-             else "sm90 (H100/H200)")
-    raise ValueError(
-        f"this GPU ({backend.kind} {backend.arch}) has no FP8 grouped GEMM in this torch build (torch."
-        f"_scaled_grouped_mm needs {where}), so the MoE experts ({experts[0]}, ...) cannot run in FP8: set "
-        "precision.fp8_experts=false (experts in bf16, the other layers in FP8) or precision=bf16")
-
-
-def fp8_all_gather_enabled(job: JobConfig, recipe: str | None) -> bool:
-    """precision.fp8_all_gather, where null means: on for the tensorwise recipe (the only one whose weights have one
-    scale, so the gathered fp8 bytes are the GEMM's operand). parallelize ignores it unless FSDP2 shards."""
-    if job.precision.fp8_all_gather is not None:
-        return job.precision.fp8_all_gather
-    return recipe == "tensorwise"
 
 
 class Trainer:
