@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from orchestration.observability import report
+from orchestration.observability import report, run_data
 
 
 def _write(run_dir: Path, config: dict, metrics: list[dict], events: list[dict], summary: dict | None = None):
@@ -87,11 +87,11 @@ def test_series_equal_metrics_jsonl(sweep):
 
 def test_segments_spans_and_effective_curve(sweep):
     s = report.run_series(report.load_run(sweep / "1_fp8"))
-    segs = report.segments(s.loss_steps, s.loss)
+    segs = run_data.segments(s.loss_steps, s.loss)
     assert [seg[0] for seg in segs] == [list(range(0, 21, 2)), [16, 18, 20, 22], [22, 24, 26, 28, 30]]
     # effective timeline: fp8 until the rollback's re-run from 16 replaced steps 16..20 with bf16
-    assert report.precision_spans(s.precision_steps, s.precision) == [(0, 16, "fp8"), (16, 30, "bf16")]
-    assert report.precision_spans([0, 2, 4, 6], ["fp8", "bf16", "bf16", "fp8"]) == [
+    assert run_data.precision_spans(s.precision_steps, s.precision) == [(0, 16, "fp8"), (16, 30, "bf16")]
+    assert run_data.precision_spans([0, 2, 4, 6], ["fp8", "bf16", "bf16", "fp8"]) == [
         (0, 2, "fp8"), (2, 6, "bf16"), (6, 6, "fp8")]
     curve = report.effective_curve(s.loss_steps, s.loss)
     assert list(curve) == list(range(0, 31, 2))

@@ -74,7 +74,7 @@ def test_dry_run_predicts_one_to_1024_gpus(model, fabric, curves):
 
 
 def test_plot_scaling_draws_every_precision(tmp_path):
-    from orchestration.observability.report import plot_scaling
+    from orchestration.observability.report_plots import plot_scaling
 
     w = dataclasses.replace(scaling.PUBLISHED_RUNS[0].workload, compute_s=1.0, fp8_compute_speedup=1.3)
     f = scaling.FABRICS["nvlink_ib400"]

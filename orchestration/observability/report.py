@@ -20,186 +20,27 @@ import math
 import statistics
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from orchestration.observability.events import CONFIG_FILE, EVENTS_FILE, METRICS_FILE, SUMMARY_FILE, read_jsonl
+from orchestration.observability.report_plots import (
+    plot_loss,
+    plot_precision_timeline,
+    plot_scaling,
+    plot_throughput,
+    plot_world_size,
+)
+from orchestration.observability.run_data import (
+    RunData,
+    RunSeries,
+    effective_curve,
+    expand_run_dirs,
+    is_run_dir,
+    load_run,
+    run_series,
+)
 
 PLOTS = ("loss.png", "throughput.png", "precision_timeline.png", "world_size.png")
-PRECISION_COLORS = {"fp8": "#2ca02c", "bf16": "#1f77b4"}
-OTHER_PRECISION_COLOR = "#bbbbbb"
-
-
-@dataclass
-class RunData:
-    """One run directory, read."""
-
-    path: Path
-    label: str
-    config: dict[str, Any]
-    metrics: list[dict[str, Any]]
-    events: list[dict[str, Any]]
-    summary: dict[str, Any]
-
-
-@dataclass
-class RunSeries:
-    """What the plots of one run show (x = optimizer step, in logging order; None where not logged)."""
-
-    label: str
-    loss_steps: list[int] = field(default_factory=list)
-    loss: list[float] = field(default_factory=list)
-    eval_steps: list[int] = field(default_factory=list)  # held-out evaluations (train.eval_every)
-    eval_loss: list[float] = field(default_factory=list)
-    throughput_steps: list[int] = field(default_factory=list)
-    tokens_per_s: list[float] = field(default_factory=list)
-    mfu_steps: list[int] = field(default_factory=list)
-    mfu: list[float] = field(default_factory=list)
-    world_size_steps: list[int] = field(default_factory=list)
-    world_size: list[int] = field(default_factory=list)
-    precision_steps: list[int] = field(default_factory=list)
-    precision: list[str] = field(default_factory=list)
-    fallback_steps: list[int] = field(default_factory=list)  # precision_changed to bf16
-    recovery_steps: list[int] = field(default_factory=list)  # precision_changed back to fp8
-    rollbacks: list[tuple[int, int]] = field(default_factory=list)  # (from_step it happened at, to_step)
-    restart_steps: list[int] = field(default_factory=list)  # resume events (failures and resizes)
-    worker_lost_steps: list[int] = field(default_factory=list)
-
-
-# ------------------------------------------------------------------------------------------------ reading
-
-
-def is_run_dir(path: Path) -> bool:
-    return (path / METRICS_FILE).exists() or (path / EVENTS_FILE).exists()
-
-
-def expand_run_dirs(paths: Sequence[Path]) -> list[Path]:
-    """Run directories named, or found one level below a named directory (a sweep); ValueError if none."""
-    found: list[Path] = []
-    for p in map(Path, paths):
-        if not p.is_dir():
-            raise ValueError(f"{p} is not a directory; pass run directories (with metrics.jsonl/events.jsonl)")
-        if is_run_dir(p):
-            found.append(p)
-            continue
-        children = sorted(c for c in p.iterdir() if c.is_dir() and is_run_dir(c))
-        if not children:
-            raise ValueError(f"{p} has no {METRICS_FILE} or {EVENTS_FILE}, nor run directories below it")
-        found.extend(children)
-    return found
-
-
-def _is_primary(event: dict[str, Any]) -> bool:
-    # Agreed decisions are written by every rank, each copy tagged with its writer's worker_rank: keep rank 0's
-    # copy (records without worker_rank have one writer). "rank" is something else: the rank that detected.
-    return event.get("worker_rank", 0) in (0, None)
-
-
-def load_run(path: Path, label: str | None = None) -> RunData:
-    path = Path(path)
-    if not is_run_dir(path):
-        raise ValueError(f"{path} is not a run directory (no {METRICS_FILE} or {EVENTS_FILE})")
-    config: dict[str, Any] = {}
-    if (path / CONFIG_FILE).exists():
-        loaded = yaml.safe_load((path / CONFIG_FILE).read_text())
-        config = loaded if isinstance(loaded, dict) else {}
-    summary: dict[str, Any] = {}
-    if (path / SUMMARY_FILE).exists():
-        try:
-            summary = json.loads((path / SUMMARY_FILE).read_text())
-        except json.JSONDecodeError:
-            summary = {}
-    return RunData(path=path, label=label or path.name, config=config, metrics=read_jsonl(path / METRICS_FILE),
-                   events=read_jsonl(path / EVENTS_FILE), summary=summary)
-
-
-def _num(value: Any) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    return float(value)
-
-
-def run_series(run: RunData) -> RunSeries:
-    """The data every plot of this run draws, straight from metrics.jsonl and events.jsonl (pure)."""
-    s = RunSeries(label=run.label)
-    for m in run.metrics:
-        step = m.get("step")
-        if step is None:
-            continue
-        if _num(m.get("loss")) is not None:
-            s.loss_steps.append(step)
-            s.loss.append(m["loss"])
-        if _num(m.get("eval_loss")) is not None:
-            s.eval_steps.append(step)
-            s.eval_loss.append(m["eval_loss"])
-        if _num(m.get("tokens_per_s")) is not None:
-            s.throughput_steps.append(step)
-            s.tokens_per_s.append(m["tokens_per_s"])
-        if _num(m.get("mfu")) is not None:
-            s.mfu_steps.append(step)
-            s.mfu.append(m["mfu"])
-        if _num(m.get("world_size")) is not None:
-            s.world_size_steps.append(step)
-            s.world_size.append(m["world_size"])
-        if m.get("precision") is not None:
-            s.precision_steps.append(step)
-            s.precision.append(str(m["precision"]))
-    for e in run.events:
-        name, step = e.get("event"), e.get("step")
-        if step is None or not _is_primary(e):
-            continue
-        if name == "precision_changed" and str(e.get("to")).lower() == "bf16":
-            s.fallback_steps.append(step)
-        elif name == "precision_changed" and str(e.get("to")).lower() == "fp8":
-            s.recovery_steps.append(step)
-        elif name == "rollback":
-            # the worker writes it after restoring (step = to_step) with from_step = where it happened
-            s.rollbacks.append((e.get("from_step", step), e.get("to_step")))
-        elif name == "resume":
-            s.restart_steps.append(step)
-        elif name == "worker_lost":
-            s.worker_lost_steps.append(step)
-    return s
-
-
-def segments(steps: Sequence[int], values: Sequence[Any]) -> list[tuple[list[int], list[Any]]]:
-    """Split a logged series where the step goes back (a rollback or a restart from an older checkpoint)."""
-    out: list[tuple[list[int], list[Any]]] = []
-    for step, value in zip(steps, values):
-        if not out or step <= out[-1][0][-1]:
-            out.append(([], []))
-        out[-1][0].append(step)
-        out[-1][1].append(value)
-    return out
-
-
-def effective_curve(steps: Sequence[int], values: Sequence[Any]) -> dict[int, Any]:
-    """step -> the value logged last for it (what the run finally trained on), sorted by step."""
-    last: dict[int, Any] = {}
-    for step, value in zip(steps, values):
-        last[step] = value
-    return dict(sorted(last.items()))
-
-
-def precision_spans(steps: Sequence[int], precision: Sequence[str]) -> list[tuple[int, int, str]]:
-    """(start step, end step, precision) of the effective precision timeline (pure).
-
-    Uses the effective curve (after a rollback the re-run steps count, the abandoned ones do not); each logged
-    precision holds until the next logged step, so spans touch without gaps.
-    """
-    curve = effective_curve(steps, precision)
-    points = list(curve.items())
-    spans: list[tuple[int, int, str]] = []
-    for i, (step, prec) in enumerate(points):
-        end = points[i + 1][0] if i + 1 < len(points) else step
-        if spans and spans[-1][2] == prec:
-            spans[-1] = (spans[-1][0], end, prec)
-        else:
-            spans.append((step, end, prec))
-    return spans
 
 
 # ------------------------------------------------------------------------------------------------ numbers
@@ -265,165 +106,6 @@ def comparison_lines(runs: list[RunData], series: list[RunSeries], stats: list[d
         if parts:
             lines.append(f"{s.label} vs {base.label}: " + "; ".join(parts))
     return lines
-
-
-# ------------------------------------------------------------------------------------------------ plots
-
-
-def _figure(nrows: int = 1, height: float = 4.0):
-    from matplotlib.figure import Figure  # Figure objects need no pyplot and no GUI backend (Agg canvas)
-
-    fig = Figure(figsize=(9, height * nrows), layout="constrained")
-    axes = fig.subplots(nrows, 1, squeeze=False)[:, 0]
-    return fig, axes
-
-
-def _color(i: int) -> str:
-    return f"C{i % 10}"
-
-
-def _mark_events(ax, s: RunSeries, color: str) -> None:
-    for step in s.fallback_steps:
-        ax.axvline(step, color=color, linestyle="--", linewidth=1, alpha=0.8)
-    for step, _ in s.rollbacks:
-        ax.axvline(step, color=color, linestyle=":", linewidth=1.5, alpha=0.9)
-
-
-def plot_loss(series: list[RunSeries], path: Path):
-    fig, (ax,) = _figure()
-    for i, s in enumerate(series):
-        for j, (x, y) in enumerate(segments(s.loss_steps, s.loss)):
-            ax.plot(x, y, color=_color(i), linewidth=1.2, label=s.label if j == 0 else None, gid=f"data:{s.label}")
-        for j, (x, y) in enumerate(segments(s.eval_steps, s.eval_loss)):
-            ax.plot(x, y, color=_color(i), linewidth=1.2, linestyle="--", marker="o", markersize=3,
-                    label=f"{s.label} (held-out eval)" if j == 0 else None, gid=f"eval:{s.label}")
-        _mark_events(ax, s, _color(i))
-    finite = sorted(v for s in series for v in s.loss if math.isfinite(v) and v > 0)
-    if finite and finite[-1] > 4 * finite[len(finite) // 2]:
-        ax.set_yscale("log")  # a spike (the thing to look at) would flatten the rest of the curve
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss")
-    ax.set_title("Training loss, held-out eval loss (o--) (vertical dashed: FP8->BF16 fallback, dotted: rollback)")
-    ax.grid(alpha=0.3)
-    if series:
-        ax.legend()
-    fig.savefig(path, dpi=100)
-    return fig
-
-
-def plot_throughput(series: list[RunSeries], path: Path):
-    with_mfu = any(s.mfu for s in series)
-    fig, axes = _figure(2 if with_mfu else 1, height=3.5)
-    for i, s in enumerate(series):
-        for j, (x, y) in enumerate(segments(s.throughput_steps, s.tokens_per_s)):
-            axes[0].plot(x, y, color=_color(i), linewidth=1.2, label=s.label if j == 0 else None,
-                         gid=f"data:{s.label}")
-        _mark_events(axes[0], s, _color(i))
-        if with_mfu:
-            for j, (x, y) in enumerate(segments(s.mfu_steps, s.mfu)):
-                axes[1].plot(x, [100 * v for v in y], color=_color(i), linewidth=1.2,
-                             label=s.label if j == 0 else None, gid=f"data:{s.label}")
-    axes[0].set_ylabel("tokens/s (all workers)")
-    axes[0].set_title("Throughput")
-    if with_mfu:
-        axes[1].set_ylabel("MFU (%)")
-    axes[-1].set_xlabel("step")
-    for ax in axes:
-        ax.grid(alpha=0.3)
-        if series:
-            ax.legend()
-    fig.savefig(path, dpi=100)
-    return fig
-
-
-def plot_scaling(scaling: dict[str, Any], path: Path):
-    """Predicted tokens/s per GPU, MFU and scaling efficiency against GPUs, one line per precision: the "scaling"
-    section of a dry-run plan (cluster.fabric set; orchestration.driver.plan.scaling_plan)."""
-    fig, axes = _figure(3, height=3.0)
-    for i, (label, rows) in enumerate(scaling["curves"].items()):
-        gpus = [r["world_size"] for r in rows]
-        for ax, key, scale in ((axes[0], "tokens_per_s_per_gpu", 1.0), (axes[1], "mfu", 100.0),
-                               (axes[2], "scaling_efficiency", 100.0)):
-            ax.plot(gpus, [scale * r[key] for r in rows], marker="o", color=_color(i), label=label, gid=f"data:{label}")
-    axes[0].set_title(f"Predicted scaling on {scaling['fabric']} ({scaling['tokens_per_gpu']:,} tokens per GPU a step)")
-    for ax, ylabel in zip(axes, ("tokens/s per GPU", "MFU (% of bf16 peak)", "scaling efficiency (% of 1 GPU)")):
-        ax.set_xscale("log", base=2)
-        ax.set_ylabel(ylabel)
-        ax.grid(alpha=0.3)
-        ax.legend()
-    axes[-1].set_xlabel("GPUs")
-    fig.savefig(path, dpi=100)
-    return fig
-
-
-def read_plan(path: Path) -> dict[str, Any]:
-    """The plan JSON of a dry run: a file holding it, or the dry run's output (its line starting with "PLAN ")."""
-    text = path.read_text()
-    for line in text.splitlines():
-        if line.startswith("PLAN "):
-            return json.loads(line[len("PLAN "):])
-    return json.loads(text)
-
-
-def scaling_main(plan_path: Path, out: Path | None) -> int:
-    plan = read_plan(plan_path)
-    if not plan.get("scaling"):
-        print(f"error: {plan_path} has no scaling prediction: run the dry run with cluster.fabric=<preset>",
-              file=sys.stderr)
-        return 2
-    out = out or plan_path.resolve().parent
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "scaling.png"
-    plot_scaling(plan["scaling"], path)
-    print(f"plot: {path}")
-    return 0
-
-
-def plot_precision_timeline(series: list[RunSeries], path: Path):
-    fig, (ax,) = _figure(height=max(2.0, 0.8 * len(series) + 1.2))
-    for i, s in enumerate(series):
-        y = len(series) - 1 - i
-        for start, end, precision in precision_spans(s.precision_steps, s.precision):
-            ax.broken_barh([(start, max(end - start, 0.5))], (y - 0.3, 0.6),
-                           facecolors=PRECISION_COLORS.get(precision.lower(), OTHER_PRECISION_COLOR), alpha=0.8)
-        for step in s.fallback_steps:
-            ax.plot(step, y + 0.38, marker="v", color="#d62728", markersize=9)
-        for step in s.recovery_steps:
-            ax.plot(step, y + 0.38, marker="^", color="#2ca02c", markersize=9)
-        for step, to_step in s.rollbacks:
-            ax.annotate("", xy=(to_step if to_step is not None else step, y - 0.38), xytext=(step, y - 0.38),
-                        arrowprops={"arrowstyle": "->", "color": "#000000"})
-            ax.plot(step, y - 0.38, marker="|", color="#000000", markersize=10)
-        for step in s.restart_steps:
-            ax.plot(step, y, marker="o", color="#ff7f0e", markersize=5)
-    ax.set_yticks(range(len(series)), [s.label for s in reversed(series)])
-    ax.set_ylim(-0.7, len(series) - 0.3)
-    ax.set_xlabel("step")
-    ax.set_title("Precision (green fp8, blue bf16); red v fallback, green ^ back to fp8, "
-                 "arrow rollback, orange o restart", fontsize=9)
-    ax.grid(axis="x", alpha=0.3)
-    fig.savefig(path, dpi=100)
-    return fig
-
-
-def plot_world_size(series: list[RunSeries], path: Path):
-    fig, (ax,) = _figure(height=3.0)
-    for i, s in enumerate(series):
-        for j, (x, y) in enumerate(segments(s.world_size_steps, s.world_size)):
-            # later runs thinner, so a run hidden under another's equal world size still shows
-            ax.step(x, y, where="post", color=_color(i), linewidth=max(1.0, 3.5 - i), alpha=0.85,
-                    label=s.label if j == 0 else None, gid=f"data:{s.label}")
-        for step in s.worker_lost_steps:
-            ax.axvline(step, color=_color(i), linestyle="--", linewidth=1, alpha=0.8)
-    ax.set_xlabel("step")
-    ax.set_ylabel("workers")
-    ax.set_title("World size (dashed: worker lost)")
-    ax.yaxis.get_major_locator().set_params(integer=True)
-    ax.grid(alpha=0.3)
-    if series:
-        ax.legend()
-    fig.savefig(path, dpi=100)
-    return fig
 
 
 # ------------------------------------------------------------------------------------------------ summary text
@@ -502,6 +184,29 @@ def build_report(run_dirs: list[Path], out_dir: Path) -> Path:
     (out_dir / "report.md").write_text(render_markdown(stats, comparisons))
     (out_dir / "report.html").write_text(render_html(stats, comparisons))
     return out_dir / "report.md"
+
+
+def read_plan(path: Path) -> dict[str, Any]:
+    """The plan JSON of a dry run: a file holding it, or the dry run's output (its line starting with "PLAN ")."""
+    text = path.read_text()
+    for line in text.splitlines():
+        if line.startswith("PLAN "):
+            return json.loads(line[len("PLAN "):])
+    return json.loads(text)
+
+
+def scaling_main(plan_path: Path, out: Path | None) -> int:
+    plan = read_plan(plan_path)
+    if not plan.get("scaling"):
+        print(f"error: {plan_path} has no scaling prediction: run the dry run with cluster.fabric=<preset>",
+              file=sys.stderr)
+        return 2
+    out = out or plan_path.resolve().parent
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "scaling.png"
+    plot_scaling(plan["scaling"], path)
+    print(f"plot: {path}")
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
