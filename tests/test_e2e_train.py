@@ -71,7 +71,7 @@ def test_resume_same_run_name_repeats_no_step(tmp_path, isolated_env, no_ray_lef
     assert summary["final_step"] == 30 and summary["consumed_ranges"] == [[0, 30 * 16]]
 
     # One W&B run across both starts: the same id resumed, its offline history equal to metrics.jsonl.
-    from orchestration.observability.wandb_logger import offline_segments, read_offline_history
+    from orchestration.observability.wandb_offline import offline_segments, read_offline_history
 
     assert len(offline_segments(run_dir)) == 2
     metrics = {m["step"]: m for m in read_jsonl(run_dir / "metrics.jsonl")}

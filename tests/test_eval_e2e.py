@@ -98,7 +98,7 @@ def test_tokenized_run_evaluates_resumes_exactly_and_refuses_another_corpus(corp
     assert summary["consumed_ranges"] == [[0, 30 * GLOBAL_BATCH]] and summary["skipped_ranges"] == []
     assert "final eval loss" in second.stdout and " eval " in second.stdout  # summary table, progress line
 
-    from orchestration.observability.wandb_logger import read_offline_history
+    from orchestration.observability.wandb_offline import read_offline_history
 
     history = {row["step"]: row["eval_loss"] for row in read_offline_history(run_dir) if "eval_loss" in row}
     assert history == pytest.approx(evals, rel=1e-9)

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from orchestration.observability import wandb_logger as wl
+from orchestration.observability import wandb_offline
 
 CONFIG = {
     "model": {"name": "debug_moe", "overrides": {}},
@@ -156,7 +157,7 @@ def test_offline_run_logs_metrics_and_resumes_same_id(wandb_env):
         run.log_event(ev)
     run.finish({"status": "stopped_divergence", "final_loss": seg1[-1]["loss"], "fallbacks": 1})
 
-    got = wl.read_offline_run(run_dir)
+    got = wandb_offline.read_offline_run(run_dir)
     assert got.run_id == run_id and len(got.segments) == 1
     rows = [r for r in got.history if "loss" in r]
     assert [r["step"] for r in rows] == [m["step"] for m in seg1]
@@ -192,7 +193,7 @@ def test_offline_run_logs_metrics_and_resumes_same_id(wandb_env):
     run2.log_event({"time": 1e12, "event": "rollback", "step": 8, "to_step": 6, "skipped_samples": 4})
     run2.finish({"status": "completed", "final_loss": seg2[-1]["loss"]})
 
-    got2 = wl.read_offline_run(run_dir)
+    got2 = wandb_offline.read_offline_run(run_dir)
     assert got2.run_id == run_id and len(got2.segments) == 2
     assert got2.segments[0] == got.segments[0]  # the first segment is untouched
     rows = [r for r in got2.history if "loss" in r]
@@ -205,7 +206,7 @@ def test_offline_run_logs_metrics_and_resumes_same_id(wandb_env):
     assert [r["events/rollbacks"] for r in got2.history if "events/rollbacks" in r] == [2]
     assert got2.summary["events/rollbacks"] == 2 and got2.summary["events/fallbacks"] == 1
     assert got2.summary["final_loss"] == seg2[-1]["loss"]
-    assert wl.read_offline_history(run_dir) == got2.history
+    assert wandb_offline.read_offline_history(run_dir) == got2.history
     assert wl.sync_command(run_dir, run_id) == f"wandb sync --id {run_id} {run_dir}/wandb/offline-run-*-{run_id}"
 
     # nothing written to ~ (HOME is tmp_path/home here), no temp files left outside the run directory
@@ -224,7 +225,7 @@ def test_default_dirs_land_in_run_dir(tmp_path, monkeypatch):
     run.finish({})
     for var in ("WANDB_CACHE_DIR", "WANDB_DATA_DIR", "WANDB_CONFIG_DIR"):
         assert Path(os.environ[var]).is_relative_to(run_dir), var
-    assert [r["loss"] for r in wl.read_offline_history(run_dir) if "loss" in r] == [1.5]
+    assert [r["loss"] for r in wandb_offline.read_offline_history(run_dir) if "loss" in r] == [1.5]
     assert not (tmp_path / "home").exists() or list((tmp_path / "home").rglob("*")) == []
 
 
@@ -232,9 +233,9 @@ def test_reader_rejects_non_wandb_file(tmp_path):
     bad = tmp_path / "x.wandb"
     bad.write_bytes(b"not a log at all")
     with pytest.raises(ValueError, match="not a W&B transaction log"):
-        list(wl.iter_record_payloads(bad))
+        list(wandb_offline.iter_record_payloads(bad))
     with pytest.raises(ValueError, match="wandb_run_id"):
-        wl.read_offline_run(tmp_path)
+        wandb_offline.read_offline_run(tmp_path)
 
 
 KILLED_SEGMENT = r"""
@@ -286,7 +287,7 @@ def test_restart_after_kill_backfills_from_metrics_jsonl(wandb_env):
     run.finish({"status": "completed"})
 
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    rows = [r for r in wl.read_offline_history(run_dir) if "loss" in r]
+    rows = [r for r in wandb_offline.read_offline_history(run_dir) if "loss" in r]
     # every metrics.jsonl record exactly once, in order, whatever the killed segment had flushed
     assert [r["step"] for r in rows] == list(range(13)) == [m["step"] for m in metrics]
     assert [r["loss"] for r in rows] == [m["loss"] for m in metrics]
@@ -296,7 +297,7 @@ def test_restart_after_kill_backfills_from_metrics_jsonl(wandb_env):
 
 def test_wait_until_flushed_treats_a_torn_file_as_not_flushed(tmp_path):
     """A .wandb file shorter than its header (caught mid-write) is 'not flushed yet', not a crash at run end."""
-    from orchestration.observability.wandb_logger import wait_until_flushed
+    from orchestration.observability.wandb_offline import wait_until_flushed
 
     torn = tmp_path / "run.wandb"
     torn.write_bytes(b":W&")
