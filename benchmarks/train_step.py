@@ -52,7 +52,7 @@ from orchestration.config import JobConfig, ModelConfig, MonitorConfig, Precisio
 from orchestration.divergence.guard import StepGuard
 from orchestration.training.compile import compile_blocks, compile_enabled
 from orchestration.training.gc_policy import ManagedGc
-from orchestration.training.loop import build_training_model
+from orchestration.training.model_setup import build_training_model
 from orchestration.training.optimizer import make_optimizer
 from orchestration.training.step import MicroBatch, StepModel, StepResult, train_step
 from orchestration.validation import validate
