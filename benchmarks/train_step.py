@@ -3,7 +3,7 @@
     PYTHONUNBUFFERED=1 python3 benchmarks/train_step.py --out $OUT [--configs dense,moe] [--only VARIANTS]
         [--steps 10] [--warmup 4] [--budget-s S] [--eager] [--profile] [--device cuda|cpu]
 
-Each row builds the model, optimizer and divergence guard as the worker loop does (training/loop.py:
+Each row builds the model, optimizer and divergence guard as the worker loop does (training/model_setup.py:
 build_training_model, training/optimizer.make_optimizer, divergence.guard.StepGuard, all from a JobConfig) and
 times orchestration.training.step.train_step, the function the loop runs once per optimizer step: forward and
 backward, gradient norm, the divergence check, the clipped AdamW update, zero_grad. So the timings include what the
