@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import sys
 
 import hydra
@@ -19,6 +20,9 @@ from orchestration.validation import load_job_config
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> None:
+    # Our diagnostics at INFO and above on stderr (hydra's own job logging is off in conf/config.yaml); the progress
+    # line and the final table are printed to stdout.
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     try:
         job = load_job_config(cfg)
     except ConfigError as exc:

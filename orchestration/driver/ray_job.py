@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 import time
@@ -20,6 +21,8 @@ from orchestration.observability.events import (
     read_jsonl,
     summarize,
 )
+
+log = logging.getLogger(__name__)
 
 
 def default_run_name(job: JobConfig) -> str:
@@ -224,8 +227,8 @@ def check_start(job: JobConfig, run_name: str) -> None:
         # a resume of checkpoints with intact sizes and wrong digests, and named this way forward).
         sound = next((name for name, path in usable if checkpoint_sound(path)), None)
         if sound is None:
-            print(f"checkpoint.resume=false: run '{run_name}' starts over in {run_path}; its {len(listing)} damaged "
-                  "checkpoints stay as they are, never read and never counted by retention", flush=True)
+            log.warning("checkpoint.resume=false: run '%s' starts over in %s; its %d damaged checkpoints stay as they "
+                        "are, never read and never counted by retention", run_name, run_path, len(listing))
             return
         raise ConfigError(f"checkpoint.resume=false but run '{run_name}' already has checkpoints ({sound} "
                           f"the newest, in {checkpoints}): starting over would mix two runs in one directory; "
@@ -358,9 +361,9 @@ def check_disk_space(job: JobConfig, run_path: Path, checkpoint_bytes: int) -> N
                           f"({job.model.name}: fp32 weights and two AdamW moments): free space or point run_root "
                           "elsewhere")
     if free + held < wanted:
-        print(f"warning: {_gb(free)} free on {where}; each checkpoint needs {_gb(checkpoint_bytes)} and the run "
-              f"holds up to {job.checkpoint.keep_last + 1} of them (checkpoint.keep_last={job.checkpoint.keep_last} "
-              f"+ the one being written): a save will run out of space unless space is freed", flush=True)
+        log.warning(f"{_gb(free)} free on {where}; each checkpoint needs {_gb(checkpoint_bytes)} and the run holds "
+                    f"up to {job.checkpoint.keep_last + 1} of them (checkpoint.keep_last={job.checkpoint.keep_last} + "
+                    "the one being written): a save will run out of space unless space is freed")
 
 
 def _gb(n: float) -> str:
@@ -374,8 +377,8 @@ def keep_saved_lr(job: JobConfig, saved_config: dict) -> None:
     given now wins (lowering the lr of a struggling run is a legitimate resume)."""
     saved_lr = _lookup(saved_config, "train.lr")
     if job.train.lr_source == "model" and isinstance(saved_lr, (int, float)) and saved_lr != job.train.lr:
-        print(f"Resuming with the run's saved train.lr={saved_lr!r} (the model's default is {job.train.lr!r}; pass "
-              "train.lr=... to change it)")
+        log.warning("Resuming with the run's saved train.lr=%r (the model's default is %r; pass train.lr=... to "
+                    "change it)", saved_lr, job.train.lr)
         job.train.lr = float(saved_lr)
         job.train.lr_source = "config"
 
@@ -421,7 +424,7 @@ def close_run_dir(run_dir: RunDir, status: str, t_start: float) -> dict[str, Any
         run_dir.write_json(SUMMARY_FILE, summary)
     except OSError as exc:
         (run_dir.path / (SUMMARY_FILE + ".tmp")).unlink(missing_ok=True)
-        print(f"cannot write {SUMMARY_FILE} in {run_dir.path}: {exc}; the summary is printed below", flush=True)
+        log.error("cannot write %s in %s: %s; the summary is printed below", SUMMARY_FILE, run_dir.path, exc)
     return summary
 
 
@@ -469,7 +472,7 @@ def run_job(job: JobConfig) -> dict[str, Any]:
     # Ray reads RAY_AUTH_MODE when it is imported: the driver's settings reach the environment first.
     os.environ.update(driver_env(job))
     import ray
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
     from orchestration.training.loop import train_loop
@@ -494,7 +497,11 @@ def run_job(job: JobConfig) -> dict[str, Any]:
             torch_config=TorchConfig(backend=plan.backend),
             run_config=RunConfig(name=run_name, storage_path=plan.storage_path,
                                  failure_config=FailureConfig(max_failures=plan.max_failures),
-                                 checkpoint_config=CheckpointConfig(num_to_keep=2)),
+                                 checkpoint_config=CheckpointConfig(num_to_keep=2),
+                                 # Ray Train's INFO lines (a "Reporting training result" line per worker per report,
+                                 # state transitions) stay in its log files under the Ray session; the console shows
+                                 # our progress line and Ray Train's warnings and errors.
+                                 logging_config=LoggingConfig(log_level="WARNING")),
         )
         progress.start()
         interrupted = fit_until_done_or_stopped(trainer, run_dir)
@@ -503,12 +510,12 @@ def run_job(job: JobConfig) -> dict[str, Any]:
         if interrupted:
             status = "interrupted"
         elif status == "failed":
-            print(f"Training failed: {final_error(run_dir) or 'see the events in ' + str(run_dir.path)}", flush=True)
+            log.error("Training failed: %s", final_error(run_dir) or f"see the events in {run_dir.path}")
     except (KeyboardInterrupt, SystemExit):
         status = "interrupted"
     except Exception as exc:  # noqa: BLE001  # a failed fit (max_failures exhausted) still gets a summary
         status = "failed"
-        print(f"Training failed: {type(exc).__name__}: {exc}", flush=True)
+        log.error("Training failed: %s: %s", type(exc).__name__, exc)
     finally:
         progress.stop()
         summary = close_run_dir(run_dir, status, t_start)

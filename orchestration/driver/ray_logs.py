@@ -32,7 +32,18 @@ class DebugLevel(logging.Filter):
         return True
 
 
+# Ray Train's worker logs "Reporting training result N: TrainingReport(...)" at INFO for every report of every rank,
+# through a logger named by its file path (outside `ray.train`, so RunConfig's LoggingConfig does not reach it); the
+# console shows the job's own progress line instead.
+REPORT_LOGGER_MODULE = "ray.train.v2._internal.execution.context"
+
+
 def quiet_ray_train_shutdown() -> None:
+    import importlib.util
+
+    spec = importlib.util.find_spec(REPORT_LOGGER_MODULE)
+    if spec is not None and spec.origin:
+        logging.getLogger(spec.origin).setLevel(logging.WARNING)
     for name, prefix in HARMLESS_AT_SHUTDOWN.items():
         logger = logging.getLogger(name)
         if not any(isinstance(f, DebugLevel) for f in logger.filters):
