@@ -244,6 +244,19 @@ def test_train_adamw_picks_our_triton_step_on_nvidia_gpus_only(monkeypatch):
         compose_job("train.adamw=apex")
 
 
+
+def save_real_checkpoint(checkpoints: Path, step: int) -> None:
+    """A sound checkpoint (manifest and digests) of a small model, written by the product's CheckpointManager: the
+    resume checks refuse a run whose checkpoints are all damaged, so an empty step directory no longer stands in."""
+    import torch
+
+    from orchestration.checkpoint.manager import CheckpointManager
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.AdamW(model.parameters())
+    CheckpointManager(checkpoints, rank=0, world_size=1).save(step, model, optimizer)
+
 def test_a_start_that_cannot_resume_is_refused_before_the_run_directory_changes(tmp_path):
     """orchestration.driver.ray_job.check_start (called by open_run_dir, for Ray and torchrun): a run_root that is a file,
     resume=false over checkpoints, and a resume with other model/precision/data settings are refused with the
@@ -259,7 +272,7 @@ def test_a_start_that_cannot_resume_is_refused_before_the_run_directory_changes(
     run = RunDir(tmp_path / "exp")
     run.write_config(to_dict(job()))
     check_start(job("model=debug_moe"), "exp")  # no checkpoints yet: nothing to resume, a fresh start is fine
-    (run.path / "checkpoints" / "step_000040").mkdir(parents=True)
+    save_real_checkpoint(run.path / "checkpoints", 40)
     before = sorted((p.relative_to(run.path), p.stat().st_mtime_ns) for p in run.path.rglob("*"))
 
     check_start(job("train.steps=500", "train.lr=0.001", "cluster.max_workers=4", "cluster.min_workers=1"), "exp")
@@ -326,7 +339,7 @@ def test_a_resume_without_train_lr_keeps_the_saved_runs_lr(tmp_path):
     saved["train"]["lr"] = 0.003  # a config.yaml that records the lr but not its source
     del saved["train"]["lr_source"]
     run.write_config(saved)
-    (run.path / "checkpoints" / "step_000040").mkdir(parents=True)
+    save_real_checkpoint(run.path / "checkpoints", 40)
     resumed = job()
     assert resumed.train.lr == 3e-4
     open_run_dir(resumed, "exp")
