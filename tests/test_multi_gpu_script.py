@@ -1,9 +1,10 @@
 """benchmarks/multi_gpu.py end to end at debug sizes on CPU: 2 gloo workers through Ray, rank 1 killed (SIGKILL) after
 the first checkpoint, the run resumed from it and finished; results written as the benchmarks write them.
 
-Only the Ray launcher here: torchrun's own restart of the killed group (--max-restarts=1) failed in 1 of 3 runs at these settings (2 of 2 with checkpoint.keep_last=1)
-on the 2-core CI machine (the new gloo group reached the previous attempt's address: connection refused, the run
-ended at the kill step) - an open bug of the torchrun restart path, not of the script."""
+Only the Ray launcher here: torchrun's own restart of the killed group (--max-restarts=1) failed in 1 of 3 runs at
+these settings on the 2-core CI machine (no resume, the run ended at the kill step) and in 2 of 2 with
+checkpoint.keep_last=1 (the new gloo group reached the previous attempt's address: connection refused) - an open bug
+of the torchrun restart path, not of the script.
 
 from __future__ import annotations
 
