@@ -4,7 +4,7 @@ the first checkpoint, the run resumed from it and finished; results written as t
 Only the Ray launcher here: torchrun's own restart of the killed group (--max-restarts=1) failed in 1 of 3 runs at
 these settings on the 2-core CI machine (no resume, the run ended at the kill step) and in 2 of 2 with
 checkpoint.keep_last=1 (the new gloo group reached the previous attempt's address: connection refused) - an open bug
-of the torchrun restart path, not of the script.
+of the torchrun restart path, not of the script."""
 
 from __future__ import annotations
 
