@@ -137,6 +137,24 @@ def env_info() -> dict:
     return info
 
 
+
+def run_own_session(cmd: list[str], log_path: str | os.PathLike, timeout_s: float, cwd) -> tuple[int | str, float]:
+    """Run cmd with stdout and stderr into log_path, in a process session of its own so that on a timeout the
+    launcher and every worker it started are killed together (a leftover worker would hold the GPU and slow the next
+    run). Returns (return code, or "timeout"; wall seconds)."""
+    import signal
+
+    t0 = time.time()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc: int | str = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return rc, time.time() - t0
+
 def write_json(path: str | os.PathLike, obj) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

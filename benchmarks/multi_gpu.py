@@ -20,8 +20,6 @@ import argparse
 import json
 import os
 import shutil
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -29,6 +27,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from benchmarks.common import run_own_session
 from benchmarks.worker_throughput import read_jsonl, summarize_run
 
 # Full depth, one host. Tokens per GPU a step: Llama3-8B 8192 (torchtitan's seq 8192, batch 1) with activation
@@ -74,18 +73,9 @@ def run_one(args, launcher: str, model: str, precision: str) -> dict:
     run_name = f"{name}-{int(time.time())}"
     cmd = command(args, launcher, run_overrides(args, model, precision, run_name))
     out = Path(args.out)
-    t0 = time.time()
-    with open(out / f"{name}.log", "w") as log:
-        # Own session: on a timeout the launcher and every worker it started go together.
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            rc = proc.wait(timeout=args.timeout_s)
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    rc, wall = run_own_session(cmd, out / f"{name}.log", args.timeout_s, REPO)
     result = {"name": name, "launcher": launcher, "model": model, "precision": precision, "gpus": args.gpus,
-              "command": " ".join(cmd), "returncode": rc, "wall_s": round(time.time() - t0, 1)}
+              "command": " ".join(cmd), "returncode": rc, "wall_s": round(wall, 1)}
     run_dir = Path(args.run_root) / run_name
     if run_dir.exists():
         result.update(summarize_run(run_dir, args.skip_steps))

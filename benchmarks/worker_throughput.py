@@ -20,11 +20,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -32,7 +29,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.common import env_info
+from benchmarks.common import env_info, run_own_session
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -90,17 +87,7 @@ def run_variant(name: str, overrides: list[str], args) -> dict:
            f"run_name={run_name}", f"run_root={args.run_root}"]
     log_path = Path(args.out) / f"{name}.log"
     t0 = time.time()
-    with open(log_path, "w") as log:
-        # Own process group: on a timeout the torchrun agent *and* its workers go (a leftover worker would hold the
-        # GPU and slow the next variant).
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            rc = proc.wait(timeout=args.timeout_s)
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    wall = time.time() - t0
+    rc, wall = run_own_session(cmd, log_path, args.timeout_s, REPO)
     run_dir = Path(args.run_root) / run_name
     result = {"name": name, "command": " ".join(cmd), "returncode": rc, "wall_s": round(wall, 1)}
     if run_dir.exists():
