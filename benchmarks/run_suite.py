@@ -90,6 +90,24 @@ def _loop(name: str, model: tuple[str, ...], steps: int, variants: tuple[tuple[s
                      timeout_s=timeout_s, run_root=True)
 
 
+QUALITY_COMMON = ("data=tokenized", "data.seq_len=2048", "data.eval_sequences=64", "+model.overrides.vocab_size=32768",
+                  "cluster.device=cuda", "cluster.min_workers=1", "cluster.max_workers=1", "cluster.gpus_per_worker=1",
+                  "logging.wandb=false", "train.steps=300", "train.warmup_steps=30", "train.eval_every=50",
+                  "train.global_batch_size=8", "train.micro_batch_size=4", "train.log_every=10",
+                  "checkpoint.every_steps=0", "monitor.eval_gap_max=1.0")  # the gap is measured, not acted on
+RAY_ONE_GPU = ("cluster.cpus_per_worker=4", "cluster.memory_per_worker_gb=64")
+QUALITY_CORPUS = REPO / "corpora" / "stdlib_docs_32k"
+
+
+def _quality(name: str, model: tuple[str, ...], variants: tuple[tuple[str, ...], ...], timeout_s: int) -> Benchmark:
+    args = ("--json-name", f"{name}.json", "--skip-steps", "20", "--timeout-s", str(timeout_s // len(variants) - 5),
+            "--common", *model, *QUALITY_COMMON, f"data.path={QUALITY_CORPUS}")
+    for variant in variants:
+        args += ("--variant", *variant)
+    return Benchmark(name, "worker_throughput.py", args, f"{name}.json", requires=CONFIG_MODULES,
+                     timeout_s=timeout_s, run_root=True)
+
+
 # Each suite fits one 10-minute device call; their order inside a suite is the order they run in.
 SUITES: dict[str, tuple[Benchmark, ...]] = {
     "kernels": (
@@ -120,14 +138,31 @@ SUITES: dict[str, tuple[Benchmark, ...]] = {
                    "--steps", "12", "--warmup", "3", "--budget-s", "300"), "train_step.json",
                   requires=CONFIG_MODULES, optional=("torchao",), timeout_s=380),
     ),
+    # No checkpoints in the throughput and quality runs (checkpoint.every_steps=0): a 4-layer MoE-width save is
+    # ~30 GB, and the step-0 and final saves of two of them do not fit the GPU machine's 64 GiB disk; the
+    # checkpoint suite measures saves.
     "loop": (
         _loop("loop_dense", DENSE_LOOP, 30, (("bf16", "precision=bf16"), ("fp8", "precision=fp8"),
                                              ("fp8_head", "precision=fp8", "precision.fp8_output_head=true")),
-              timeout_s=300, extra=("checkpoint.every_steps=100",)),
+              timeout_s=300, extra=("checkpoint.every_steps=0",)),
         _loop("loop_moe", MOE_LOOP + ("+model.overrides.n_layers=4",), 20,
               (("bf16", "precision=bf16"), ("fp8", "precision=fp8"),
                ("fp8_head", "precision=fp8", "precision.fp8_output_head=true")),
-              timeout_s=290, extra=("checkpoint.every_steps=100",)),
+              timeout_s=290, extra=("checkpoint.every_steps=0",)),
+    ),
+    # Held-out quality, bf16 (two seeds on the dense model: the noise) vs fp8 vs fp8 + FP8 head, on a prepared corpus at
+    # corpora/stdlib_docs_32k (docs/data.md says how to make it). The MoE runs go through launch.py (Ray Train),
+    # with a torchrun twin of its fp8 run: Ray's overhead on the same settings in the same call.
+    "quality": (
+        _quality("quality_dense", ("model=llama3_8b", "+model.overrides.n_layers=4"), (
+            ("bf16", "precision=bf16"), ("fp8", "precision=fp8"),
+            ("fp8_head", "precision=fp8", "precision.fp8_output_head=true"),
+            ("bf16_seed1", "precision=bf16", "train.seed=1")), timeout_s=560),
+        _quality("quality_moe", ("model=deepseek_moe16b", "+model.overrides.n_layers=4"), (
+            ("bf16", "launcher=ray", *RAY_ONE_GPU, "precision=bf16"),
+            ("fp8", "launcher=ray", *RAY_ONE_GPU, "precision=fp8"),
+            ("fp8_head", "launcher=ray", *RAY_ONE_GPU, "precision=fp8", "precision.fp8_output_head=true"),
+            ("fp8_torchrun", "precision=fp8")), timeout_s=560),
     ),
     "checkpoint": (
         # Training stall per save, background vs synchronous, ~13 GB a save (2 MoE-width layers, fp32 master + AdamW).
@@ -137,7 +172,7 @@ SUITES: dict[str, tuple[Benchmark, ...]] = {
         Benchmark("pinned_staging", "pinned_staging.py", ("--gib", "13"), "pinned_staging.json", timeout_s=150),
     ),
 }
-SUITES["all"] = tuple(b for suite in ("kernels", "dense", "moe", "loop", "checkpoint") for b in SUITES[suite])
+SUITES["all"] = tuple(b for suite in ("kernels", "dense", "moe", "loop", "checkpoint", "quality") for b in SUITES[suite])
 # CPU check of the runner and two programs at tiny shapes (no GPU needed): the kernels in the Triton interpreter,
 # the MoE FFN on fp8.grouped's emulated path.
 SUITES["smoke"] = (

@@ -11,8 +11,12 @@ each run's metrics.jsonl and events.jsonl:
                  train.global_batch_size=1 train.steps=30 \\
         --variant bf16 precision=bf16 --variant fp8 precision=fp8
 
-Throughput per variant is the median of the metrics lines' tokens_per_s after --skip-steps (compilation happens
-in the first steps); ratios are against the first variant. A variant's run directory is copied to OUT/<name>/
+A variant whose overrides include `launcher=ray` runs `launch.py` instead (the main command: an embedded Ray
+cluster, Ray Train's worker group of one GPU worker), so Ray's overhead is read against a torchrun variant of the
+same settings in the same call. Throughput per variant is the median of the metrics lines' tokens_per_s after
+--skip-steps (compilation happens in the first steps); ratios are against the first variant. On a prepared corpus
+(`data=tokenized`) each variant also reports its held-out eval losses and their relative gap to the first
+variant's at the same steps: the quality table (bf16 with two seeds for the noise, then fp8 variants). A variant's run directory is copied to OUT/<name>/
 without its checkpoints, which are deleted after the run (an 8B-width checkpoint is tens of GB).
 """
 
@@ -49,7 +53,8 @@ def summarize_run(run_dir: Path, skip_steps: int) -> dict:
         return statistics.median(values) if values else None
 
     peaks = [m["gpu_mem_peak_gib"] for m in metrics if isinstance(m.get("gpu_mem_peak_gib"), (int, float))]
-    interesting = ("precision_changed", "rollback", "divergence_detected", "step_skipped", "checkpoint_good")
+    interesting = ("precision_changed", "rollback", "divergence_detected", "step_skipped", "checkpoint_good",
+                   "worker_lost", "resume", "checkpoint_failed", "eval_gap_exceeded")
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
     def first_time(name: str) -> float | None:
@@ -70,6 +75,11 @@ def summarize_run(run_dir: Path, skip_steps: int) -> dict:
         "tokens_per_s_lines": [round(m["tokens_per_s"], 1) for m in metrics],
         "gpu_mem_peak_gib": max(peaks) if peaks else None,
         "losses": [(m["step"], m["loss"]) for m in metrics],
+        # held-out eval (data=tokenized): eval_loss, and on fp8 runs the same weights evaluated in bf16
+        "eval_losses": [(m["step"], m["eval_loss"], m.get("eval_loss_bf16")) for m in metrics
+                        if isinstance(m.get("eval_loss"), (int, float))],
+        "final_eval_loss": summary.get("final_eval_loss"),
+        "eval_s_mean": summary.get("eval_s_mean"),
         "checkpoint_seconds": [(e.get("checkpoint_step", e["step"]), e["seconds"]) for e in events
                                if e["event"] == "checkpoint_timing"],
         # where each save's time went (state dicts, DCP write, hashing, finalize)
@@ -80,16 +90,38 @@ def summarize_run(run_dir: Path, skip_steps: int) -> dict:
     }
 
 
+def eval_gaps(baseline: list, other: list) -> list[tuple[int, float]]:
+    """(step, (other - baseline) / baseline) of the eval losses at the steps both evaluated (pure)."""
+    base = {step: loss for step, loss, _ in baseline}
+    return [(step, (loss - base[step]) / base[step]) for step, loss, _ in other if step in base]
+
+
+LAUNCHERS = ("torchrun", "ray")
+
+
+def launcher_command(launcher: str, overrides: list[str]) -> list[str]:
+    """The product's command for one variant: torchrun's one-process launcher, or launch.py through Ray."""
+    if launcher == "ray":
+        return [sys.executable, "launch.py", *overrides]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
+            "-m", "orchestration.driver.torchrun", *overrides]
+
+
 def run_variant(name: str, overrides: list[str], args) -> dict:
     run_name = f"{name}-{int(time.time())}"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
-           "-m", "orchestration.driver.torchrun", *args.common, *overrides,
-           f"run_name={run_name}", f"run_root={args.run_root}"]
+    launcher = "torchrun"
+    if overrides and overrides[0].startswith("launcher="):
+        launcher = overrides[0].split("=", 1)[1]
+        overrides = overrides[1:]
+        if launcher not in LAUNCHERS:
+            raise SystemExit(f"variant {name}: launcher={launcher} is not one of {', '.join(LAUNCHERS)}")
+    cmd = launcher_command(launcher, [*args.common, *overrides, f"run_name={run_name}", f"run_root={args.run_root}"])
     log_path = Path(args.out) / f"{name}.log"
     t0 = time.time()
     rc, wall = run_own_session(cmd, log_path, args.timeout_s, REPO)
     run_dir = Path(args.run_root) / run_name
-    result = {"name": name, "command": " ".join(cmd), "returncode": rc, "wall_s": round(wall, 1)}
+    result = {"name": name, "launcher": launcher, "command": " ".join(cmd), "returncode": rc,
+              "wall_s": round(wall, 1)}
     if run_dir.exists():
         result.update(summarize_run(run_dir, args.skip_steps))
         run_end = [e["time"] for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "run_end"]
@@ -115,8 +147,8 @@ def main() -> None:
     p.add_argument("--run-root", default="/tmp/worker_throughput")
     p.add_argument("--common", nargs="*", default=[], help="Hydra overrides for every variant")
     p.add_argument("--variant", nargs="+", action="append", required=True, metavar=("NAME", "OVERRIDE"),
-                   help="a name, then that variant's own Hydra overrides; repeat per variant; the first is the "
-                        "baseline of the ratios")
+                   help="a name, then that variant's own Hydra overrides (first `launcher=ray` to run it "
+                        "through launch.py); repeat per variant; the first is the baseline of the ratios")
     p.add_argument("--skip-steps", type=int, default=10, help="metrics lines up to this step are warm-up")
     p.add_argument("--timeout-s", type=float, default=300.0, help="per variant")
     p.add_argument("--json-name", default="worker_throughput.json")
@@ -138,6 +170,13 @@ def main() -> None:
         tps = r.get("tokens_per_s_median")
         r["x_baseline"] = tps / base if tps and base else None
         print(f"{r['name']:>14}: {r['x_baseline'] and round(r['x_baseline'], 3)}x {results[0]['name']} tokens/s")
+    if results[0].get("eval_losses"):
+        for r in results:
+            gaps = eval_gaps(results[0]["eval_losses"], r.get("eval_losses") or [])
+            r["eval_gap_vs_baseline"] = gaps
+            r["eval_gap_final"] = gaps[-1][1] if gaps else None
+            print(f"{r['name']:>14}: final eval_loss {r.get('final_eval_loss')}  gap vs {results[0]['name']} "
+                  + " ".join(f"{step}:{gap:+.4f}" for step, gap in gaps))
     out = {"env": env_info(), "argv": sys.argv, "skip_steps": args.skip_steps, "results": results}
     (Path(args.out) / args.json_name).write_text(json.dumps(out, indent=1))
 

@@ -233,6 +233,8 @@ class TrainConfig:
 
 @dataclass
 class CheckpointConfig:
+    # 0: no checkpoints at all (benchmark and quality runs; a 4-layer MoE-width save is ~30 GB): a restart starts
+    # over and a divergence that needs a rollback stops the run instead.
     every_steps: int = 40
     keep_last: int = 3
     keep_good: int = 2

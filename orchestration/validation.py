@@ -160,7 +160,7 @@ def validate(job: JobConfig) -> None:
              f"needs at least one sequence per step; raise it to >= {c.max_workers}")
 
     k = job.checkpoint
-    _require(k.every_steps >= 1, "checkpoint.every_steps", "must be >= 1")
+    _require(k.every_steps >= 0, "checkpoint.every_steps", "must be >= 0 (0 = no checkpoints)")
     _require(k.keep_last >= 1, "checkpoint.keep_last", "must be >= 1")
     _require(k.async_save in ("auto", "always", "never"), "checkpoint.async_save",
              f"'{k.async_save}' is not one of ('auto', 'always', 'never')")

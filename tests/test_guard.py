@@ -201,6 +201,31 @@ def test_rollback_resaves_its_step_with_what_it_decided(tmp_path, async_save):
     assert manifest["good"] is True
 
 
+def test_without_checkpoints_nothing_is_saved_and_a_needed_rollback_stops_the_run(tmp_path):
+    """checkpoint.every_steps=0: no step-0, periodic or final save; the same loss spike that rolls back above
+    (fallback, then rollback on the relapse) stops the run with a rollback_unavailable event instead."""
+    clean = make_trainer(tmp_path / "clean", "train.steps=12", "checkpoint.every_steps=0")
+    clean.start()
+    status = clean.run()
+    clean.finish(status)
+    assert status == "completed"
+    assert not any((tmp_path / "clean" / "run" / "checkpoints").glob("step_*"))
+    assert not [e for e in read_jsonl(tmp_path / "clean" / "run" / "events.jsonl") if e["event"] == "checkpoint_saved"]
+
+    spiky = make_trainer(tmp_path / "spiky", "train.steps=34", "train.global_batch_size=8",
+                         "train.micro_batch_size=8", "checkpoint.every_steps=0", "monitor.good_after_steps=5",
+                         "faults=loss_spike", "faults.rank=0", "faults.step=30", "faults.num_steps=3")
+    spiky.start()
+    status = spiky.run()
+    spiky.finish(status)
+    assert status == "stopped_divergence"
+    events = read_jsonl(tmp_path / "spiky" / "run" / "events.jsonl")
+    unavailable = [e for e in events if e["event"] == "rollback_unavailable"]
+    assert [e["bad_step"] for e in unavailable] == [32]  # the step the rollback above goes back from
+    assert not [e for e in events if e["event"] in ("rollback", "checkpoint_saved")]
+    assert spiky.state.step == 32
+
+
 def test_a_wandb_failure_disables_wandb_and_training_goes_on(tmp_path, caplog):
     """Observability never kills a run: an exception inside the W&B run (here log_metrics) turns W&B off with one
     message; the run completes and metrics.jsonl keeps every step."""

@@ -348,6 +348,8 @@ def check_disk_space(job: JobConfig, run_path: Path, checkpoint_bytes: int) -> N
 
     from orchestration.config import ConfigError
 
+    if not job.checkpoint.every_steps:
+        return  # checkpoints off: nothing large is written
     probe = run_path if run_path.exists() else resolve_run_root(job)
     while not probe.exists():
         probe = probe.parent

@@ -32,6 +32,10 @@ def apply_decision(trainer: Any, decision: Decision) -> str:
         trainer.event("step_skipped", all_ranks=True, reason=",".join(f.detector for f in decision.evidence))
         return "skip"
     if isinstance(decision, Rollback):
+        if not trainer.job.checkpoint.every_steps:
+            trainer.event("rollback_unavailable", all_ranks=True, bad_step=decision.bad_step,
+                          reason="checkpoint.every_steps=0: no checkpoint to roll back to; the run stops")
+            return "stop"
         rollback(trainer, decision)
         return "rolled_back"
     raise AssertionError(f"unhandled decision {decision!r}")

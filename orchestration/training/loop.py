@@ -249,7 +249,7 @@ class Trainer:
                        setup_s=round(self.setup_s, 3), checkpoint_load_s=round(load_s, 3),
                        origin="restart" if unfinished else "new_start",
                        metrics_superseded=self.drop_superseded_metrics(self.state.step))
-        else:
+        elif self.job.checkpoint.every_steps:
             # A step-0 checkpoint, good by definition: a rollback always has somewhere to go.
             self.save_checkpoint(good=True)
 
@@ -490,7 +490,7 @@ class Trainer:
     def run(self) -> str:
         with ManagedGc(self.job.train.gc_every_steps) as managed_gc:
             status = self._run_steps(managed_gc)
-        if status == "completed":
+        if status == "completed" and self.job.checkpoint.every_steps:
             self.save_checkpoint()
         return status
 
@@ -539,7 +539,8 @@ class Trainer:
                     status = "interrupted"
                     break
             self.maybe_mark_good()
-            if self.state.step % job.checkpoint.every_steps == 0 and self.state.step < job.train.steps:
+            every = job.checkpoint.every_steps
+            if every and self.state.step % every == 0 and self.state.step < job.train.steps:
                 self.save_checkpoint(background=self.async_saves)
             managed_gc.step(self.state.step)
         return status
