@@ -1,4 +1,4 @@
-# Commands (DESIGN.md contract): make setup | make train | make test
+# Commands (README): make setup | make train | make test
 SHELL := /bin/bash
 PY ?= python3
 VENV := .venv

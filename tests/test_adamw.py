@@ -1,7 +1,7 @@
 """optim.ChunkedAdamW: the Triton step against float64 AdamW, torch's AdamW state dict, the clip folded in.
 
 The kernel runs on the CPU under TRITON_INTERPRET=1, which must be set before triton is imported, so the `_interp_*`
-cases run in a child pytest (as in test_fp8_kernels.py). The interpreter rounds fp32 -> bf16 by truncation (ENV.md),
+cases run in a child pytest (as in test_fp8_kernels.py). The interpreter rounds fp32 -> bf16 by truncation (Triton 3.9),
 so bf16 cases allow one bf16 step; fp32 cases must agree with the float64 reference to fp32 rounding. The GPU cases
 (skipped without CUDA) compare with torch's fused AdamW on the device.
 """

@@ -56,7 +56,7 @@ def test_compiled_fp8_blocks_train():
     assert all(compiled_flags)
     torch.testing.assert_close(loss_c, loss_e, rtol=1e-5, atol=1e-5)
     assert grads_c.keys() == grads_e.keys()
-    # Fused casts may put a value one fp8 step away from eager's (ENV.md), so gradients are compared by direction
+    # Fused casts may put a value one fp8 step away from eager's, so gradients are compared by direction
     # (measured: equal losses, every cosine >= 0.9999998).
     for name in grads_e:
         cos = F.cosine_similarity(grads_c[name].flatten(), grads_e[name].flatten(), dim=0)

@@ -1,4 +1,4 @@
-"""Elastic training on a real multi-node Ray cluster on loopback (ENV.md): lose a node, shrink to one worker from
+"""Elastic training on a real multi-node Ray cluster on loopback: lose a node, shrink to one worker from
 the last checkpoint, re-add the node, grow back to two; and a worker crash. Each run must finish its steps, consume
 every sample exactly once, and end at the same loss as an uninterrupted run.
 

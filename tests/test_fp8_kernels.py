@@ -4,7 +4,7 @@ The Triton kernels run under TRITON_INTERPRET=1, which must be set before triton
 standard library, e.g. tl.max, is @jit code built at import time), so they cannot share a pytest process with
 tests that imported triton first. `test_triton_kernels_in_subprocess` therefore reruns this file in a child
 pytest with TRITON_INTERPRET=1, where the `_interp_*` cases below are collected as `test_interp_*`.
-Under the interpreter the kernels round to the fp8 grid with integer arithmetic before the cast (ENV.md: the
+Under the interpreter the kernels round to the fp8 grid with integer arithmetic before the cast (Triton 3.9: the
 interpreter's own fp32->fp8 cast drops carries), so results must equal the references exactly.
 GPU checks of the compiled kernels live in benchmarks/fp8_kernels.py (run on the H200).
 

@@ -96,7 +96,7 @@ def resolve_worker_env(preset: str, extra: dict[str, str] | None = None) -> dict
             raise ValueError(f"cluster.env_vars: '{key}' is not a valid environment variable name "
                              "(letters, digits and '_', not starting with a digit)")
         if isinstance(value, bool) or not isinstance(value, (str, int)):
-            # A config value of the wrong type is a user error: ValueError (ConfigError's base), per STYLE.md.
+            # A config value of the wrong type is a user error: ValueError (ConfigError's base) (the config errors name the key and what to set).
             raise ValueError(  # noqa: TRY004
                 f"cluster.env_vars.{key}: value must be a string (quote it in YAML, e.g. \"1\"), "
                 f"got {type(value).__name__} {value!r}")

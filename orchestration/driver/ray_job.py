@@ -56,7 +56,7 @@ def worker_env(job: JobConfig) -> dict[str, str]:
 
 
 def driver_env(job: JobConfig) -> dict[str, str]:
-    """Ray Train knobs read by the controller and the worker group (ENV.md: report latency, start timeout), and
+    """Ray Train knobs read by the controller and the worker group (report latency, start timeout), and
     the state tracking behind the dashboard's Train view (read where the trainer is built: this driver)."""
     from orchestration.observability.dashboard import state_tracking_env
 

@@ -1,4 +1,4 @@
-"""The run directory (DESIGN.md contract): config.yaml, events.jsonl, metrics.jsonl, summary.json.
+"""The run directory (docs/run-directory.md): config.yaml, events.jsonl, metrics.jsonl, summary.json.
 
 Every rank may append events (divergence verdicts are per rank); each line is one small JSON object written with a
 single O_APPEND write, which Linux keeps whole on a local filesystem, so concurrent writers do not interleave.

@@ -2,7 +2,7 @@
 
     python -m orchestration.report RUN_DIR [RUN_DIR ...] [--out OUT_DIR]
 
-A RUN_DIR is a directory with metrics.jsonl / events.jsonl (DESIGN.md); a directory holding run directories
+A RUN_DIR is a directory with metrics.jsonl / events.jsonl (docs/run-directory.md); a directory holding run directories
 (a Hydra multirun sweep) stands for all of them. Writes loss.png, throughput.png, precision_timeline.png,
 world_size.png, report.md and report.html into OUT_DIR (default: <first run's parent>/report, or <sweep>/report).
 

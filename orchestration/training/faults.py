@@ -1,5 +1,5 @@
 """Fault injection from config (conf/faults): corrupt the loss, the gradients or an activation, or end the process,
-at a given step on a given rank. Used by tests and demos; never by code edits (DESIGN.md).
+at a given step on a given rank. Used by tests and demos; never by code edits (docs/reliability.md).
 
 The worker loop calls the `maybe_*` methods at their place in every step; they do nothing unless the plan says
 this (step, rank) is hit:
