@@ -546,7 +546,7 @@ class Trainer:
         return status
 
     def maybe_mark_good(self) -> None:
-        """A checkpoint is good once monitor.good_after_steps steps after it passed the monitors (docs/reliability.md)."""
+        """A checkpoint is good once monitor.good_after_steps steps after it passed the monitors (docs/run-directory.md)."""
         last_bad = self.guard.last_bad_step
         for step in sorted(self.ckpt.awaiting_good):
             if last_bad is not None and last_bad >= step:
