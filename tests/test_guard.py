@@ -276,7 +276,7 @@ def test_the_checkpoint_a_run_resumes_from_still_becomes_good(tmp_path):
     assert first.run() == "completed"  # saves 10 and the final 12, neither good yet (12 - 10 < 5 at the end)
     resumed = make_trainer(tmp_path, "train.steps=20", *common)
     resumed.start()
-    assert resumed.state.step == 12 and resumed.ckpt.awaiting_good == {10, 12}
+    assert resumed.state.step == 12 and resumed.checkpoints.manager.awaiting_good == {10, 12}
     assert resumed.run() == "completed"
     good = [e["step"] for e in read_jsonl(tmp_path / "run" / "events.jsonl") if e["event"] == "checkpoint_good"]
     assert 12 in good and 10 in good
@@ -325,7 +325,7 @@ def test_a_run_checkpointed_before_the_window_rule_resumes_with_its_own_windows(
 
     first = make_trainer(tmp_path, "precision=bf16", "train.steps=2")
     first.start()
-    assert first.dataset.window_rule == 2 and first.data_sampling()["window_rule"] == 2
+    assert first.dataset.window_rule == 2 and first.checkpoints.data_sampling()["window_rule"] == 2
     first.finish(first.run())
     for step_dir in (tmp_path / "run" / "checkpoints").glob("step_*"):  # as an older version wrote them
         extra = json.loads((step_dir / EXTRA_STATE).read_text())
@@ -338,7 +338,7 @@ def test_a_run_checkpointed_before_the_window_rule_resumes_with_its_own_windows(
     resumed = make_trainer(tmp_path, "precision=bf16", "train.steps=3")
     resumed.start()
     assert resumed.state.step == 2 and resumed.dataset.window_rule == 1
-    assert resumed.data_sampling()["window_rule"] == 1
+    assert resumed.checkpoints.data_sampling()["window_rule"] == 1
     resumed.finish(resumed.run())  # its checkpoints now record rule 1
     again = make_trainer(tmp_path, "precision=bf16", "train.steps=4")
     again.start()  # a second resume keeps rule 1 too (a fresh dataset starts at rule 2)

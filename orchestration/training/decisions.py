@@ -80,17 +80,17 @@ def apply_policy_precision(trainer: Any) -> None:
 
 def rollback(trainer: Any, decision: Rollback) -> None:
     """In-process: reload the newest good checkpoint (resharded if the world size changed), skip the data."""
-    t, guard = trainer, trainer.guard
+    t, guard, checkpoints = trainer, trainer.guard, trainer.checkpoints
     # Collective, as at start: every rank must load the same step even if a shared filesystem shows one of them
     # an older manifest (only rank 0 writes the good marks).
-    info = t.ckpt.latest(good_only=True, collective=True)
+    info = checkpoints.manager.latest(good_only=True, collective=True)
     if info is None:
         raise RuntimeError("rollback requested but no good checkpoint exists (the step-0 one was removed?)")
     bad_end = t.state.cursor + t.job.train.global_batch_size  # the bad step's samples are dropped too
     # The policy and the monitors' baselines are not rolled back: the policy bounds the episode.
     policy_state, monitor_state = guard.policy.state_dict(), guard.monitor.state_dict()
-    extra = t.ckpt.load(info, t.model, t.optimizer, t.scheduler)
-    t.restore_extra(extra)
+    extra = checkpoints.manager.load(info, t.model, t.optimizer, t.scheduler)
+    checkpoints.restore_extra(extra)
     guard.policy.load_state_dict(policy_state)
     guard.monitor.load_state_dict(monitor_state)
     guard.policy.on_rollback(t.state.step)
@@ -103,12 +103,12 @@ def rollback(trainer: Any, decision: Rollback) -> None:
     apply_policy_precision(t)
     t.optimizer.zero_grad(set_to_none=True)
     if t.rank == 0:
-        t.ckpt.discard_newer_than(t.state.step)  # a restart must not resume into the diverged trajectory
-    t.ckpt.awaiting_good = {s for s in t.ckpt.awaiting_good if s <= t.state.step}
+        checkpoints.manager.discard_newer_than(t.state.step)  # a restart must not resume into the diverged trajectory
+    checkpoints.manager.awaiting_good = {s for s in checkpoints.manager.awaiting_good if s <= t.state.step}
     t.event("rollback", all_ranks=True, to_step=t.state.step, from_step=decision.bad_step,
             skipped_samples=skipped[1] - skipped[0], skipped_range=skipped, checkpoint=str(info.path),
             lr_scale=decision.lr_scale)
     # Re-save the step with what the rollback decided (data cursor past the bad samples, skipped ranges, lr scale,
     # the policy's counters and precision): a restart before the next periodic save would otherwise resume the
     # checkpoint as it was, replay the skipped samples and forget the rollback (max_rollbacks unbounded).
-    t.save_checkpoint(good=True)
+    checkpoints.save(good=True)
