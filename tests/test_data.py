@@ -26,16 +26,9 @@ def test_batch_targets_are_next_bytes_of_real_text():
 
 
 def test_every_byte_of_the_corpus_can_be_sampled(tmp_path):
-    """Window rule 2: with a corpus of seq_len + 2 bytes both window starts occur, so the last byte is a target;
-    rule 1 (runs checkpointed before it) only ever started at 0."""
-    import pytest
-
+    """With a corpus of seq_len + 2 bytes both window starts occur, so the last byte is a target."""
     corpus = tmp_path / "c.txt"
     corpus.write_bytes(bytes(range(10, 76)))  # 66 bytes = seq_len 64 + 2
-    starts = {}
-    for rule in (1, 2):
-        ds = ByteTextDataset([corpus], seq_len=64, seed=0, window_rule=rule)
-        starts[rule] = {int(ds.sample(i)[0]) - 10 for i in range(200)}
-    assert starts == {1: {0}, 2: {0, 1}}
-    with pytest.raises(ValueError, match="window_rule"):
-        ByteTextDataset([corpus], seq_len=64, seed=0, window_rule=3)
+    ds = ByteTextDataset([corpus], seq_len=64, seed=0)
+    assert ds.window_rule == 2
+    assert {int(ds.sample(i)[0]) - 10 for i in range(200)} == {0, 1}

@@ -316,9 +316,9 @@ def test_ranks_reading_different_corpora_are_refused(tmp_path):
         assert "the ranks read different corpora" in outcome and "rank 0:" in outcome and "rank 1:" in outcome
 
 
-def test_a_run_checkpointed_before_the_window_rule_resumes_with_its_own_windows(tmp_path):
-    """A checkpoint whose data_sampling has no window_rule (as an older version wrote it) resumes with rule 1, the windows
-    it trained on, instead of being refused or silently reading other samples; a new run uses rule 2."""
+def test_a_checkpoint_without_the_window_rule_is_refused_and_loses_nothing(tmp_path):
+    """A checkpoint whose data_sampling records no window rule, or another one, maps sample indices to other windows
+    than this version reads: the resume is refused, naming the rule, and the run directory stays as it was."""
     import json
 
     from orchestration.checkpoint.directory import EXTRA_STATE, file_digests
@@ -327,22 +327,30 @@ def test_a_run_checkpointed_before_the_window_rule_resumes_with_its_own_windows(
     first.start()
     assert first.dataset.window_rule == 2 and first.checkpoints.data_sampling()["window_rule"] == 2
     first.finish(first.run())
-    for step_dir in (tmp_path / "run" / "checkpoints").glob("step_*"):  # as an older version wrote them
-        extra = json.loads((step_dir / EXTRA_STATE).read_text())
-        assert extra["data_sampling"].pop("window_rule") == 2
-        (step_dir / EXTRA_STATE).write_text(json.dumps(extra))
-        manifest = json.loads((step_dir / "manifest.json").read_text())  # its checksum follows the edited file
-        digest = file_digests([step_dir / EXTRA_STATE], manifest["checksum"], manifest["chunk_bytes"])[0]
-        manifest["files"][EXTRA_STATE] = {"size": (step_dir / EXTRA_STATE).stat().st_size, "digest": digest}
-        (step_dir / "manifest.json").write_text(json.dumps(manifest))
-    resumed = make_trainer(tmp_path, "precision=bf16", "train.steps=3")
-    resumed.start()
-    assert resumed.state.step == 2 and resumed.dataset.window_rule == 1
-    assert resumed.checkpoints.data_sampling()["window_rule"] == 1
-    resumed.finish(resumed.run())  # its checkpoints now record rule 1
-    again = make_trainer(tmp_path, "precision=bf16", "train.steps=4")
-    again.start()  # a second resume keeps rule 1 too (a fresh dataset starts at rule 2)
-    assert again.state.step == 3 and again.dataset.window_rule == 1
+
+    def rewrite_rule(rule):
+        for step_dir in (tmp_path / "run" / "checkpoints").glob("step_*"):
+            extra = json.loads((step_dir / EXTRA_STATE).read_text())
+            extra["data_sampling"].pop("window_rule", None)
+            if rule is not None:
+                extra["data_sampling"]["window_rule"] = rule
+            (step_dir / EXTRA_STATE).write_text(json.dumps(extra))
+            manifest = json.loads((step_dir / "manifest.json").read_text())  # its checksum follows the edited file
+            digest = file_digests([step_dir / EXTRA_STATE], manifest["checksum"], manifest["chunk_bytes"])[0]
+            manifest["files"][EXTRA_STATE] = {"size": (step_dir / EXTRA_STATE).stat().st_size, "digest": digest}
+            (step_dir / "manifest.json").write_text(json.dumps(manifest))
+
+    for rule, named in ((None, "no recorded window rule"), (3, "window rule 3")):
+        rewrite_rule(rule)
+        before = {p.relative_to(tmp_path): p.read_bytes() for p in (tmp_path / "run").rglob("*") if p.is_file()
+                  and p.name != "events.jsonl"}
+        resumed = make_trainer(tmp_path, "precision=bf16", "train.steps=3")
+        with pytest.raises(ValueError, match=f"step_000002 maps sample indices to windows with {named}, and this "
+                                             "version reads rule 2 only: .*choose a new run_name"):
+            resumed.start()
+        after = {p.relative_to(tmp_path): p.read_bytes() for p in (tmp_path / "run").rglob("*") if p.is_file()
+                 and p.name != "events.jsonl"}
+        assert after == before
 
 
 # ----------------------------------------------------------------------------- interpreter cases (child process)

@@ -35,33 +35,30 @@ def collect_text_files(source: Path, glob: str, max_files: int | None) -> list[P
     return files[:max_files]
 
 
-# How a sample index maps to a window start. 1: starts in [0, len - seq_len - 2], which never used the corpus's last
-# byte (checkpoints that do not record their rule keep it, see orchestration/training/loop.py check_resumable); 2: starts in
-# [0, len - seq_len - 1], every byte reachable.
-WINDOW_RULES = (1, 2)
+# How a sample index maps to a window start, recorded in every checkpoint (data_sampling): starts in
+# [0, len - seq_len - 1], so every byte is reachable. A resume refuses a checkpoint that records another rule or
+# none (orchestration/training/checkpointing.py), since sample i would read another window.
 WINDOW_RULE = 2
 
 
 class ByteTextDataset:
     vocab_size = VOCAB_SIZE
+    window_rule = WINDOW_RULE
 
-    def __init__(self, files: list[Path], seq_len: int, seed: int, window_rule: int = WINDOW_RULE):
-        if window_rule not in WINDOW_RULES:
-            raise ValueError(f"window_rule must be one of {WINDOW_RULES}, got {window_rule!r}")
+    def __init__(self, files: list[Path], seq_len: int, seed: int):
         chunks = [p.read_bytes() for p in files]
         self.corpus = np.frombuffer(b"\n".join(chunks), dtype=np.uint8)
         if len(self.corpus) < seq_len + 2:
             raise ValueError(f"corpus of {len(self.corpus)} bytes is shorter than data.seq_len + 2 = {seq_len + 2}")
         self.seq_len = seq_len
         self.seed = seed
-        self.window_rule = window_rule
         # Fingerprint so a resume can verify it reads the same corpus it was trained on.
         self.fingerprint = hashlib.sha256(self.corpus[: 1 << 20].tobytes()).hexdigest()[:16] + f"-{len(self.corpus)}"
 
     def sample(self, global_index: int) -> torch.Tensor:
         rng = np.random.default_rng([self.seed, global_index])
         # A window is seq_len + 1 bytes (inputs and next-byte targets); integers' upper bound is exclusive.
-        last_start = len(self.corpus) - self.seq_len - (1 if self.window_rule == 2 else 2)
+        last_start = len(self.corpus) - self.seq_len - 1
         start = int(rng.integers(0, last_start + 1))
         window = self.corpus[start : start + self.seq_len + 1]
         return torch.from_numpy(window.astype(np.int64))

@@ -22,7 +22,7 @@ from orchestration.checkpoint.directory import EXTRA_STATE, TMP_PREFIX, Checkpoi
 from orchestration.checkpoint.manager import CheckpointManager
 from orchestration.checkpoint.state import dcp_failure_summary
 from orchestration.config import redact_secrets, to_dict
-from orchestration.data.byte_stream import WINDOW_RULES
+from orchestration.data.byte_stream import WINDOW_RULE
 from orchestration.observability.events import EVENTS_FILE, METRICS_FILE, read_jsonl
 from orchestration.training.decisions import apply_policy_precision
 from orchestration.training.optimizer import lr_at
@@ -197,7 +197,8 @@ class RunCheckpoints:
         return len(records) - len(kept)
 
     def check_resumable(self, info: Any) -> None:
-        """Refuse, with what to change, a checkpoint of another model or corpus (same run_name reused)."""
+        """Refuse, with what to change, a checkpoint of another model, corpus or sample mapping (same run_name
+        reused, or a checkpoint without the current window rule)."""
         t = self.trainer
         run_dir = t.run_dir.path
         extra = json.loads((Path(info.path) / EXTRA_STATE).read_text())
@@ -218,16 +219,17 @@ class RunCheckpoints:
             raise ValueError(f"run directory {run_dir} was trained on another corpus (fingerprint "
                              f"{saved_data}, now {t.dataset.fingerprint}): resuming would not replay the same "
                              "samples; restore data.* or choose a new run_name (nothing was changed on disk)")
-        saved_sampling = extra.get("data_sampling")  # absent in checkpoints older than this check
-        # A run keeps the window rule it started with, on every resume: rule 1 where the checkpoint predates the
-        # rule's record, so a resume replays exactly the samples the run would have read.
-        rule = (saved_sampling or {}).get("window_rule", 1)
-        if rule not in WINDOW_RULES:
-            raise ValueError(f"checkpoint {info.path} maps samples with window rule {rule!r}, which this version "
-                             f"does not know ({WINDOW_RULES}): resume it with the version that wrote it")
-        t.dataset.window_rule = rule
+        saved_sampling = extra.get("data_sampling") or {}
+        rule = saved_sampling.get("window_rule")
+        if rule != WINDOW_RULE:
+            # Sample i's window depends on the rule: resuming under another one would train on other samples than
+            # the ones the run's consumed ranges record.
+            raise ValueError(f"checkpoint {info.path} maps sample indices to windows with "
+                             f"{'no recorded window rule' if rule is None else f'window rule {rule!r}'}, and this "
+                             f"version reads rule {WINDOW_RULE} only: resuming would not replay the same samples; "
+                             "choose a new run_name (nothing was changed on disk)")
         sampling = self.data_sampling()
-        if saved_sampling is not None and {**saved_sampling, "window_rule": rule} != sampling:
+        if saved_sampling != sampling:
             raise ValueError(f"run directory {run_dir} maps sample indices with data settings "
                              f"{saved_sampling}, now {sampling}: resuming would not replay the same samples; "
                              "restore them or choose a new run_name (nothing was changed on disk)")
