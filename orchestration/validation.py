@@ -38,7 +38,8 @@ def load_job_config(cfg: DictConfig | dict) -> JobConfig:
         job = OmegaConf.to_object(merged)
     except OmegaConfBaseException as exc:
         key = getattr(exc, "full_key", None) or "?"
-        raise ConfigError(f"invalid config at '{key}': {exc.msg if hasattr(exc, 'msg') else exc}. "
+        what = str(exc.msg if hasattr(exc, "msg") else exc).strip().splitlines()[0]  # without OmegaConf's key lines
+        raise ConfigError(f"invalid config at '{key}': {what}. "
                           f"See `python launch.py --help` for the groups and their options.") from None
     assert isinstance(job, JobConfig)
     validate(job)

@@ -144,6 +144,33 @@ def test_launch_help_lists_groups_and_options():
     assert "deepseek_moe16b" in proc.stdout and "llama3_8b" in proc.stdout
 
 
+@pytest.mark.parametrize("launcher", ["launch.py", "torchrun"])
+@pytest.mark.parametrize("override, key, change", [
+    ("train.steps=abc", "train.steps", "give train.steps a value of its type"),
+    ("precision=nonsense", "precision", "use one of bf16, fp8"),
+    ("cluster.device=tpu", "cluster.device", "use one of cpu, cuda, rocm, auto"),
+    ("train.stepz=5", "train.stepz", "check its spelling"),
+])
+def test_hydra_type_and_choice_errors_exit_2_with_one_line_naming_the_key(tmp_path, launcher, override, key, change):
+    """What Hydra/OmegaConf refuse while composing (a wrong type, a value outside a choice field's Enum, an unknown
+    group option or key) ends both launchers as our own checks do: exit code 2 and one line that names the key and
+    what to change, not Hydra's multi-line error text and exit code 1; nothing is written."""
+    command = ([str(REPO / "launch.py")] if launcher == "launch.py"
+               else ["-m", "orchestration.driver.torchrun", "run_name=refused"])
+    proc = subprocess.run([sys.executable, *command, f"run_root={tmp_path}", override], check=False,
+                          capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"config error: {key}: ") and change in lines[0], proc.stderr
+    assert not list(tmp_path.iterdir())
+
+
+def test_launch_cfg_job_shows_the_composed_config():
+    proc = run_launch("--cfg", "job", "train.steps=7")
+    assert proc.returncode == 0, proc.stderr
+    assert "\n  steps: 7\n" in proc.stdout and "precision:" in proc.stdout
+
+
 def test_env_preset_of_the_other_vendor_is_refused_for_an_explicit_device():
     """cluster.device=cuda with an RCCL preset (or rocm with an NCCL one) fails at config time, naming the presets
     that fit; device=auto is checked by the worker once it sees its GPU."""

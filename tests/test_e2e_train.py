@@ -133,6 +133,8 @@ def test_same_worker_loop_under_torchrun_without_ray(tmp_path, isolated_env):
                            "checkpoint.every_steps=10", "checkpoint.async_save=always"], check=False,
                           cwd=REPO, env=isolated_env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # Our INFO diagnostics reach stderr as under launch.py (the launcher sets up logging; here each rank's FSDP setup).
+    assert proc.stderr.count("INFO orchestration.training.distributed: FSDP2 all-gathers") == 2, proc.stderr[-3000:]
     summary = json.loads((tmp_path / "tr" / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["final_step"] == 30
     assert summary["world_sizes_seen"] == [2]

@@ -14,14 +14,20 @@ import sys
 import time
 
 from orchestration.config import REPO_ROOT, ConfigError, to_dict
+from orchestration.driver.cli import COMPOSITION_ERRORS, CONFIG_ERROR_EXIT, composition_error_line, configure_logging
 from orchestration.validation import load_job_config
 
 
 def main(argv: list[str]) -> int:
     from hydra import compose, initialize_config_dir
 
-    with initialize_config_dir(config_dir=str(REPO_ROOT / "conf"), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=argv)
+    configure_logging()
+    try:
+        with initialize_config_dir(config_dir=str(REPO_ROOT / "conf"), version_base="1.3"):
+            cfg = compose(config_name="config", overrides=argv)
+    except COMPOSITION_ERRORS as exc:
+        print(composition_error_line(exc), file=sys.stderr)
+        return CONFIG_ERROR_EXIT
     world = int(os.environ.get("WORLD_SIZE", "1"))
     # torchrun fixes the world size: the elastic range is this one size.
     cfg.cluster.min_workers = cfg.cluster.max_workers = world
@@ -29,7 +35,7 @@ def main(argv: list[str]) -> int:
         job = load_job_config(cfg)
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
-        return 2
+        return CONFIG_ERROR_EXIT
 
     from orchestration.driver.ray_job import (
         close_run_dir,
@@ -51,7 +57,7 @@ def main(argv: list[str]) -> int:
     if not job.run_name and run_id == "none":
         print("config error: run_name: torchrun gave no run id (TORCHELASTIC_RUN_ID=none); pass run_name=NAME "
               "or torchrun --standalone / --rdzv-id", file=sys.stderr)
-        return 2
+        return CONFIG_ERROR_EXIT
     run_name = job.run_name or run_id or default_run_name(job)
     t_start = time.time()
     if rank == 0:
@@ -59,7 +65,7 @@ def main(argv: list[str]) -> int:
             run_dir = open_run_dir(job, run_name, launcher="torchrun", world_size=world)
         except ConfigError as exc:  # refused before the run directory changed
             print(f"config error: {exc}", file=sys.stderr)
-            return 2
+            return CONFIG_ERROR_EXIT
     else:
         run_dir = RunDir(resolve_run_root(job) / run_name)
     import torch.distributed as dist
