@@ -243,7 +243,7 @@ def test_parallel_reader_reads_each_file_in_its_own_thread_and_loads_bit_identic
 
     import torch.distributed.checkpoint as dcp
 
-    import orchestration.checkpoint.manager as ck
+    import orchestration.checkpoint.reader as ck
     import orchestration.checkpoint.writer as ck_writer
 
     monkeypatch.setattr(ck_writer, "io_threads", lambda: 4)  # the save writes 4 files,

@@ -8,6 +8,7 @@ import torch
 
 from orchestration.checkpoint.host_memory import HostStaging, tensor_specs
 from orchestration.checkpoint.manager import CheckpointManager
+from orchestration.checkpoint.state import model_and_optimizer_state
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -42,7 +43,7 @@ def test_background_save_of_a_gpu_model_from_prepared_buffers_loads_bit_identica
     assert mgr.prepare_staging(model, opt) > 0
     mgr._staging.wait_prepared()
     # every GPU tensor's buffer is page-locked (AdamW's step counters live on the CPU: plain buffers)
-    on_gpu = [p for p, _, _, cuda in tensor_specs(mgr._get_state(model, opt)) if cuda]
+    on_gpu = [p for p, _, _, cuda in tensor_specs(model_and_optimizer_state(model, opt)) if cuda]
     assert on_gpu and all(mgr._staging.buffers[p].is_pinned() for p in on_gpu)
     assert mgr._staging.fallbacks == 0
     ptrs = {p: b.data_ptr() for p, b in mgr._staging.buffers.items()}

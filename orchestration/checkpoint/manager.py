@@ -12,7 +12,7 @@ Life of a checkpoint:
 3. `latest` verifies candidates newest first (manifest readable, all files present with the recorded sizes and
    digests); a corrupt or partial one is reported with a `checkpoint_corrupt` event and skipped.
 4. `load` reshards the tensors into the current model/optimizer (any world size, FSDP2 or plain), restores the
-   scheduler, the RNG of this rank, and returns the extra state. Loading never deletes anything.
+   scheduler, the RNG of this rank, and returns the extra state (reader.py). Loading never deletes anything.
 
 RNG on load: with the same world size, each rank gets back exactly the states it saved. With a different world
 size there is no meaningful mapping of old ranks to new ones, so every rank seeds torch (CPU and all CUDA
@@ -30,7 +30,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import pickle
 import shutil
 import threading
 import time
@@ -41,43 +40,26 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict,
-    get_state_dict,
-    set_model_state_dict,
-    set_state_dict,
-)
 
 from orchestration.checkpoint.collectives import broadcast_from_rank0, dist_on, gather_to_all, sync_errors
 from orchestration.checkpoint.directory import (
-    DCP_DIR,
-    EXTRA_STATE,
     MANIFEST,
     RNG_DIR,
-    SCHEDULER,
-    STATE_META,
     STEP_DIR_RE,
     TMP_PREFIX,
     CheckpointError,
     CheckpointInfo,
     io_threads,
     read_manifest,
-    rng_file_name,
     step_dir_name,
     verify_checkpoint,
     weights_only_bytes,
     write_json_atomic,
 )
 from orchestration.checkpoint.host_memory import HostStaging, tensor_specs
-from orchestration.checkpoint.rng import capture_rng_state, derive_rng_seed, restore_rng_state, seed_all_rngs
-from orchestration.checkpoint.state import (
-    ParallelFileSystemReader,
-    dcp_failure_summary,
-    merge_trees,
-    split_tensors,
-)
+from orchestration.checkpoint.reader import read_into
+from orchestration.checkpoint.rng import capture_rng_state
+from orchestration.checkpoint.state import model_and_optimizer_state, split_tensors
 from orchestration.checkpoint.writer import SaveJob, deleted_events, describe_error, stage_job, write_and_finalize
 
 EventSink = Callable[[str, dict], None]
@@ -216,7 +198,7 @@ class CheckpointManager:
 
         # Everything that can fail on bad input runs before the first collective, identically on every rank.
         t_start = time.perf_counter()
-        state = self._get_state(model, optimizer)
+        state = model_and_optimizer_state(model, optimizer)
         tensors, rest = split_tensors(state)
         rest_bytes = weights_only_bytes(rest, "the non-tensor part of the model/optimizer state")
         sched_bytes = None
@@ -261,7 +243,7 @@ class CheckpointManager:
         collective). Returns the number of buffers being prepared. For a resumed run, whose first save would
         otherwise allocate them while training waits (1 s for 13 GiB by registration, 5-8 s by cudaHostAlloc)."""
         self._join()
-        specs = tensor_specs(self._get_state(model, optimizer))
+        specs = tensor_specs(model_and_optimizer_state(model, optimizer))
         self._staging.prepare(specs)
         return len(specs)
 
@@ -341,12 +323,6 @@ class CheckpointManager:
         """Whether a background save (of `step`, if given) is still writing. Local, non-blocking."""
         job = self._pending
         return job is not None and job.thread.is_alive() and (step is None or job.step == step)
-
-    def _get_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict:
-        if optimizer is None:
-            return {"model": get_model_state_dict(model)}
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        return {"model": model_sd, "optim": optim_sd}
 
     # -- good marks and retention ---------------------------------------------------------------------------------
 
@@ -497,44 +473,10 @@ class CheckpointManager:
         self._join()
         if not isinstance(info, CheckpointInfo):
             info = self.verify(info)
-        path = info.path
-        if scheduler is not None and not (path / SCHEDULER).is_file():
-            raise CheckpointError(f"checkpoint {path} was saved without a scheduler; pass scheduler=None or "
-                                  f"resume from a checkpoint that has one")
-        try:
-            saved_rest = torch.load(path / STATE_META, weights_only=True, map_location="cpu")
-            extra_state = json.loads((path / EXTRA_STATE).read_text(encoding="ascii"))
-        except (OSError, ValueError, RuntimeError, pickle.UnpicklingError) as e:
-            raise CheckpointError(f"checkpoint {path}: cannot read {STATE_META}/{EXTRA_STATE}: {e}") from e
-        if optimizer is not None and "optim" not in saved_rest:
-            raise CheckpointError(f"checkpoint {path} has no optimizer state; pass optimizer=None to load "
-                                  f"the model only")
-        dest = self._get_state(model, optimizer)
-        tensors, _ = split_tensors(dest)
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-            try:
-                # in place, resharded to the current layout; the rank's files read in threads
-                dcp.load(tensors, storage_reader=ParallelFileSystemReader(path / DCP_DIR, io_threads()))
-            except CheckpointException as e:  # a BaseException: would escape `except Exception` handlers
-                raise CheckpointError(f"checkpoint {path} does not fit this model/optimizer: "
-                                      f"{dcp_failure_summary(e)}; a run resumes with the model settings it was "
-                                      "saved with (model.name, model.overrides), or choose a new run_name") from None
-        merged = merge_trees(saved_rest, tensors)
-        if optimizer is None:
-            set_model_state_dict(model, merged["model"])
-        else:
-            set_state_dict(model, optimizer, model_state_dict=merged["model"], optim_state_dict=merged["optim"])
-        if scheduler is not None:
-            scheduler.load_state_dict(torch.load(path / SCHEDULER, weights_only=True, map_location="cpu"))
-        if info.world_size == self.world_size:
-            restore_rng_state(torch.load(path / rng_file_name(self.rank), weights_only=True, map_location="cpu"))
-            rng = "restored"
-        else:
-            seed_all_rngs(derive_rng_seed(self.seed, info.step, self.rank))
-            rng = "derived"
+        extra_state, rng = read_into(info, model, optimizer, scheduler, rank=self.rank, world_size=self.world_size,
+                                     seed=self.seed)
         if self.rank == 0:
-            self._emit("checkpoint_loaded", {"step": info.step, "path": str(path), "from_world_size":
+            self._emit("checkpoint_loaded", {"step": info.step, "path": str(info.path), "from_world_size":
                                              info.world_size, "world_size": self.world_size, "rng": rng})
         self.last_load_rng = rng
         return extra_state

@@ -10,6 +10,7 @@ from dataclasses import replace
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
 from orchestration.checkpoint.host_memory import HostStaging, tensor_specs
 
@@ -33,6 +34,15 @@ def split_tensors(tree: dict) -> tuple[dict, dict]:
         else:
             rest[key] = value
     return tensors, rest
+
+
+def model_and_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict:
+    """{"model": ..., "optim": ...} state dicts as DCP saves and loads them (FSDP2-aware); without an optimizer the
+    model's alone."""
+    if optimizer is None:
+        return {"model": get_model_state_dict(model)}
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    return {"model": model_sd, "optim": optim_sd}
 
 
 def tensor_leaves(tree: dict) -> list:
