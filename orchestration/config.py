@@ -195,7 +195,7 @@ class DataConfig:
     # Validation sequences of data.seq_len tokens per evaluation (train.eval_every): the same ones at any world size.
     eval_sequences: int = 32
     # Set when the config is loaded, not by users: the sha256 of the prepared corpus's manifest.json (names corpus,
-    # tokenizer and split; a resume on another one is refused, orchestration.driver.ray_job.RESUME_KEYS).
+    # tokenizer and split; a resume on another one is refused, orchestration.driver.start_checks.RESUME_KEYS).
     manifest_sha256: str | None = None
 
 
@@ -206,7 +206,7 @@ class TrainConfig:
     micro_batch_size: int = 4  # sequences per worker per forward; grad accumulation fills the rest
     lr: float | None = None  # None (null): the model flavor's peak_lr (published where known; models/registry.py)
     # Set when the config is loaded, not by users: "model" when lr was null and took the flavor's peak_lr (a resume
-    # then keeps the saved run's lr, orchestration.driver.ray_job.check_start), "config" when lr was given.
+    # then keeps the saved run's lr, orchestration.driver.start_checks.check_start), "config" when lr was given.
     lr_source: str = "config"
     min_lr_ratio: float = 0.1
     warmup_steps: int = 10
@@ -238,7 +238,7 @@ class CheckpointConfig:
     every_steps: int = 40
     keep_last: int = 3
     keep_good: int = 2
-    # true: a start with an existing run's name resumes it (same RESUME_KEYS settings, orchestration/driver/ray_job.py).
+    # true: a start with an existing run's name resumes it (same RESUME_KEYS settings, orchestration/driver/start_checks.py).
     # false: refuse to start over a run that has checkpoints. Restarts within one start always resume.
     resume: bool = True
     report_to_ray: bool = True

@@ -16,7 +16,8 @@ GIB = 1024**3
 def build_job_plan(job: JobConfig) -> dict[str, Any]:
     from models.planning import plan_model
     from models.registry import resolve_flavor
-    from orchestration.driver.ray_job import checkpoint_bytes, ray_plan, resolve_run_root
+    from orchestration.driver.ray_job import ray_plan
+    from orchestration.driver.start_checks import checkpoint_bytes, resolve_run_root
 
     c = job.cluster
     flavor = resolve_flavor(job.model.name, dict(job.model.overrides))

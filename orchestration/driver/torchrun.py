@@ -44,9 +44,9 @@ def main(argv: list[str]) -> int:
         final_status,
         open_run_dir,
         print_summary,
-        resolve_run_root,
         worker_env,
     )
+    from orchestration.driver.start_checks import resolve_run_root
     from orchestration.observability.events import RunDir
     from orchestration.training.loop import train_loop
 

@@ -126,7 +126,7 @@ class RunCheckpoints:
         previous = read_jsonl(t.run_dir.path / EVENTS_FILE)
         # Collective: every rank must resume from the same checkpoint even if one of them sees a corrupt file.
         # Always, whatever checkpoint.resume says: the driver refuses resume=false over a run that has checkpoints
-        # (orchestration.driver.ray_job.check_start), so checkpoints found here are this start's own, and a Ray
+        # (orchestration.driver.start_checks.check_start), so checkpoints found here are this start's own, and a Ray
         # restart after a lost worker must continue from them, not train again from step 0.
         info = self.manager.latest(collective=True)
         if info is None and t.job.checkpoint.resume and self.manager.finalized():
