@@ -15,7 +15,7 @@ from benchmarks import run_suite
 from benchmarks.common import RESULT_KEYS, write_result
 
 REPO = Path(__file__).resolve().parent.parent
-GPU_SUITES = ("kernels", "dense", "moe", "loop", "checkpoint")
+GPU_SUITES = ("kernels", "dense", "moe", "loop", "checkpoint", "quality_dense", "quality_moe")
 
 
 def test_every_suite_runs_existing_programs_with_options_they_define():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from benchmarks.worker_throughput import summarize_run
+from benchmarks.worker_throughput import eval_gaps, launcher_command, summarize_run
 
 
 def _write(run_dir, metrics, events, summary):
@@ -45,3 +45,25 @@ def test_an_unfinished_run_reports_what_it_has(tmp_path):
     out = summarize_run(tmp_path / "r", skip_steps=10)
     assert out["status"] is None and out["tokens_per_s_median"] is None and out["setup_s"] is None
     assert out["first_metrics_s"] is None and out["gpu_mem_peak_gib"] is None
+
+
+def test_eval_losses_and_their_gap_to_the_baseline(tmp_path):
+    metrics = [{"step": 5, "loss": 4.0, "tokens_per_s": 100.0, "time": 1.0},
+               {"step": 10, "loss": 3.5, "tokens_per_s": 100.0, "eval_loss": 3.6, "eval_loss_bf16": 3.58, "time": 2.0},
+               {"step": 20, "loss": 3.0, "tokens_per_s": 100.0, "eval_loss": 3.1, "eval_loss_bf16": 3.1, "time": 3.0}]
+    _write(tmp_path / "fp8", metrics, [], {"status": "completed", "final_eval_loss": 3.1, "eval_s_mean": 0.5})
+    out = summarize_run(tmp_path / "fp8", skip_steps=0)
+    assert out["eval_losses"] == [(10, 3.6, 3.58), (20, 3.1, 3.1)]
+    assert out["final_eval_loss"] == 3.1 and out["eval_s_mean"] == 0.5
+    baseline = [(10, 3.5, None), (20, 3.2, None), (30, 3.0, None)]
+    gaps = eval_gaps(baseline, out["eval_losses"])
+    assert [step for step, _ in gaps] == [10, 20]  # only the steps both evaluated
+    assert gaps[0][1] == (3.6 - 3.5) / 3.5 and gaps[1][1] == (3.1 - 3.2) / 3.2
+
+
+def test_a_ray_variant_runs_the_main_command_and_torchrun_the_one_process_launcher():
+    ray = launcher_command("ray", ["model=debug_dense", "run_name=r"])
+    assert ray[1:] == ["launch.py", "model=debug_dense", "run_name=r"]
+    torchrun = launcher_command("torchrun", ["model=debug_dense"])
+    assert torchrun[1:3] == ["-m", "torch.distributed.run"]
+    assert torchrun[-3:] == ["-m", "orchestration.driver.torchrun", "model=debug_dense"]
