@@ -46,7 +46,7 @@ def main(cfg: DictConfig) -> None:
 
     try:
         summary = run_job(job)
-    except ConfigError as exc:  # refused before the run directory changed (orchestration.driver.start_checks.check_start)
+    except ConfigError as exc:  # refused before the run directory changed (driver/start_checks.py check_start)
         print(f"config error: {exc}", file=sys.stderr, flush=True)
         sys.exit(CONFIG_ERROR_EXIT)
     if summary["status"] not in ("completed",):

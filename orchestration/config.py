@@ -238,7 +238,7 @@ class CheckpointConfig:
     every_steps: int = 40
     keep_last: int = 3
     keep_good: int = 2
-    # true: a start with an existing run's name resumes it (same RESUME_KEYS settings, orchestration/driver/start_checks.py).
+    # true: a start with an existing run's name resumes it (same RESUME_KEYS settings, driver/start_checks.py).
     # false: refuse to start over a run that has checkpoints. Restarts within one start always resume.
     resume: bool = True
     report_to_ray: bool = True

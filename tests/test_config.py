@@ -285,7 +285,7 @@ def save_real_checkpoint(checkpoints: Path, step: int) -> None:
     CheckpointManager(checkpoints, rank=0, world_size=1).save(step, model, optimizer)
 
 def test_a_start_that_cannot_resume_is_refused_before_the_run_directory_changes(tmp_path):
-    """orchestration.driver.start_checks.check_start (called by open_run_dir, for Ray and torchrun): a run_root that is a file,
+    """driver/start_checks.py check_start (called by open_run_dir, for Ray and torchrun): a run_root that is a file,
     resume=false over checkpoints, and a resume with other model/precision/data settings are refused with the
     keys to restore; compatible changes (steps, lr, workers) pass; nothing in the run directory is touched."""
     from orchestration.config import to_dict

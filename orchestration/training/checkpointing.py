@@ -299,7 +299,8 @@ class RunCheckpoints:
         return path
 
     def maybe_mark_good(self) -> None:
-        """A checkpoint is good once monitor.good_after_steps steps after it passed the monitors (docs/run-directory.md)."""
+        """A checkpoint is good once monitor.good_after_steps steps after it passed the monitors
+        (docs/run-directory.md)."""
         t = self.trainer
         last_bad = t.guard.last_bad_step
         for step in sorted(self.manager.awaiting_good):
