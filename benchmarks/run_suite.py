@@ -164,7 +164,7 @@ SUITES: dict[str, tuple[Benchmark, ...]] = {
             ("bf16", "launcher=ray", *RAY_ONE_GPU, "precision=bf16"),
             ("fp8", "launcher=ray", *RAY_ONE_GPU, "precision=fp8"),
             ("fp8_head", "launcher=ray", *RAY_ONE_GPU, "precision=fp8", "precision.fp8_output_head=true"),
-            ("fp8_torchrun", "precision=fp8")), timeout_s=540),
+            ("fp8_torchrun", "precision=fp8")), timeout_s=580),
     ),
     "checkpoint": (
         # Training stall per save, background vs synchronous, ~13 GB a save (2 MoE-width layers, fp32 master + AdamW).

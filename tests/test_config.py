@@ -74,8 +74,8 @@ def test_compile_mode_reaches_every_block(monkeypatch, mode, expected):
 
 
 def test_fp8_output_head_setting_reaches_the_conversion():
-    """precision.fp8_output_head: false (the default) keeps the LM head nn.Linear; true makes it a Float8Linear,
-    with the same layers converted besides; a non-boolean value is refused naming the key."""
+    """precision.fp8_output_head: true (precision=fp8's default) makes the LM head a Float8Linear; false keeps it
+    nn.Linear, with the same layers converted besides; a non-boolean value is refused naming the key."""
     import torch
 
     from fp8 import Float8Linear
@@ -87,9 +87,9 @@ def test_fp8_output_head_setting_reaches_the_conversion():
         model, _ = build_training_model(job, world_size=1, device=torch.device("cpu"))
         return {n for n, m in model.named_modules() if isinstance(m, Float8Linear)}
 
-    default = fp8_layers()
-    assert default and "output" not in default
-    assert fp8_layers("precision.fp8_output_head=true") == default | {"output"}
+    bf16_head = fp8_layers("precision.fp8_output_head=false")
+    assert bf16_head and "output" not in bf16_head
+    assert fp8_layers() == bf16_head | {"output"}  # the default: the head in FP8 too
     # A wrong type fails in Hydra's composition onto the registered schema, naming the key.
     with pytest.raises(ConfigCompositionException, match="precision.fp8_output_head"):
         compose_job("model=debug_dense", "precision.fp8_output_head=sometimes")
@@ -98,7 +98,9 @@ def test_fp8_output_head_setting_reaches_the_conversion():
     # A vocabulary that is not a multiple of 16 cannot run in FP8: refused with the padded size, not left in bf16.
     with pytest.raises(ValueError, match=r"fp8_output_head=true.*model.overrides.vocab_size=272"):
         fp8_layers("precision.fp8_output_head=true", "+model.overrides.vocab_size=257")
-    assert "output" not in fp8_layers("+model.overrides.vocab_size=257")  # without the setting: bf16 head, fine
+    with pytest.raises(ValueError, match=r"fp8_output_head=true.*model.overrides.vocab_size=272"):
+        fp8_layers("+model.overrides.vocab_size=257")  # the default asks the same
+    assert "output" not in fp8_layers("precision.fp8_output_head=false", "+model.overrides.vocab_size=257")
     # The byte-level data's ids 0..255 must fit the vocabulary (the fused FP8 head's GPU kernel does not check them).
     with pytest.raises(ValueError, match=r"vocab_size=128, below the 256 token ids.*at least 256"):
         fp8_layers("+model.overrides.vocab_size=128")
@@ -306,7 +308,8 @@ def test_a_start_that_cannot_resume_is_refused_before_the_run_directory_changes(
     check_start(job("train.steps=500", "train.lr=0.001", "cluster.max_workers=4", "cluster.min_workers=1"), "exp")
     with pytest.raises(ConfigError, match=r"model.name \(saved 'debug_dense', now 'debug_moe'\).*new run_name"):
         open_run_dir(job("model=debug_moe"), "exp")
-    with pytest.raises(ConfigError, match=r"precision.name \(saved 'fp8', now 'bf16'\); data.seed \(saved 1234"):
+    with pytest.raises(ConfigError, match=r"precision.name \(saved 'fp8', now 'bf16'\); "
+                       r"precision.fp8_output_head \(saved True, now False\); data.seed \(saved 1234"):
         check_start(job("precision=bf16", "data.seed=5"), "exp")
     with pytest.raises(ConfigError, match=r"model.overrides \(saved \{\}, now \{'n_layers': 3\}\)"):
         check_start(job("+model.overrides.n_layers=3"), "exp")
@@ -314,13 +317,16 @@ def test_a_start_that_cannot_resume_is_refused_before_the_run_directory_changes(
         check_start(job("checkpoint.resume=false"), "exp")
     assert sorted((p.relative_to(run.path), p.stat().st_mtime_ns) for p in run.path.rglob("*")) == before
 
-    # A run saved before a setting existed (no such key in its config.yaml) ran with the default: resumable.
+    # A run saved before a setting existed (no such key in its config.yaml) ran with the schema's default: resumable
+    # with that value. fp8_output_head's schema default (False) is not precision=fp8's (true): named as a change.
     old_config = to_dict(job())
     del old_config["precision"]["fp8_experts"], old_config["precision"]["fp8_output_head"]
     run.write_config(old_config)
-    check_start(job(), "exp")
+    check_start(job("precision.fp8_output_head=false"), "exp")
+    with pytest.raises(ConfigError, match=r"precision.fp8_output_head \(saved False, now True\)"):
+        check_start(job(), "exp")
     with pytest.raises(ConfigError, match=r"precision.fp8_experts \(saved True, now False\)"):
-        check_start(job("precision.fp8_experts=false"), "exp")
+        check_start(job("precision.fp8_output_head=false", "precision.fp8_experts=false"), "exp")
 
     a_file = tmp_path / "not_a_dir"
     a_file.write_text("x")
