@@ -5,7 +5,10 @@ FSDP2 all-gathers every weight before a block's forward (and again before its ba
 high-precision master, whose FSDP2 extension points (`fsdp_pre_all_gather` / `fsdp_post_all_gather`, the
 tensor-subclass hooks torch.distributed.fsdp documents) cast the local shard to fp8 before the collective. The
 scale is the one the unsharded weight would get: the amax of every shard, all-reduced (MAX) over the FSDP mesh,
-so the fp8 bytes each rank sends are exactly those the full weight would cast to. The gathered weight is an
+so the fp8 bytes each rank sends are exactly those the full weight would cast to. The amaxes of one FSDP2 unit's
+weights (a Llama3 block's wq wk wv wo w1 w2 w3) travel together: one all-reduce of the stacked amaxes per unit
+all-gather instead of one per weight (7 -> 1 per block, forward and backward re-gather; MAX is exact, so the scales
+are those of the per-weight all-reduces bit for bit). The gathered weight is an
 `Fp8GatheredWeight` (fp8 data + that scale); Float8Linear's forward and backward GEMMs read its fp8 data directly
 (fp8.linear), never casting the weight again.
 
@@ -94,13 +97,15 @@ class Fp8AllGatherWeight(torch.Tensor):
         """-> (all-gather inputs, metadata): the fp8 shard and its global scale while `module` computes in fp8,
         else the master shard in param_dtype (what FSDP2 gathers without this class)."""
         hp = self.hp if mp_policy.param_dtype is None else self.hp.to(mp_policy.param_dtype)
-        fp8_now = bool(getattr(module, "fp8_enabled", True))
+        fp8_now = _computes_in_fp8(module)
         _match_gather_buffers(module, fp8_now)
         if not fp8_now:
             return (hp,), None
-        # The padding FSDP2 adds to uneven shards is zeros: it never raises the amax.
-        amax = reference.abs_amax(hp)
-        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=mesh.get_group())
+        unit = module.__dict__.get(_UNIT_AMAXES)
+        if unit is None:
+            raise RuntimeError(f"{type(module).__name__} is all-gathered in fp8 but its FSDP2 unit is unknown: call "
+                               "fp8.fsdp_allgather.track_fsdp_params(model) after fully_shard")
+        amax = unit.global_amax(module, mesh, mp_policy.param_dtype)
         data, scale = reference.quantize_tensorwise_ref(hp, get_backend(hp.device).e4m3, amax=amax, pow2=self.pow2)
         return (data,), (scale,)
 
@@ -172,10 +177,56 @@ def gathered_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     return None
 
 
-# Attribute set on each wrapped layer: the FSDPParam of its weight, once track_fsdp_params found it, and whether its
-# gather buffers were last sized for fp8.
+# Attributes set on each wrapped layer: the FSDPParam of its weight and the _UnitAmaxes of its FSDP2 unit, once
+# track_fsdp_params found them, and whether its gather buffers were last sized for fp8.
 _FSDP_PARAM = "_fp8_all_gather_fsdp_param"
+_UNIT_AMAXES = "_fp8_all_gather_unit_amaxes"
 _GATHER_IS_FP8 = "_fp8_all_gather_buffers_fp8"
+
+
+def _computes_in_fp8(module: nn.Module) -> bool:
+    return bool(getattr(module, "fp8_enabled", True))
+
+
+class _UnitAmaxes:
+    """The fp8-gathered weights of one FSDP2 unit (FSDPParamGroup), in the group's order, and the global amaxes of
+    the unit's all-gather in progress.
+
+    FSDP2 builds a unit's all-gather inputs by calling fsdp_pre_all_gather on each of the unit's weights in the
+    group's order, all before the collective (_fsdp_collectives._get_param_all_gather_inputs), on every rank alike. So
+    the first weight computing in fp8 starts a gather: it takes the local amax of every weight that computes in fp8
+    now, MAX-all-reduces them as one stacked tensor, and each weight (itself included) takes its own from `pending`.
+    Nothing outlives the gather: the backward re-gather, or the next step after the optimizer changed the weights,
+    starts over from the weights as they are then."""
+
+    def __init__(self, fsdp_params: list[Any]) -> None:
+        self.fsdp_params = fsdp_params
+        self.pending: dict[int, torch.Tensor] = {}
+
+    def global_amax(self, module: nn.Module, mesh: Any, param_dtype: torch.dtype | None) -> torch.Tensor:
+        members = [p for p in self.fsdp_params if _computes_in_fp8(p._module_info.module)]
+        if members[0]._module_info.module is module:
+            amaxes = torch.stack([self._local_amax(p, param_dtype) for p in members])
+            dist.all_reduce(amaxes, op=dist.ReduceOp.MAX, group=mesh.get_group())
+            self.pending = {id(p._module_info.module): amax for p, amax in zip(members, amaxes.unbind())}
+        amax = self.pending.pop(id(module), None)
+        if amax is None:
+            raise RuntimeError(f"{type(module).__name__}: FSDP2 asked for this weight's fp8 all-gather input outside "
+                               "its unit's gather (the unit's first fp8 weight starts each one)")
+        return amax
+
+    @staticmethod
+    def _local_amax(fsdp_param: Any, param_dtype: torch.dtype | None) -> torch.Tensor:
+        hp = fsdp_param._sharded_local_tensor.hp
+        if fsdp_param.offload_to_cpu:  # as FSDPParam.all_gather_inputs moves the shard before the pre-all-gather
+            hp = hp.to(fsdp_param.device, non_blocking=True)
+        # The padding FSDP2 adds to uneven shards is zeros: it never raises the amax.
+        amax = reference.abs_amax(hp)
+        if param_dtype is None or param_dtype == hp.dtype:
+            return amax
+        # max |x| of the weight cast to param_dtype without casting the weight: round-to-nearest-even is monotonic
+        # and symmetric, so max |round(x)| == round(max |x|) bit for bit (an overflow is inf either way).
+        return amax.to(param_dtype).float()
 
 
 def _match_gather_buffers(module: nn.Module, fp8_now: bool) -> None:
@@ -239,16 +290,20 @@ def enable_fp8_all_gather(model: nn.Module) -> list[str]:
 
 def track_fsdp_params(model: nn.Module) -> int:
     """After fully_shard: remember, on each wrapped layer, the FSDPParam of its weight (what a precision switch
-    resets, see _match_gather_buffers). Returns how many were found."""
+    resets, see _match_gather_buffers) and its FSDP2 unit's _UnitAmaxes (the one all-reduce of the unit's amaxes).
+    Required before the first forward. Returns how many weights were found."""
     found = 0
     for module in model.modules():
         get_state = getattr(module, "_get_fsdp_state", None)
         group = getattr(get_state(), "_fsdp_param_group", None) if callable(get_state) else None
-        for fsdp_param in getattr(group, "fsdp_params", []) or []:
+        wrapped = [p for p in getattr(group, "fsdp_params", []) or []
+                   if _eligible(p._module_info.module) and isinstance(p._sharded_local_tensor, Fp8AllGatherWeight)]
+        unit = _UnitAmaxes(wrapped)
+        for fsdp_param in wrapped:
             owner = fsdp_param._module_info.module
-            if _eligible(owner) and isinstance(fsdp_param._sharded_local_tensor, Fp8AllGatherWeight):
-                owner.__dict__[_FSDP_PARAM] = fsdp_param
-                found += 1
+            owner.__dict__[_FSDP_PARAM] = fsdp_param
+            owner.__dict__[_UNIT_AMAXES] = unit
+            found += 1
     return found
 
 
