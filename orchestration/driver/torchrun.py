@@ -3,8 +3,10 @@ debugging:
 
     torchrun --nproc_per_node=8 -m orchestration.driver.torchrun model=llama3_8b cluster.device=cuda run_name=x ...
 
-Hydra overrides as for launch.py. No elasticity here (torchrun restarts are up to the caller); everything else -
-FSDP2, FP8, monitors, checkpoints, the run directory - is the worker loop of a Ray run.
+Hydra overrides as for launch.py. No elasticity here: the world size is torchrun's. With --max-restarts=N torchrun
+restarts the whole group after a failure, and a restart continues the run as Ray Train's restart of a lost worker
+does: no new run_start, a worker_lost event, a resume from the latest checkpoint, one run_end when the last attempt
+ends. Everything else - FSDP2, FP8, monitors, checkpoints, the run directory - is the worker loop of a Ray run.
 """
 
 from __future__ import annotations
@@ -47,10 +49,18 @@ def main(argv: list[str]) -> int:
         worker_env,
     )
     from orchestration.driver.start_checks import resolve_run_root
-    from orchestration.observability.events import RunDir
+    from orchestration.observability.events import CONFIG_FILE, EVENTS_FILE, FINAL_STATE_FILE, RunDir, read_jsonl
+    from orchestration.training.distributed import torchrun_store_prefix
     from orchestration.training.loop import train_loop
 
+    try:
+        torchrun_store_prefix(os.environ)  # refuses a torchrun whose restarts cannot rendezvous
+    except ValueError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return CONFIG_ERROR_EXIT
     rank = int(os.environ.get("RANK", "0"))
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    restarts_left = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) - attempt
     # torchrun's run id is the literal "none" unless --rdzv-id (or --standalone) sets one: every such launch would
     # share runs/none and resume each other. Ask for a name instead.
     run_id = os.environ.get("TORCHELASTIC_RUN_ID")
@@ -60,20 +70,28 @@ def main(argv: list[str]) -> int:
         return CONFIG_ERROR_EXIT
     run_name = job.run_name or run_id or default_run_name(job)
     t_start = time.time()
-    if rank == 0:
+    run_path = resolve_run_root(job) / run_name
+    # A torchrun restart of this launch: the first attempt opened the run directory (and passed the start checks).
+    restarted = attempt > 0 and (run_path / CONFIG_FILE).is_file()
+    if rank == 0 and not restarted:
         try:
             run_dir = open_run_dir(job, run_name, launcher="torchrun", world_size=world)
         except ConfigError as exc:  # refused before the run directory changed
             print(f"config error: {exc}", file=sys.stderr)
             return CONFIG_ERROR_EXIT
     else:
-        run_dir = RunDir(resolve_run_root(job) / run_name)
+        run_dir = RunDir(run_path)
+    if rank == 0 and restarted:
+        # A final state the failed attempt wrote is not this attempt's; the run's wall time counts from its start.
+        (run_path / FINAL_STATE_FILE).unlink(missing_ok=True)
+        starts = [e["time"] for e in read_jsonl(run_path / EVENTS_FILE) if e["event"] == "run_start"]
+        t_start = starts[-1] if starts else t_start
     import torch.distributed as dist
 
     try:
         # The cluster's NCCL/RCCL preset and env_vars, as the Ray driver hands them to its workers.
         train_loop({"job": to_dict(job), "run_dir": str(run_dir.path), "run_name": run_name,
-                    "env": worker_env(job), "launcher": "torchrun"})
+                    "env": worker_env(job), "launcher": "torchrun", "group_id": f"torchrun-attempt{attempt}"})
     finally:
         # Also when the loop raised: rank 0 still writes run_end and a summary ("failed": no final state).
         if dist.is_initialized():
@@ -87,7 +105,12 @@ def main(argv: list[str]) -> int:
             status = final_status(run_dir) or "failed"
             if final_error(run_dir):
                 print(f"Training failed: {final_error(run_dir)}", file=sys.stderr, flush=True)
-            print_summary(close_run_dir(run_dir, status, t_start))
+            if status != "completed" and restarts_left > 0:
+                # This process exits non-zero, so torchrun restarts the group: the run goes on, it has no end yet.
+                print(f"Worker group ended {status}; torchrun restarts it ({restarts_left} restart(s) left)",
+                      file=sys.stderr, flush=True)
+            else:
+                print_summary(close_run_dir(run_dir, status, t_start))
     if rank == 0:
         return 0 if status == "completed" else 1
     return 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -44,6 +45,31 @@ def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
+def torchrun_store_prefix(env: Mapping[str, str]) -> str | None:
+    """The key prefix that keeps this torchrun attempt's process group apart from the attempts before it in the
+    agent's TCPStore, or None when torchrun's agent hosts no store for the workers (not under torchrun, or torchrun
+    started with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: then each attempt's rank 0 hosts a new store on a new port).
+
+    torchrun (torch 2.13) keeps ONE TCPStore in its agent for all the attempts of a run (the dynamic rendezvous makes
+    its server once and hands every attempt the same MASTER_PORT), and init_process_group's env:// keys
+    ("default_pg/0/...": each rank's gloo address, NCCL's unique id) are the same in every attempt. After a
+    --max-restarts restart, the rank that gets there first reads the dead attempt's addresses from them: gloo
+    "connection refused" to the previous attempt's peer, and the restart dies (pytorch issue 135712, which also says
+    why torch does not prefix them with TORCHELASTIC_RESTART_COUNT: on several nodes the agents' counts can differ).
+    On one node there is one agent, whose restart count numbers the attempts alike for every rank: it prefixes the
+    keys. On several nodes with restarts there is no such number: refused, with what to change."""
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    nodes = int(env.get("GROUP_WORLD_SIZE", "1"))
+    max_restarts = int(env.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+    if nodes > 1 and max_restarts > 0:
+        raise ValueError(f"torchrun on {nodes} nodes with --max-restarts={max_restarts} keeps one TCPStore for every "
+                         "restart, and a restarted group meets the dead one's addresses there (pytorch issue 135712): "
+                         "start torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment, or with "
+                         "--max-restarts=0")
+    return f"elastic_fp8/torchrun_attempt{int(env.get('TORCHELASTIC_RESTART_COUNT', '0'))}"
+
+
 def init_distributed(requested_device: str, timeout_s: float = 600.0) -> DistInfo:
     """Join (or reuse) the default process group. Ray Train's TorchTrainer already created one; torchrun did not."""
     rank = int(os.environ.get("RANK", "0"))
@@ -57,8 +83,16 @@ def init_distributed(requested_device: str, timeout_s: float = 600.0) -> DistInf
         rank, world_size = dist.get_rank(), dist.get_world_size()
         backend = dist.get_backend()
     elif world_size > 1:
-        dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s),
-                                device_id=device if device.type == "cuda" else None)
+        timeout = timedelta(seconds=timeout_s)
+        rendezvous = {}
+        prefix = torchrun_store_prefix(os.environ)
+        if prefix is not None:
+            # torchrun's agent store, under this attempt's own keys (torchrun_store_prefix says why).
+            agent_store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                                        is_master=False, timeout=timeout)
+            rendezvous = {"store": dist.PrefixStore(prefix, agent_store), "rank": rank, "world_size": world_size}
+        dist.init_process_group(backend=backend, timeout=timeout, device_id=device if device.type == "cuda" else None,
+                                **rendezvous)
         rank, world_size = dist.get_rank(), dist.get_world_size()
     return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device, backend=backend)
 
