@@ -1,5 +1,6 @@
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -7,6 +8,12 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+
+# A suite started in the background by a non-interactive shell inherits SIGINT ignored (POSIX), and every launcher
+# it starts would too: the tests that press Ctrl-C on a run (send SIGINT) then saw it train on for 120 s. A handler
+# is reset to the default at exec, an ignored signal is not: give this process the handler back.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture
