@@ -5,8 +5,9 @@ every attempt: a restarted rank that gets there before its peers reads the dead 
 loop's rank 0 gets there last (it checks and opens the run directory first). Whether gloo then fails depends on which
 rank of the pair dials (gloo orders the two addresses; the other rank waits to be dialled): when the restarted rank 1
 dials the dead rank 0's address, "Gloo connectFullMesh failed ... timed out connecting: SO_ERROR: Connection refused"
-- in 1 of 2 plain restarts here, and 2 of 4 product runs with checkpoint.keep_last=1 before the fix. These tests show the stale address waiting in the store for a
-restarted rank under env://, none under the attempt's own key prefix, and the restarted group forming with it.
+(benchmarks/multi_gpu.py's torchrun run with checkpoint.keep_last=1: 4 of 5 runs before the fix). These tests show
+the stale address waiting in the store for a restarted rank under env://, none under the attempt's own key prefix,
+and the restarted group forming with it.
 """
 
 from __future__ import annotations
@@ -99,7 +100,7 @@ def _restart_once(tmp_path, env, plain: bool) -> dict:
     return {"returncode": proc.returncode, "seen": seen, "log": proc.stderr[-3000:]}
 
 
-def test_a_restarted_rank_finds_the_dead_groups_address_under_env_init_and_none_under_its_prefix(tmp_path, isolated_env):
+def test_a_restarted_rank_finds_the_dead_groups_address_under_env_init_not_under_its_prefix(tmp_path, isolated_env):
     plain = _restart_once(tmp_path, isolated_env, plain=True)
     prefixed = _restart_once(tmp_path, isolated_env, plain=False)
     for run in (plain, prefixed):
