@@ -143,8 +143,24 @@ class ProgressPrinter:
               f"precision {m.get('precision')}", flush=True)
 
 
+def keep_embedded_cluster_on_loopback() -> None:
+    """An embedded cluster is one machine: give Ray 127.0.0.1 as the node's address, so that GCS, raylet, the agents
+    and the workers' gRPC servers listen on loopback only. Ray 2.60 binds its servers to the node address and takes
+    a routable one unless ENABLE_RAY_CLUSTER is off (its single-machine mode, the default on macOS/Windows, switched
+    by RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 and read once when ray is imported; the services started below inherit
+    it). Measured here: every Ray listener on 0.0.0.0 / the node's 192.0.2.2 before, on 127.0.0.1 after."""
+    import sys
+
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    constants = sys.modules.get("ray._private.ray_constants")
+    if constants is not None:  # ray was imported before the switch was set: the same switch, already read
+        constants.ENABLE_RAY_CLUSTER = False
+
+
 def start_ray(job: JobConfig, plan: RayPlan) -> bool:
     """Join plan.address, or start an embedded local cluster. Returns True when we started it (we stop it)."""
+    if not plan.address:
+        keep_embedded_cluster_on_loopback()
     import ray
     from ray.job_config import JobConfig as RayJobConfig
 
