@@ -49,8 +49,9 @@ def test_torchrun_on_several_nodes_with_restarts_is_refused_before_anything_is_w
     assert not list(tmp_path.iterdir())
 
 
-# Each attempt: rank 0 comes 3 s late (as the worker loop's rank 0, which opens the run directory first), both ranks
-# form the group and all-reduce; in the first attempt rank 1 then dies. Writes what each rank of each attempt saw.
+# Each attempt: rank 0 comes 5 s late (as the worker loop's rank 0, which opens the run directory first), both ranks
+# form the group and all-reduce (env:// only in the first attempt); in the first attempt rank 1 then dies. Writes what
+# each rank of each attempt saw.
 _WORKER = """
 import json, os, sys, time
 from datetime import timedelta
@@ -67,7 +68,13 @@ seen = {{"port": os.environ["MASTER_PORT"], "earlier_attempt_key": probe.check([
         "rank0_address_before_rank0_started": probe.check([namespace + "/0//cpu//0/0"])}}
 if rank == 0:
     probe.set("probe/attempt0" if attempt == 0 else "probe/later", "1")
-    time.sleep(3)
+    time.sleep(5)
+if {plain} and attempt == 1:
+    # what env:// would connect to is recorded above; forming the group here fails or not by gloo's pair order, and
+    # a failure waits out gloo's connect retries (164 s once): not run
+    with open(os.path.join({out!r}, f"attempt{{attempt}}_rank{{rank}}.json"), "w") as f:
+        json.dump(seen, f)
+    os._exit(0)
 try:
     if {plain}:
         dist.init_process_group("gloo", timeout=timedelta(seconds=30))
@@ -109,10 +116,7 @@ def test_a_restarted_rank_finds_the_dead_groups_address_under_env_init_not_under
         assert seen["attempt0_rank0"]["sum"] == 2.0 and seen["attempt0_rank1"]["sum"] == 2.0, run
         assert seen["attempt1_rank1"]["port"] == seen["attempt0_rank1"]["port"], run
         assert seen["attempt1_rank1"]["earlier_attempt_key"] is True, run
-        # rank 0 is 3 s late in each attempt: a first attempt finds no address of it before it starts
-        assert seen["attempt0_rank1"]["rank0_address_before_rank0_started"] is False, run
-    # env:// keys: the restarted rank 1 finds the dead rank 0's gloo address before the new rank 0 has started (it
-    # connects there or waits to be connected, by gloo's pair order: the restart fails or not, not asserted here)
+    # env:// keys: the restarted rank 1 finds the dead rank 0's gloo address before the new rank 0 has started
     assert plain["seen"]["attempt1_rank1"]["rank0_address_before_rank0_started"] is True, plain
     # the attempt's own prefix: nothing there until the new rank 0 writes it; the restarted group forms
     assert prefixed["seen"]["attempt1_rank1"]["rank0_address_before_rank0_started"] is False, prefixed
