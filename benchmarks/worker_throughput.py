@@ -107,7 +107,7 @@ def launcher_command(launcher: str, overrides: list[str]) -> list[str]:
             "-m", "orchestration.driver.torchrun", *overrides]
 
 
-def run_variant(name: str, overrides: list[str], args) -> dict:
+def run_variant(name: str, overrides: list[str], args, timeout_s: float) -> dict:
     run_name = f"{name}-{int(time.time())}"
     launcher = "torchrun"
     if overrides and overrides[0].startswith("launcher="):
@@ -118,7 +118,7 @@ def run_variant(name: str, overrides: list[str], args) -> dict:
     cmd = launcher_command(launcher, [*args.common, *overrides, f"run_name={run_name}", f"run_root={args.run_root}"])
     log_path = Path(args.out) / f"{name}.log"
     t0 = time.time()
-    rc, wall = run_own_session(cmd, log_path, args.timeout_s, REPO)
+    rc, wall = run_own_session(cmd, log_path, timeout_s, REPO)
     run_dir = Path(args.run_root) / run_name
     result = {"name": name, "launcher": launcher, "command": " ".join(cmd), "returncode": rc,
               "wall_s": round(wall, 1)}
@@ -151,12 +151,21 @@ def main() -> None:
                         "through launch.py); repeat per variant; the first is the baseline of the ratios")
     p.add_argument("--skip-steps", type=int, default=10, help="metrics lines up to this step are warm-up")
     p.add_argument("--timeout-s", type=float, default=300.0, help="per variant")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="for all variants together: a variant gets at most what is left of it (a run that ends early "
+                        "leaves its time to the next: Ray's start makes a variant 30 s longer than torchrun's)")
     p.add_argument("--json-name", default="worker_throughput.json")
     args = p.parse_args()
     Path(args.out).mkdir(parents=True, exist_ok=True)
     results = []
+    t_start = time.time()
     for name, overrides in parse_variants(args.variant):
-        r = run_variant(name, overrides, args)
+        left = args.timeout_s if args.budget_s is None else min(args.timeout_s, args.budget_s - (time.time() - t_start))
+        if left < 30:
+            print(f"{name:>14}: not run, {left:.0f} s of --budget-s left", flush=True)
+            results.append({"name": name, "returncode": "not run: budget spent", "wall_s": 0.0})
+            continue
+        r = run_variant(name, overrides, args, left)
         results.append(r)
         print(f"{name:>14}: rc={r['returncode']} status={r.get('status')} recipe={r.get('recipe')} "
               f"tok/s={r.get('tokens_per_s_median')} mfu={r.get('mfu_median')} "
