@@ -105,3 +105,21 @@ def test_corrupt_checkpoints_never_count_for_retention(tmp_path):
     # keep_last=2 of the valid ones (2, 1) + the newest good (0); the corrupt 10, 20, 30 neither count nor go.
     assert steps == [0, 1, 2, 10, 20, 30], steps
     assert not [e for e in events if e[0] == "checkpoint_deleted"]
+
+
+def test_a_failed_saves_cause_names_a_full_disk_whatever_write_hit_it():
+    """The checkpoint_failed event's error: a full disk reads "No space left on device" also when torch's zip writer
+    was first to hit it (its own text is "unexpected pos"); other errors are reported as they are."""
+    import errno
+
+    from orchestration.training.checkpointing import save_failure_cause
+
+    zip_writer = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+    assert save_failure_cause(zip_writer) == ("No space left on device: RuntimeError: [enforce fail at "
+                                              "inline_container.cc:672] . unexpected pos 704 vs 598")
+    full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    assert save_failure_cause(full) == "OSError: [Errno 28] No space left on device"
+    wrapped = RuntimeError("save failed")
+    wrapped.__cause__ = full
+    assert save_failure_cause(wrapped) == "No space left on device: RuntimeError: save failed"
+    assert save_failure_cause(ValueError("bad shard")) == "ValueError: bad shard"
