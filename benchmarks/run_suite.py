@@ -1,6 +1,7 @@
 """Run a named benchmark suite and write one current JSON per benchmark to benchmarks/results/<name>.json.
 
-    python3 benchmarks/run_suite.py dense|moe|kernels|loop|checkpoint|quality_dense|quality_moe|all [--only NAME ...] [--dry-run]
+    python3 benchmarks/run_suite.py dense|moe|kernels|loop|checkpoint|quality_dense|quality_moe|\
+        quality_moe_seeds|ray_dense|ray_faults|all [--only NAME ...] [--dry-run]
     make bench-gpu SUITE=dense                       # the same through make (BENCH_ARGS passes more options)
 
 Each benchmark program runs in its own process, one after another on the same GPU (ratios are read inside one
@@ -81,9 +82,14 @@ class Benchmark:
 
 
 def _loop(name: str, model: tuple[str, ...], steps: int, variants: tuple[tuple[str, ...], ...], timeout_s: int,
-          extra: tuple[str, ...] = ()) -> Benchmark:
-    args = ("--json-name", f"{name}.json", "--skip-steps", "8", "--timeout-s", str(timeout_s // len(variants) - 10),
-            "--common", *model, *LOOP_COMMON, f"train.steps={steps}", *extra)
+          extra: tuple[str, ...] = (), common: tuple[str, ...] = LOOP_COMMON) -> Benchmark:
+    # The variants share one budget, each at most 200 s when there are several: a Ray variant starts ~35 s later
+    # than a torchrun one.
+    budget_s = timeout_s - 15
+    per_variant_s = min(200, budget_s) if len(variants) > 1 else budget_s
+    args = ("--json-name", f"{name}.json", "--skip-steps", "8", "--timeout-s", str(per_variant_s),
+            "--budget-s", str(budget_s),
+            "--common", *model, *common, f"train.steps={steps}", *extra)
     for variant in variants:
         args += ("--variant", *variant)
     return Benchmark(name, "worker_throughput.py", args, f"{name}.json", requires=CONFIG_MODULES,
@@ -96,6 +102,9 @@ QUALITY_COMMON = ("data=tokenized", "data.seq_len=2048", "data.eval_sequences=64
                   "train.global_batch_size=8", "train.micro_batch_size=4", "train.log_every=10",
                   "checkpoint.every_steps=0", "monitor.eval_gap_max=1.0")  # the gap is measured, not acted on
 RAY_ONE_GPU = ("cluster.cpus_per_worker=4", "cluster.memory_per_worker_gb=64")
+# Fault runs: every step logged (the recovery's first step), a checkpoint every 8 steps, the last one kept.
+RAY_FAULT_COMMON = tuple(o for o in LOOP_COMMON if not o.startswith(("logging.wandb", "train.log_every"))) + (
+    "train.log_every=1", "precision=fp8", "checkpoint.every_steps=8", "checkpoint.keep_last=1")
 QUALITY_CORPUS = REPO / "corpora" / "stdlib_docs_32k"
 
 
@@ -125,32 +134,54 @@ SUITES: dict[str, tuple[Benchmark, ...]] = {
                   optional=("torchao",), timeout_s=270),
         Benchmark("train_step_dense", "train_step.py",
                   ("--configs", "dense", "--only",
-                   "bf16,ours:tensorwise,ours_head:tensorwise,torchao_head:tensorwise,ours:rowwise",
-                   "--steps", "8", "--warmup", "3", "--budget-s", "240"), "train_step.json",
+                   "bf16,ours_head:tensorwise,torchao_head:tensorwise,ours:tensorwise,torchao:tensorwise",
+                   "--steps", "8", "--warmup", "3", "--budget-s", "240", "--profile"), "train_step.json",
                   requires=CONFIG_MODULES, optional=("torchao",), timeout_s=320),
     ),
-    # ours_nocheck: ours without the divergence check (BENCHMARKS.md, monitor overhead); variants in priority order.
+    # The product's step (the FP8 head is its default) against torchao with the same head setting on both sides
+    # (torchao's MoE conversion has no head: ours:tensorwise is its twin); variants in priority order, each profiled.
     "moe": (
         Benchmark("moe_grouped", "moe_grouped.py", ("--cases", "bf16_compiled", "ours_compiled", "torchao_compiled",
                                                     "--budget-s", "150"), "moe_grouped.json",
                   optional=("torchao",), timeout_s=210),
         Benchmark("train_step_moe", "train_step.py",
-                  ("--configs", "moe", "--only",
-                   "bf16,ours:tensorwise,ours_head:tensorwise,torchao:moe,ours_nocheck:tensorwise",
-                   "--steps", "12", "--warmup", "3", "--budget-s", "300"), "train_step.json",
+                  ("--configs", "moe", "--only", "bf16,ours_head:tensorwise,ours:tensorwise,torchao:moe",
+                   "--steps", "12", "--warmup", "3", "--budget-s", "300", "--profile"), "train_step.json",
                   requires=CONFIG_MODULES, optional=("torchao",), timeout_s=380),
     ),
     # No checkpoints in the throughput and quality runs (checkpoint.every_steps=0): a 4-layer MoE-width save is
     # ~30 GB, and the step-0 and final saves of two of them do not fit the GPU machine's 64 GiB disk; the
     # checkpoint suite measures saves.
+    # The product loop with no flags (precision=fp8 is the FP8 head too) against bf16, and FP8 with a bf16 head.
     "loop": (
         _loop("loop_dense", DENSE_LOOP, 30, (("bf16", "precision=bf16"), ("fp8", "precision=fp8"),
-                                             ("fp8_head", "precision=fp8", "precision.fp8_output_head=true")),
+                                             ("fp8_bf16_head", "precision=fp8", "precision.fp8_output_head=false")),
               timeout_s=300, extra=("checkpoint.every_steps=0",)),
         _loop("loop_moe", MOE_LOOP + ("+model.overrides.n_layers=4",), 20,
               (("bf16", "precision=bf16"), ("fp8", "precision=fp8"),
-               ("fp8_head", "precision=fp8", "precision.fp8_output_head=true")),
+               ("fp8_bf16_head", "precision=fp8", "precision.fp8_output_head=false")),
               timeout_s=290, extra=("checkpoint.every_steps=0",)),
+    ),
+    # The main command (launch.py, Ray Train, one GPU worker): its throughput against the torchrun loop of the same
+    # settings in the same call (dense), and faults through Ray on the product's MoE (2 layers: a save is ~13 GB,
+    # keep_last=1 keeps two on the 64 GiB disk at most): the crash's restart and the loss spike's fallback and
+    # rollback, with their recovery split (Ray's share, ours), the stall per save and what Ray's storage kept.
+    "ray_dense": (
+        _loop("ray_dense", DENSE_LOOP, 30, (("fp8_torchrun", "precision=fp8"),
+                                            ("fp8", "launcher=ray", *RAY_ONE_GPU, "precision=fp8"),
+                                            ("bf16", "launcher=ray", *RAY_ONE_GPU, "precision=bf16")),
+              timeout_s=330, extra=("checkpoint.every_steps=0",)),
+    ),
+    "ray_faults": (
+        _loop("ray_crash", MOE_LOOP + ("+model.overrides.n_layers=2",), 16,
+              (("crash", "launcher=ray", *RAY_ONE_GPU, "faults=crash", "faults.rank=0", "faults.step=11"),),
+              timeout_s=270, common=RAY_FAULT_COMMON, extra=("logging.wandb=false",)),
+        # The monitors watch from step 8 (default 20) and a save is good 2 steps later (default 20), so the spike
+        # at steps 12-14 (skip, BF16 fallback, rollback) rolls back to step 8 within 16 steps.
+        _loop("ray_loss_spike", MOE_LOOP + ("+model.overrides.n_layers=2",), 16,
+              (("loss_spike", "launcher=ray", *RAY_ONE_GPU, "faults=loss_spike", "faults.rank=0",
+                "faults.step=12", "monitor.warmup_steps=8", "monitor.good_after_steps=2"),),
+              timeout_s=240, common=RAY_FAULT_COMMON, extra=("logging.wandb=true", "logging.wandb_mode=offline")),
     ),
     # Held-out quality, bf16 (two seeds: the noise) vs fp8 vs fp8 + FP8 head, on a prepared corpus
     # at corpora/stdlib_docs_32k (docs/data.md says how to make it); one suite a call. The MoE runs go through
@@ -166,7 +197,12 @@ SUITES: dict[str, tuple[Benchmark, ...]] = {
             ("bf16", "launcher=ray", *RAY_ONE_GPU, "precision=bf16"),
             ("fp8", "launcher=ray", *RAY_ONE_GPU, "precision=fp8"),
             ("fp8_head", "launcher=ray", *RAY_ONE_GPU, "precision=fp8", "precision.fp8_output_head=true"),
-            ("fp8_torchrun", "precision=fp8"), ("bf16_seed1", "precision=bf16", "train.seed=1")), timeout_s=590),
+            ("fp8_torchrun", "precision=fp8")), timeout_s=590),
+    ),
+    # bf16's own spread on the MoE (two seeds, torchrun): the noise the quality gaps are read against.
+    "quality_moe_seeds": (
+        _quality("quality_moe_seeds", ("model=deepseek_moe16b", "+model.overrides.n_layers=4"), (
+            ("bf16", "precision=bf16"), ("bf16_seed1", "precision=bf16", "train.seed=1")), timeout_s=280),
     ),
     "checkpoint": (
         # Training stall per save, background vs synchronous, ~13 GB a save (2 MoE-width layers, fp32 master + AdamW).
@@ -176,7 +212,8 @@ SUITES: dict[str, tuple[Benchmark, ...]] = {
         Benchmark("pinned_staging", "pinned_staging.py", ("--gib", "13"), "pinned_staging.json", timeout_s=150),
     ),
 }
-SUITES["all"] = tuple(b for suite in ("kernels", "dense", "moe", "loop", "checkpoint", "quality_dense", "quality_moe") for b in SUITES[suite])
+SUITES["all"] = tuple(b for suite in ("kernels", "dense", "moe", "loop", "checkpoint", "quality_dense", "quality_moe",
+                                      "quality_moe_seeds", "ray_dense", "ray_faults") for b in SUITES[suite])
 # CPU check of the runner and two programs at tiny shapes (no GPU needed): the kernels in the Triton interpreter,
 # the MoE FFN on fp8.grouped's emulated path.
 SUITES["smoke"] = (

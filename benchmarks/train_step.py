@@ -47,7 +47,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
 
-from benchmarks.common import env_info, kernel_times, write_json
+from benchmarks.common import env_info, kernel_breakdown, kernel_times, write_json
 from orchestration.config import JobConfig, ModelConfig, MonitorConfig, PrecisionConfig, TrainConfig
 from orchestration.divergence.guard import StepGuard
 from orchestration.training.compile import compile_blocks, compile_enabled
@@ -268,7 +268,10 @@ def bench_row(name: str, cfg: dict, text: str, args: argparse.Namespace, device:
         max_mem_gib=torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None)
     if args.profile and device.type == "cuda":
         step = args.warmup + args.steps
-        row["profile"] = kernel_times(lambda: run_step(step))[:args.profile_top]
+        kernels = kernel_times(lambda: run_step(step))
+        row["profile"] = kernels[:args.profile_top]
+        # against the median step time: a profiled step runs slower, its idle share would be inflated
+        row["profile_breakdown"] = kernel_breakdown(kernels, ms)
     return row
 
 
@@ -313,7 +316,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--budget-s", type=float, default=1e9, help="start no new variant after this many seconds")
     ap.add_argument("--eager", action="store_true", help="model.compile=false (default: compiled on CUDA)")
-    ap.add_argument("--profile", action="store_true", help="GPU time per kernel of one more step per variant")
+    ap.add_argument("--profile", action="store_true",
+                    help="GPU time per kernel of one more step per variant, and per category (GEMMs, casts, attention, "
+                         "optimizer, ..., GPU idle)")
     ap.add_argument("--profile-top", type=int, default=20)
     ap.add_argument("--dense-layers", type=int, default=CONFIGS["dense"]["overrides"]["n_layers"])
     ap.add_argument("--moe-layers", type=int, default=CONFIGS["moe"]["overrides"]["n_layers"])

@@ -72,9 +72,9 @@ def summarize_run(run_dir: Path, skip_steps: int) -> dict:
         "step_time_s_median": median_of("step_time_s"),
         "mfu_median": median_of("mfu"),
         "steady_log_lines": len(steady),
-        "tokens_per_s_lines": [round(m["tokens_per_s"], 1) for m in metrics],
+        "tokens_per_s_lines": [round(m["tokens_per_s"], 1) for m in metrics if m.get("tokens_per_s")],
         "gpu_mem_peak_gib": max(peaks) if peaks else None,
-        "losses": [(m["step"], m["loss"]) for m in metrics],
+        "losses": [(m["step"], m["loss"]) for m in metrics if "loss" in m],
         # held-out eval (data=tokenized): eval_loss, and on fp8 runs the same weights evaluated in bf16
         "eval_losses": [(m["step"], m["eval_loss"], m.get("eval_loss_bf16")) for m in metrics
                         if isinstance(m.get("eval_loss"), (int, float))],
@@ -85,9 +85,61 @@ def summarize_run(run_dir: Path, skip_steps: int) -> dict:
         # where each save's time went (state dicts, DCP write, hashing, finalize)
         "checkpoint_timing": [{k: v for k, v in e.items() if k not in ("time", "event")}
                               for e in events if e["event"] == "checkpoint_timing"],
-        "events": [{k: v for k, v in e.items() if k != "time"} for e in events if e["event"] in interesting],
+        # t_s: seconds since the run's start
+        "events": [{**{k: v for k, v in e.items() if k != "time"}, "t_s": round(e["time"] - (t_start or 0.0), 2)}
+                   for e in events if e["event"] in interesting],
         "recipe": next((e.get("recipe") for e in events if e["event"] == "worker_group_start"), None),
+        "restart_recovery": restart_recovery(events, metrics, fault_times(run_dir)),
+        "rollback_recovery": rollback_recovery(events, metrics),
     }
+
+
+def fault_times(run_dir: Path) -> list[float]:
+    """When injected process faults fired: the markers' modification times (written and fsynced just before the
+    process ends, orchestration/training/faults.py)."""
+    return sorted(p.stat().st_mtime for p in (run_dir / "faults").glob("*.fired"))
+
+
+def restart_recovery(events: list[dict], metrics: list[dict], failures: list[float]) -> list[dict]:
+    """Per restart of the worker group (a resume with origin restart), the failure to the first step trained after
+    it, split into Ray's share - failure until our new worker process starts (detection, teardown, placement, the
+    new process, Ray Train's group setup) - and ours: the worker's setup (process group, data, model), the checkpoint
+    load, and the first step (compilation). The failure is the fault's time when injected, else the old group's last
+    sign of life. Pure."""
+    out = []
+    for resume in (e for e in events if e["event"] == "resume" and e.get("origin") == "restart"):
+        group = [e for e in events if e["event"] == "worker_group_start" and e.get("worker_rank", 0) == 0
+                 and e["time"] <= resume["time"]]
+        lost = [e for e in events if e["event"] in ("worker_lost", "workers_added") and e["time"] <= resume["time"]]
+        if not group:
+            continue
+        started = group[-1]["time"]
+        worker_start = started - (resume.get("setup_s") or 0.0) - (resume.get("checkpoint_load_s") or 0.0)
+        before = [t for t in failures if t <= worker_start]
+        failure = before[-1] if before else (lost[-1].get("last_seen_time") if lost else None)
+        first = next((m for m in metrics if m.get("time", 0.0) > resume["time"]), None)
+        row = {"from_step": resume.get("from_step"), "setup_s": resume.get("setup_s"),
+               "checkpoint_load_s": resume.get("checkpoint_load_s"),
+               "ray_s": round(worker_start - failure, 2) if failure else None,
+               "first_step": first["step"] if first else None,
+               "first_step_s": round(first["time"] - started, 2) if first else None,
+               "failure_to_first_step_s": round(first["time"] - failure, 2) if first and failure else None}
+        out.append(row)
+    return out
+
+
+def rollback_recovery(events: list[dict], metrics: list[dict]) -> list[dict]:
+    """Per rollback: the divergence decision to the first step trained after it (checkpoint load, the precision
+    switch, recompilation). Pure."""
+    out = []
+    for rollback in (e for e in events if e["event"] == "rollback" and e.get("worker_rank", 0) == 0):
+        detected = [e for e in events if e["event"] == "divergence_detected" and e["time"] <= rollback["time"]]
+        first = next((m for m in metrics if m.get("time", 0.0) > rollback["time"]), None)
+        start = detected[-1]["time"] if detected else rollback["time"]
+        out.append({"from_step": rollback.get("from_step"), "to_step": rollback.get("to_step"),
+                    "first_step": first["step"] if first else None,
+                    "decision_to_first_step_s": round(first["time"] - start, 2) if first else None})
+    return out
 
 
 def eval_gaps(baseline: list, other: list) -> list[tuple[int, float]]:
@@ -127,10 +179,17 @@ def run_variant(name: str, overrides: list[str], args, timeout_s: float) -> dict
         run_end = [e["time"] for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "run_end"]
         # run_end written -> the launcher's process exited (worker teardown, torchrun's agent)
         result["exit_s"] = round(t0 + wall - run_end[-1], 1) if run_end else None
+        result["wandb_offline_files"] = sorted(str(p.relative_to(run_dir))
+                                               for p in run_dir.glob("wandb/offline-run-*/*.wandb"))
         shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
         shutil.copytree(run_dir, Path(args.out) / name, dirs_exist_ok=True,
                         ignore=shutil.ignore_patterns("wandb", "*.tmp"))
         shutil.rmtree(run_dir, ignore_errors=True)
+    ray_storage = Path(args.run_root) / "_ray" / run_name
+    if ray_storage.exists():
+        # what Ray Train kept of the run in its storage: checkpoints are not copied there (no second copy)
+        result["ray_storage_bytes"] = sum(p.stat().st_size for p in ray_storage.rglob("*") if p.is_file())
+        shutil.rmtree(ray_storage, ignore_errors=True)
     return result
 
 
@@ -174,6 +233,9 @@ def main() -> None:
               flush=True)
         for e in r.get("events", []):
             print(f"{'':>16}{json.dumps(e)[:200]}", flush=True)
+        for key in ("restart_recovery", "rollback_recovery", "ray_storage_bytes", "wandb_offline_files"):
+            if r.get(key):
+                print(f"{'':>16}{key}: {json.dumps(r[key])[:300]}", flush=True)
     base = results[0].get("tokens_per_s_median")
     for r in results:
         tps = r.get("tokens_per_s_median")

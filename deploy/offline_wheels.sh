@@ -13,8 +13,10 @@
 #   deploy/offline_wheels.sh stage DIR STAGE        # copy what DIR holds into STAGE (e.g. /tmp) so a later copy
 #                                                   # can bring the remaining parts
 #
-# W&B is left out (20 MB): run with logging.wandb=false on such machines. PACKAGES="name==version ..." replaces the
-# list below (make bench-wheels: what the GPU benchmarks need); PIP names the pip to run (default python3 -m pip).
+# W&B is left out of the default list (its wheels are 25 MB more): fetch them into a directory of their own with
+# PACKAGES="wandb==0.31.0" and install it in its own copy, or run with logging.wandb=false. PACKAGES="name==version
+# ..." replaces the list below (make bench-wheels: what the GPU benchmarks need); PIP names the pip to run (default
+# python3 -m pip).
 set -euo pipefail
 
 # Packages the project needs beyond a CUDA PyTorch image (torch, triton, numpy, pyyaml, aiohttp, grpcio, pyarrow,
@@ -76,5 +78,5 @@ case "${1:-}" in
     download) shift; download "$@" ;;
     stage) shift; stage "$@" ;;
     install) shift; install "$@" ;;
-    *) sed -n '2,17p' "$0"; exit 2 ;;
+    *) sed -n '2,19p' "$0"; exit 2 ;;
 esac

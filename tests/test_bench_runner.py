@@ -15,7 +15,8 @@ from benchmarks import run_suite
 from benchmarks.common import RESULT_KEYS, write_result
 
 REPO = Path(__file__).resolve().parent.parent
-GPU_SUITES = ("kernels", "dense", "moe", "loop", "checkpoint", "quality_dense", "quality_moe")
+GPU_SUITES = ("kernels", "dense", "moe", "loop", "checkpoint", "quality_dense", "quality_moe", "quality_moe_seeds",
+              "ray_dense", "ray_faults")
 
 
 def test_every_suite_runs_existing_programs_with_options_they_define():
@@ -58,7 +59,7 @@ def test_dry_run_lists_each_command_and_result_file(tmp_path, capsys):
     assert [line.split(":")[0] for line in lines] == ["loop_dense", "loop_moe"]
     assert lines[1].endswith(f"-> {tmp_path / 'loop_moe.json'}")
     assert "--json-name loop_moe.json" in lines[1] and f"--run-root {tmp_path / 'r'}" in lines[1]
-    assert "precision.fp8_output_head=true" in lines[1]
+    assert "--variant fp8 precision=fp8 --variant fp8_bf16_head precision=fp8 precision.fp8_output_head=false" in lines[1]
     assert not list(tmp_path.glob("*.json"))  # a dry run writes nothing
 
 

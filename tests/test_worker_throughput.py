@@ -67,3 +67,41 @@ def test_a_ray_variant_runs_the_main_command_and_torchrun_the_one_process_launch
     torchrun = launcher_command("torchrun", ["model=debug_dense"])
     assert torchrun[1:3] == ["-m", "torch.distributed.run"]
     assert torchrun[-3:] == ["-m", "orchestration.driver.torchrun", "model=debug_dense"]
+
+
+def test_restart_recovery_splits_rays_share_from_ours(tmp_path):
+    """A crash at t=100 (the fault marker's time); the new worker starts at 112 (group start 120 minus 5 s of setup
+    and 3 s of checkpoint load), trains its first step at 150: Ray 12 s, ours 38 s (setup, load, first step 30 s)."""
+    events = [{"time": 0.0, "event": "run_start", "step": 0},
+              {"time": 10.0, "event": "worker_group_start", "step": 0},
+              {"time": 120.0, "event": "worker_group_start", "step": 8},
+              {"time": 120.5, "event": "worker_lost", "step": 8, "last_seen_time": 99.0},
+              {"time": 120.6, "event": "resume", "step": 8, "from_step": 8, "origin": "restart", "setup_s": 5.0,
+               "checkpoint_load_s": 3.0}]
+    metrics = [{"step": 10, "time": 98.0}, {"step": 9, "time": 150.0}, {"step": 10, "time": 150.5}]
+    _write(tmp_path / "r", metrics, events, {"status": "completed"})
+    (tmp_path / "r" / "faults").mkdir()
+    marker = tmp_path / "r" / "faults" / "fault_crash_rank0_step11.fired"
+    marker.write_text("crash\n")
+    import os
+    os.utime(marker, (100.0, 100.0))
+    out = summarize_run(tmp_path / "r", skip_steps=0)
+    assert out["restart_recovery"] == [{"from_step": 8, "setup_s": 5.0, "checkpoint_load_s": 3.0, "ray_s": 12.0,
+                                        "first_step": 9, "first_step_s": 30.0, "failure_to_first_step_s": 50.0}]
+    # without the marker the old group's last sign of life stands for the failure
+    marker.unlink()
+    assert summarize_run(tmp_path / "r", skip_steps=0)["restart_recovery"][0]["ray_s"] == 13.0
+
+
+def test_rollback_recovery_runs_from_the_decision_to_the_next_step(tmp_path):
+    events = [{"time": 0.0, "event": "run_start", "step": 0},
+              {"time": 50.0, "event": "divergence_detected", "step": 13, "worker_rank": 0},
+              {"time": 50.2, "event": "precision_changed", "step": 13, "worker_rank": 0, "to": "bf16"},
+              {"time": 61.0, "event": "rollback", "step": 8, "worker_rank": 0, "from_step": 13, "to_step": 8},
+              {"time": 61.0, "event": "rollback", "step": 8, "worker_rank": 1, "from_step": 13, "to_step": 8}]
+    metrics = [{"step": 12, "time": 49.0}, {"step": 9, "time": 80.0}]
+    _write(tmp_path / "r", metrics, events, {"status": "completed"})
+    out = summarize_run(tmp_path / "r", skip_steps=0)
+    assert out["rollback_recovery"] == [{"from_step": 13, "to_step": 8, "first_step": 9,
+                                         "decision_to_first_step_s": 30.0}]
+    assert [e["t_s"] for e in out["events"]] == [50.0, 50.2, 61.0, 61.0]
