@@ -89,6 +89,29 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.hp if isinstance(t, Fp8AllGatherWeight) else t
 
 
+def _step_both(model, ref, opts, tokens, counter, counted: str, set_precision) -> dict:
+    """One training step of the fp8-gather model and of its reference on the same tokens (set_precision(m) first):
+    each model's loss and what `counter` recorded during its forward and backward (row key `<label>_<counted>`),
+    then which gradients and which weights after AdamW differ between the two."""
+    row: dict = {}
+    grads = {}
+    for label, m, opt in (("fp8_gather", model, opts[0]), ("reference", ref, opts[1])):
+        set_precision(m)
+        loss = m(tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
+        row[f"{label}_{counted}"] = counter.take()
+        row[f"{label}_loss"] = loss.item()
+        grads[label] = {n: _local(p.grad).clone() for n, p in m.named_parameters()}
+        opt.step()
+        opt.zero_grad()
+    row["loss_equal"] = row["fp8_gather_loss"] == row["reference_loss"]
+    row["grads_unequal"] = [n for n in grads["reference"]
+                            if not torch.equal(grads["fp8_gather"][n], grads["reference"][n])]
+    p1 = dict(model.named_parameters())
+    row["weights_unequal"] = [n for n, p in ref.named_parameters() if not torch.equal(_local(p1[n]), _local(p))]
+    return row
+
+
 def _equivalence_worker(rank: int, world: int, port: int, out: str, param_dtype: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -105,23 +128,9 @@ def _equivalence_worker(rank: int, world: int, port: int, out: str, param_dtype:
         with GatherBytes() as counter:
             for step, precision in enumerate(schedule):
                 tokens = torch.randint(0, 256, (world * BATCH, SEQ + 1), generator=gen)[rank * BATCH:(rank + 1) * BATCH]
-                row = {"step": step, "precision": precision}
-                for label, m, opt in (("fp8_gather", model, opts[0]), ("reference", ref, opts[1])):
-                    fp8.set_precision(m, precision)
-                    loss = m(tokens[:, :-1], tokens[:, 1:])
-                    loss.backward()
-                    row[f"{label}_bytes"] = counter.take()
-                    row[f"{label}_loss"] = loss.item()
-                    row[f"{label}_grads"] = {n: _local(p.grad).clone() for n, p in m.named_parameters()}
-                    opt.step()
-                    opt.zero_grad()
-                row["loss_equal"] = row["fp8_gather_loss"] == row["reference_loss"]
-                g1, g2 = row.pop("fp8_gather_grads"), row.pop("reference_grads")
-                row["grads_unequal"] = [n for n in g2 if not torch.equal(g1[n], g2[n])]
-                p1 = dict(model.named_parameters())
-                row["weights_unequal"] = [n for n, p in ref.named_parameters()
-                                          if not torch.equal(_local(p1[n]), _local(p))]
-                results.append(row)
+                row = _step_both(model, ref, opts, tokens, counter, "bytes",
+                                 lambda m, precision=precision: fp8.set_precision(m, precision))
+                results.append({"step": step, "precision": precision, **row})
         expected = _expected_gather_bytes(model, world, param_dtype)
         with open(Path(out) / f"rank{rank}.json", "w") as f:
             json.dump({"steps": results, "expected": expected}, f)
@@ -214,26 +223,14 @@ def _amax_batch_worker(rank: int, world: int, port: int, out: str) -> None:
         with AllReduces() as counter:
             for step, (precision, scope) in enumerate(schedule):
                 tokens = torch.randint(0, 256, (world * BATCH, SEQ + 1), generator=gen)[rank * BATCH:(rank + 1) * BATCH]
-                row = {"step": step}
-                for label, m, opt in (("fp8_gather", model, opts[0]), ("reference", ref, opts[1])):
-                    if scope is None:
-                        fp8.set_precision(m, precision)
-                    else:
+
+                def set_precision(m, precision=precision, scope=scope):
+                    if scope is not None:  # one linear falls back, the others stay in fp8
                         fp8.set_precision(m, "fp8")
-                        fp8.set_precision(m, precision, scope=scope)
-                    loss = m(tokens[:, :-1], tokens[:, 1:])
-                    loss.backward()
-                    row[f"{label}_all_reduces"] = counter.take()
-                    row[f"{label}_loss"] = loss.item()
-                    row[f"{label}_grads"] = {n: _local(p.grad).clone() for n, p in m.named_parameters()}
-                    opt.step()
-                    opt.zero_grad()
-                g1, g2 = row.pop("fp8_gather_grads"), row.pop("reference_grads")
-                row["grads_unequal"] = [n for n in g2 if not torch.equal(g1[n], g2[n])]
-                p1 = dict(model.named_parameters())
-                row["weights_unequal"] = [n for n, p in ref.named_parameters()
-                                          if not torch.equal(_local(p1[n]), _local(p))]
-                rows.append(row)
+                    fp8.set_precision(m, precision, scope=scope)
+
+                rows.append({"step": step, **_step_both(model, ref, opts, tokens, counter, "all_reduces",
+                                                        set_precision)})
         with open(Path(out) / f"amax{rank}.json", "w") as f:
             json.dump(rows, f)
 
