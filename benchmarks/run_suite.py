@@ -102,9 +102,11 @@ QUALITY_COMMON = ("data=tokenized", "data.seq_len=2048", "data.eval_sequences=64
                   "train.global_batch_size=8", "train.micro_batch_size=4", "train.log_every=10",
                   "checkpoint.every_steps=0", "monitor.eval_gap_max=1.0")  # the gap is measured, not acted on
 RAY_ONE_GPU = ("cluster.cpus_per_worker=4", "cluster.memory_per_worker_gb=64")
-# Fault runs: every step logged (the recovery's first step), a checkpoint every 8 steps, the last one kept.
+# Fault runs: every step logged (the recovery's first step), a checkpoint every 8 steps, the last one kept, W&B
+# offline (one W&B run across the restart).
 RAY_FAULT_COMMON = tuple(o for o in LOOP_COMMON if not o.startswith(("logging.wandb", "train.log_every"))) + (
-    "train.log_every=1", "precision=fp8", "checkpoint.every_steps=8", "checkpoint.keep_last=1")
+    "train.log_every=1", "precision=fp8", "checkpoint.every_steps=8", "checkpoint.keep_last=1", "logging.wandb=true",
+    "logging.wandb_mode=offline")
 QUALITY_CORPUS = REPO / "corpora" / "stdlib_docs_32k"
 
 
@@ -168,20 +170,19 @@ SUITES: dict[str, tuple[Benchmark, ...]] = {
     # rollback, with their recovery split (Ray's share, ours), the stall per save and what Ray's storage kept.
     "ray_dense": (
         _loop("ray_dense", DENSE_LOOP, 30, (("fp8_torchrun", "precision=fp8"),
-                                            ("fp8", "launcher=ray", *RAY_ONE_GPU, "precision=fp8"),
-                                            ("bf16", "launcher=ray", *RAY_ONE_GPU, "precision=bf16")),
-              timeout_s=330, extra=("checkpoint.every_steps=0",)),
+                                            ("fp8", "launcher=ray", *RAY_ONE_GPU, "precision=fp8")),
+              timeout_s=250, extra=("checkpoint.every_steps=0",)),
     ),
     "ray_faults": (
         _loop("ray_crash", MOE_LOOP + ("+model.overrides.n_layers=2",), 16,
               (("crash", "launcher=ray", *RAY_ONE_GPU, "faults=crash", "faults.rank=0", "faults.step=11"),),
-              timeout_s=270, common=RAY_FAULT_COMMON, extra=("logging.wandb=false",)),
+              timeout_s=270, common=RAY_FAULT_COMMON),
         # The monitors watch from step 8 (default 20) and a save is good 2 steps later (default 20), so the spike
         # at steps 12-14 (skip, BF16 fallback, rollback) rolls back to step 8 within 16 steps.
         _loop("ray_loss_spike", MOE_LOOP + ("+model.overrides.n_layers=2",), 16,
               (("loss_spike", "launcher=ray", *RAY_ONE_GPU, "faults=loss_spike", "faults.rank=0",
                 "faults.step=12", "monitor.warmup_steps=8", "monitor.good_after_steps=2"),),
-              timeout_s=240, common=RAY_FAULT_COMMON, extra=("logging.wandb=true", "logging.wandb_mode=offline")),
+              timeout_s=240, common=RAY_FAULT_COMMON),
     ),
     # Held-out quality, bf16 (two seeds: the noise) vs fp8 vs fp8 + FP8 head, on a prepared corpus
     # at corpora/stdlib_docs_32k (docs/data.md says how to make it); one suite a call. The MoE runs go through
