@@ -130,6 +130,8 @@ def job_for(cfg: dict, variant: Variant, eager: bool, device: torch.device) -> J
         monitor=MonitorConfig(enabled=variant.checked),
     )
     job.cluster.device = device.type
+    job.cluster.min_workers = job.cluster.max_workers = 1  # one worker with its one GPU
+    job.cluster.gpus_per_worker = 1.0 if device.type == "cuda" else 0.0
     job.data.seq_len = cfg["seq"]
     validate(job)  # as the loaded config: train.lr=null takes the flavor's peak_lr, bad values fail here
     return job

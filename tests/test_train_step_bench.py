@@ -83,3 +83,14 @@ def test_bad_variant_fails_before_building_anything(tmp_path, capsys):
     with pytest.raises(ValueError, match="bf16 takes no recipe"):
         bench.Variant.parse("bf16:tensorwise")
     assert not (tmp_path / "train_step.json").exists()
+
+
+@pytest.mark.parametrize("config", ["dense", "moe"])
+def test_the_gpu_rows_configs_pass_the_products_checks(config):
+    """The GPU configurations build a JobConfig the product accepts for a CUDA worker (one GPU each): a check that
+    only runs on the GPU machine otherwise (every row once failed there with 'cluster.gpus_per_worker: must be > 0
+    when cluster.device=cuda', and the dense rows' batch of 1 with the default of 2 workers)."""
+    for text in bench.CONFIGS[config]["variants"]:
+        job = bench.job_for(bench.CONFIGS[config], bench.Variant.parse(text), eager=False, device=torch.device("cuda"))
+        assert job.cluster.device == "cuda" and job.cluster.gpus_per_worker == 1.0 and job.cluster.max_workers == 1
+        assert job.data.seq_len == bench.CONFIGS[config]["seq"]
