@@ -141,13 +141,15 @@ SUITES: dict[str, tuple[Benchmark, ...]] = {
                   requires=CONFIG_MODULES, optional=("torchao",), timeout_s=320),
     ),
     # The product's step (the FP8 head is its default) against torchao with the same head setting on both sides
-    # (torchao's MoE conversion has no head: ours:tensorwise is its twin); variants in priority order, each profiled.
+    # (torchao's MoE conversion has no head: ours:tensorwise is its twin), then ours_nocheck: ours without the
+    # divergence check (the monitor's overhead); variants in priority order, each profiled.
     "moe": (
         Benchmark("moe_grouped", "moe_grouped.py", ("--cases", "bf16_compiled", "ours_compiled", "torchao_compiled",
                                                     "--budget-s", "150"), "moe_grouped.json",
                   optional=("torchao",), timeout_s=210),
         Benchmark("train_step_moe", "train_step.py",
-                  ("--configs", "moe", "--only", "bf16,ours_head:tensorwise,ours:tensorwise,torchao:moe",
+                  ("--configs", "moe", "--only",
+                   "bf16,ours_head:tensorwise,ours:tensorwise,torchao:moe,ours_nocheck:tensorwise",
                    "--steps", "12", "--warmup", "3", "--budget-s", "300", "--profile"), "train_step.json",
                   requires=CONFIG_MODULES, optional=("torchao",), timeout_s=380),
     ),
