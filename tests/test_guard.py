@@ -201,6 +201,37 @@ def test_rollback_resaves_its_step_with_what_it_decided(tmp_path, async_save):
     assert manifest["good"] is True
 
 
+def test_a_save_still_being_written_when_it_passed_its_clean_steps_is_the_rollback_target(tmp_path, monkeypatch):
+    """good_after_steps counts clean steps after a save, not after its write: the step-30 save, still being written
+    in the background when the spike at 34-36 comes (its write is held 2 s here; 13 GB took 11 s on an H100 while
+    steps took 0.07 s), passed its 2 clean steps (31, 32) first, so the rollback goes back to 30, not to 20."""
+    import time
+
+    from orchestration.checkpoint import manager as manager_module
+
+    original = manager_module.write_and_finalize
+
+    def slow_write(job, **kwargs):
+        if job.step == 30:
+            time.sleep(2.0)
+        return original(job, **kwargs)
+
+    monkeypatch.setattr(manager_module, "write_and_finalize", slow_write)
+    trainer = make_trainer(tmp_path, "train.steps=40", "train.global_batch_size=8", "train.micro_batch_size=8",
+                           "checkpoint.every_steps=10", "checkpoint.async_save=always", "monitor.good_after_steps=2",
+                           "faults=loss_spike", "faults.rank=0", "faults.step=34", "faults.num_steps=3")
+    trainer.start()
+    status = trainer.run()
+    trainer.finish(status)
+    assert status == "completed"
+    events = read_jsonl(tmp_path / "run" / "events.jsonl")
+    rollback = next(e for e in events if e["event"] == "rollback")
+    assert (rollback["to_step"], rollback["from_step"]) == (30, 36)
+    # marked good when its write finished, before the rollback used it; again by the rollback's re-save
+    marks = [e["time"] for e in events if e["event"] == "checkpoint_good" and e["step"] == 30]
+    assert len(marks) == 2 and marks[0] <= rollback["time"] <= marks[1]
+
+
 def test_without_checkpoints_nothing_is_saved_and_a_needed_rollback_stops_the_run(tmp_path):
     """checkpoint.every_steps=0: no step-0, periodic or final save; the same loss spike that rolls back above
     (fallback, then rollback on the relapse) stops the run with a rollback_unavailable event instead."""

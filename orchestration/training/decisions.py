@@ -81,6 +81,7 @@ def apply_policy_precision(trainer: Any) -> None:
 def rollback(trainer: Any, decision: Rollback) -> None:
     """In-process: reload the newest good checkpoint (resharded if the world size changed), skip the data."""
     t, guard, checkpoints = trainer, trainer.guard, trainer.checkpoints
+    checkpoints.settle_before_rollback()
     # Collective, as at start: every rank must load the same step even if a shared filesystem shows one of them
     # an older manifest (only rank 0 writes the good marks).
     info = checkpoints.manager.latest(good_only=True, collective=True)
