@@ -52,8 +52,8 @@ def test_default_job_end_to_end(tmp_path, isolated_env, no_ray_leftovers):
 def test_resume_same_run_name_repeats_no_step(tmp_path, isolated_env, no_ray_leftovers):
     common = [f"run_root={tmp_path / 'runs'}", "run_name=resumed", "model=debug_dense", "checkpoint.every_steps=10",
               "train.log_every=1", "train.warmup_steps=2"]
-    # The first start saves step 10 in the background (checkpoint.async_save=always; default auto is on for cuda
-    # only): reported to Ray when it finishes, then resumed from step 20 like the synchronous saves.
+    # The first start saves steps 0 and 10 in the background (checkpoint.async_save=always; default auto is on for
+    # cuda only): reported to Ray when they finish, then resumed from step 20 like the synchronous saves.
     first = launch(isolated_env, *common, "train.steps=20", "checkpoint.async_save=always")
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     second = launch(isolated_env, *common, "train.steps=30")
@@ -63,8 +63,8 @@ def test_resume_same_run_name_repeats_no_step(tmp_path, isolated_env, no_ray_lef
     resumes = [e for e in events if e["event"] == "resume"]
     assert resumes and resumes[-1]["from_step"] == 20 and resumes[-1]["world_size"] == 2
     background = [e for e in events if e["event"] == "checkpoint_timing" and e.get("background")]
-    assert [e["checkpoint_step"] for e in background] == [10]
-    assert background[0]["seconds"] < background[0]["background_s"] and background[0]["write_s"] > 0
+    assert [e["checkpoint_step"] for e in background] == [0, 10]
+    assert all(e["seconds"] < e["background_s"] and e["write_s"] > 0 for e in background)
     steps = [m["step"] for m in read_jsonl(run_dir / "metrics.jsonl")]
     assert steps == list(range(1, 31)), steps  # every step once, none repeated
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -140,13 +140,15 @@ def test_same_worker_loop_under_torchrun_without_ray(tmp_path, isolated_env):
     assert summary["world_sizes_seen"] == [2]
     assert summary["consumed_ranges"] == [[0, 30 * 16]]
     assert summary["final_loss"] < summary["first_loss"] - 1.0
-    # Steps 10 and 20 saved in the background by both ranks (a gloo group of their own), step 30 synchronously.
+    # Steps 0, 10 and 20 saved in the background by both ranks (a gloo group of their own), step 30 synchronously;
+    # step 0, good by definition, marked good once written.
     from orchestration.checkpoint.directory import verify_checkpoint
 
     events = read_jsonl(tmp_path / "tr" / "events.jsonl")
     timing = [e for e in events if e["event"] == "checkpoint_timing"]
     assert [(e.get("checkpoint_step", e["step"]), bool(e.get("background"))) for e in timing] == [
-        (0, False), (10, True), (20, True), (30, False)]
+        (0, True), (10, True), (20, True), (30, False)]
+    assert [e["step"] for e in events if e["event"] == "checkpoint_good"][:1] == [0]
     checkpoints = sorted((tmp_path / "tr").rglob("step_0000[123]0"))
     assert [verify_checkpoint(p).step for p in checkpoints] == [10, 20, 30]
 

@@ -184,7 +184,8 @@ def test_rollback_resaves_its_step_with_what_it_decided(tmp_path, async_save):
     assert status == "completed"
     events = read_jsonl(tmp_path / "run" / "events.jsonl")
     background = [e["checkpoint_step"] for e in events if e["event"] == "checkpoint_timing" and e.get("background")]
-    assert background == ([10, 20, 30, 30] if async_save == "always" else [])  # 30 before and after the rollback
+    # step 0 (good by definition, marked once written) and 30 before and after the rollback
+    assert background == ([0, 10, 20, 30, 30] if async_save == "always" else [])
     discarded = [e["step"] for e in events if e["event"] == "checkpoint_deleted" and "rollback" in e["reason"]]
     assert discarded == [30]  # the diverged trajectory's save, finished first when it was in flight
     rollback = next(e for e in events if e["event"] == "rollback")

@@ -81,7 +81,9 @@ def apply_policy_precision(trainer: Any) -> None:
 def rollback(trainer: Any, decision: Rollback) -> None:
     """In-process: reload the newest good checkpoint (resharded if the world size changed), skip the data."""
     t, guard, checkpoints = trainer, trainer.guard, trainer.checkpoints
-    checkpoints.settle_before_rollback()
+    # Every rank: finish the background save in flight first; if it passed its clean steps (or is the step-0 save)
+    # it is marked good now and may be the newest good checkpoint.
+    checkpoints.collect()
     # Collective, as at start: every rank must load the same step even if a shared filesystem shows one of them
     # an older manifest (only rank 0 writes the good marks).
     info = checkpoints.manager.latest(good_only=True, collective=True)
