@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -278,8 +279,6 @@ KERNEL_CATEGORIES = (
 def kernel_breakdown(rows: list[dict], step_ms: float) -> dict:
     """GPU time per category (KERNEL_CATEGORIES) for one step from kernel_times' rows, in ms and as a share of the
     step's wall time; `gpu_idle` is the step time no kernel ran (host work, launch gaps, synchronisations). Pure."""
-    import re
-
     per_category: dict[str, float] = {name: 0.0 for name, _ in KERNEL_CATEGORIES}
     for row in rows:
         name = row["kernel"].lower()

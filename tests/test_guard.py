@@ -22,6 +22,14 @@ def make_trainer(tmp_path, *overrides):
     return Trainer({"job": to_dict(job), "run_dir": str(tmp_path / "run")})
 
 
+def train_to_end(trainer) -> str:
+    """Start, train and finish the run as train_loop does; its status."""
+    trainer.start()
+    status = trainer.run()
+    trainer.finish(status)
+    return status
+
+
 def record_shadow_checks(trainer) -> dict[int, tuple[float, float]]:
     """{step: (fp8 loss, bf16 loss)} of every shadow check the trainer's guard runs from now on."""
     shadows = {}
@@ -178,9 +186,7 @@ def test_rollback_resaves_its_step_with_what_it_decided(tmp_path, async_save):
                            f"train.micro_batch_size={batch}", "checkpoint.every_steps=10",
                            "monitor.good_after_steps=5", "faults=loss_spike", "faults.rank=0", "faults.step=30",
                            "faults.num_steps=3", f"checkpoint.async_save={async_save}")
-    trainer.start()
-    status = trainer.run()
-    trainer.finish(status)
+    status = train_to_end(trainer)
     assert status == "completed"
     events = read_jsonl(tmp_path / "run" / "events.jsonl")
     background = [e["checkpoint_step"] for e in events if e["event"] == "checkpoint_timing" and e.get("background")]
@@ -221,9 +227,7 @@ def test_a_save_still_being_written_when_it_passed_its_clean_steps_is_the_rollba
     trainer = make_trainer(tmp_path, "train.steps=40", "train.global_batch_size=8", "train.micro_batch_size=8",
                            "checkpoint.every_steps=10", "checkpoint.async_save=always", "monitor.good_after_steps=2",
                            "faults=loss_spike", "faults.rank=0", "faults.step=34", "faults.num_steps=3")
-    trainer.start()
-    status = trainer.run()
-    trainer.finish(status)
+    status = train_to_end(trainer)
     assert status == "completed"
     events = read_jsonl(tmp_path / "run" / "events.jsonl")
     rollback = next(e for e in events if e["event"] == "rollback")
@@ -237,9 +241,7 @@ def test_without_checkpoints_nothing_is_saved_and_a_needed_rollback_stops_the_ru
     """checkpoint.every_steps=0: no step-0, periodic or final save; the same loss spike that rolls back above
     (fallback, then rollback on the relapse) stops the run with a rollback_unavailable event instead."""
     clean = make_trainer(tmp_path / "clean", "train.steps=12", "checkpoint.every_steps=0")
-    clean.start()
-    status = clean.run()
-    clean.finish(status)
+    status = train_to_end(clean)
     assert status == "completed"
     assert not any((tmp_path / "clean" / "run" / "checkpoints").glob("step_*"))
     assert not [e for e in read_jsonl(tmp_path / "clean" / "run" / "events.jsonl") if e["event"] == "checkpoint_saved"]
@@ -247,9 +249,7 @@ def test_without_checkpoints_nothing_is_saved_and_a_needed_rollback_stops_the_ru
     spiky = make_trainer(tmp_path / "spiky", "train.steps=34", "train.global_batch_size=8",
                          "train.micro_batch_size=8", "checkpoint.every_steps=0", "monitor.good_after_steps=5",
                          "faults=loss_spike", "faults.rank=0", "faults.step=30", "faults.num_steps=3")
-    spiky.start()
-    status = spiky.run()
-    spiky.finish(status)
+    status = train_to_end(spiky)
     assert status == "stopped_divergence"
     events = read_jsonl(tmp_path / "spiky" / "run" / "events.jsonl")
     unavailable = [e for e in events if e["event"] == "rollback_unavailable"]
@@ -268,9 +268,7 @@ def test_a_wandb_failure_disables_wandb_and_training_goes_on(tmp_path, caplog):
         raise RuntimeError("wandb-core went away")
 
     trainer.guard.wandb.log_metrics = broken
-    trainer.start()
-    status = trainer.run()
-    trainer.finish(status)
+    status = train_to_end(trainer)
     assert status == "completed" and trainer.guard.wandb is None
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert warnings == ["W&B logging disabled after an error in log_metrics: RuntimeError: wandb-core went away"]
