@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import re
 import statistics
 import subprocess
 import sys
@@ -255,37 +254,3 @@ def kernel_times(step, steps: int = 1, name_chars: int = 120) -> list[dict]:
             rows.append({"kernel": ev.key[:name_chars], "us_per_step": t / steps, "calls_per_step": ev.count / steps})
     rows.sort(key=lambda r: -r["us_per_step"])
     return rows
-
-
-# Where a training step's GPU time goes, by kernel name; the first pattern that matches names the kernel's category.
-# cuBLASLt/CUTLASS names say e4m3/e5m2/f8 for FP8 GEMMs; Inductor's fused kernels name the ops they fuse
-# (triton_red_fused_abs_amax_... is a cast's amax, triton_per_fused_..._rsqrt a norm).
-KERNEL_CATEGORIES = (
-    ("communication", r"nccl|all_?gather|reduce_?scatter|all_?reduce"),
-    ("attention", r"flash|fmha|attention|sdpa|_attn"),
-    ("optimizer", r"adam|multi_tensor_apply|foreach"),
-    # our Triton casts (fp8/kernels) and Inductor's fused ones (amax, then clamp before the fp8 conversion)
-    ("fp8_cast_amax", r"amax|cast|quant|rowwise|tensorwise|clamp"),
-    ("grouped_gemm", r"group"),
-    ("fp8_gemm", r"e4m3|e5m2|f8f8|fp8"),
-    ("gemm", r"gemm|nvjet|xmma|cutlass|cublas|sm90_|sm80_"),
-    ("cross_entropy_head", r"_ce_|cross_entropy|log_softmax|nll_loss|logsumexp"),
-    ("moe_routing", r"sort|topk|histc|bincount|cumsum|index|scatter|gather|permute"),
-    ("memcpy_memset", r"memcpy|memset"),
-    ("norm_elementwise", r"."),
-)
-
-
-def kernel_breakdown(rows: list[dict], step_ms: float) -> dict:
-    """GPU time per category (KERNEL_CATEGORIES) for one step from kernel_times' rows, in ms and as a share of the
-    step's wall time; `gpu_idle` is the step time no kernel ran (host work, launch gaps, synchronisations). Pure."""
-    per_category: dict[str, float] = {name: 0.0 for name, _ in KERNEL_CATEGORIES}
-    for row in rows:
-        name = row["kernel"].lower()
-        category = next(c for c, pattern in KERNEL_CATEGORIES if re.search(pattern, name))
-        per_category[category] += row["us_per_step"] / 1e3
-    busy = sum(per_category.values())
-    out = {c: {"ms": round(ms, 3), "share": round(ms / step_ms, 4)} for c, ms in per_category.items() if ms > 0}
-    idle = max(step_ms - busy, 0.0)
-    out["gpu_idle"] = {"ms": round(idle, 3), "share": round(idle / step_ms, 4)}
-    return out

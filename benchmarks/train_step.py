@@ -47,9 +47,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
 
-from benchmarks.common import env_info, kernel_breakdown, kernel_times, write_json
+from benchmarks.common import env_info, kernel_times, write_json
 from orchestration.config import JobConfig, ModelConfig, MonitorConfig, PrecisionConfig, TrainConfig
 from orchestration.divergence.guard import StepGuard
+from orchestration.observability.kernel_profile import kernel_breakdown
 from orchestration.training.compile import compile_blocks, compile_enabled
 from orchestration.training.gc_policy import ManagedGc
 from orchestration.training.model_setup import build_training_model

@@ -46,7 +46,9 @@ def summarize_run(run_dir: Path, skip_steps: int) -> dict:
     """What one finished run measured (pure over the run directory's files)."""
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     events = read_jsonl(run_dir / "events.jsonl")
-    steady = [m for m in metrics if m["step"] > skip_steps and m.get("tokens_per_s")]
+    profiled = [(e["from_step"], e["from_step"] + e["steps"]) for e in events if e["event"] == "profile"]
+    steady = [m for m, covered in zip(metrics, steps_covered(metrics))
+              if m["step"] > skip_steps and m.get("tokens_per_s") and not overlaps(covered, profiled)]
 
     def median_of(key: str) -> float | None:
         values = [m[key] for m in steady if isinstance(m.get(key), (int, float))]
@@ -91,7 +93,34 @@ def summarize_run(run_dir: Path, skip_steps: int) -> dict:
         "recipe": next((e.get("recipe") for e in events if e["event"] == "worker_group_start"), None),
         "restart_recovery": restart_recovery(events, metrics, fault_times(run_dir)),
         "rollback_recovery": rollback_recovery(events, metrics),
+        # train.profile_from_step: where the loop's time went in its profiled window (its lines are not in the medians)
+        "profile": profile_summaries(run_dir),
     }
+
+
+def profile_summaries(run_dir: Path, top: int = 15) -> list[dict]:
+    """The run's profile summaries (profile/*.summary.json), each with its `top` longest kernels only."""
+    out = []
+    for path in sorted((run_dir / "profile").glob("*.summary.json")):
+        summary = json.loads(path.read_text())
+        out.append({**summary, "top": summary["top"][:top]})
+    return out
+
+
+def steps_covered(metrics: list[dict]) -> list[tuple[int, int]]:
+    """The loop iterations [first, last] (by the step they started from) each metrics line's tokens_per_s covers:
+    from the previous line's step to its own. Pure."""
+    out, previous = [], 0
+    for m in metrics:
+        out.append((previous, m["step"] - 1))
+        previous = m["step"]
+    return out
+
+
+def overlaps(covered: tuple[int, int], windows: list[tuple[int, int]]) -> bool:
+    """Whether iterations [first, last] touch a profiled window [from, end]: its `steps` iterations and the next
+    one, whose start ended the profile and wrote its trace. Pure."""
+    return any(covered[0] <= end and covered[1] >= start for start, end in windows)
 
 
 def fault_times(run_dir: Path) -> list[float]:
@@ -236,6 +265,10 @@ def main() -> None:
         for key in ("restart_recovery", "rollback_recovery", "ray_storage_bytes", "wandb_offline_files"):
             if r.get(key):
                 print(f"{'':>16}{key}: {json.dumps(r[key])[:300]}", flush=True)
+        for p in r.get("profile", []):
+            parts = " ".join(f"{c}={v['ms']}" for c, v in p["breakdown"].items())
+            print(f"{'':>16}profile steps {p['from_step']}-{p['from_step'] + p['steps'] - 1} (rank {p['rank']}): "
+                  f"{p['wall_ms_per_step']} ms/step = {parts}", flush=True)
     base = results[0].get("tokens_per_s_median")
     for r in results:
         tps = r.get("tokens_per_s_median")

@@ -231,6 +231,11 @@ class TrainConfig:
     # "torch" = torch.optim.AdamW (fused on GPUs), "auto" = triton on NVIDIA GPUs, torch elsewhere
     # (ROCm: unverified, so torch). Same state dict either way: a checkpoint resumes under the other.
     adamw: AdamW = AdamW.auto
+    # torch.profiler over train.profile_steps loop iterations from step train.profile_from_step (0 = off): a Chrome
+    # trace and where the time went (GEMMs, FP8 casts, attention, optimizer, idle) per rank in the run directory's
+    # profile/, and a `profile` event (orchestration/training/profiling.py).
+    profile_from_step: int = 0
+    profile_steps: int = 3
 
 
 @dataclass

@@ -153,6 +153,9 @@ def validate(job: JobConfig) -> None:
              f"'{t.adamw}' is not one of ('auto', 'triton', 'torch')")
     _require(t.gc_every_steps >= 0, "train.gc_every_steps",
              f"must be >= 0 (0 = Python's automatic garbage collection), got {t.gc_every_steps}")
+    _require(0 <= t.profile_from_step < t.steps, "train.profile_from_step",
+             f"must be in [0, train.steps={t.steps}) (0 = no profile), got {t.profile_from_step}")
+    _require(t.profile_steps >= 1, "train.profile_steps", f"must be >= 1, got {t.profile_steps}")
     _require(t.micro_batch_size >= 1, "train.micro_batch_size", "must be >= 1")
     _require(t.global_batch_size >= 1, "train.global_batch_size", "must be >= 1")
     # Every world size of the elastic range must get at least one sequence per worker.

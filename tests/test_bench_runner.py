@@ -32,6 +32,40 @@ def test_every_suite_runs_existing_programs_with_options_they_define():
             assert 0 < b.timeout_s <= 600, b.name  # one device call runs at most 10 minutes
 
 
+def _loop_variants(benchmark):
+    """(name, overrides) of every run of a worker_throughput benchmark: its --common settings and each --variant's."""
+    args = list(benchmark.args)
+    common, variants, current = [], [], None
+    for arg in args[args.index("--common") + 1:]:
+        if arg == "--variant":
+            current = []
+            variants.append(current)
+        elif arg.startswith("--"):
+            current = None
+        elif current is not None:
+            current.append(arg)
+        else:
+            common.append(arg)
+    return [(v[0], common + [o for o in v[1:] if not o.startswith("launcher=")]) for v in variants]
+
+
+@pytest.mark.parametrize("benchmark", [b for s in GPU_SUITES for b in run_suite.SUITES[s]
+                                       if b.script == "worker_throughput.py"], ids=lambda b: b.name)
+def test_every_product_loop_run_of_the_gpu_suites_is_a_config_the_product_accepts(benchmark):
+    """A setting the product refuses (a renamed key, a profile window past the run's end) fails every row of a GPU
+    call in seconds; catch it here."""
+    from hydra import compose, initialize_config_dir
+
+    from orchestration.validation import load_job_config
+
+    variants = _loop_variants(benchmark)
+    assert variants, benchmark.name
+    for name, overrides in variants:
+        with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+            job = load_job_config(compose(config_name="config", overrides=overrides))
+        assert job.cluster.device == "cuda" and job.cluster.max_workers == 1, (benchmark.name, name)
+
+
 def test_all_is_every_gpu_suite_in_order_with_unique_result_names():
     expected = [b.name for s in GPU_SUITES for b in run_suite.SUITES[s]]
     assert [b.name for b in run_suite.SUITES["all"]] == expected

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 
 from benchmarks.worker_throughput import eval_gaps, launcher_command, summarize_run
 
@@ -105,3 +106,25 @@ def test_rollback_recovery_runs_from_the_decision_to_the_next_step(tmp_path):
     assert out["rollback_recovery"] == [{"from_step": 13, "to_step": 8, "first_step": 9,
                                          "decision_to_first_step_s": 30.0}]
     assert [e["t_s"] for e in out["events"]] == [50.0, 50.2, 61.0, 61.0]
+
+
+def test_the_profiled_window_is_left_out_of_the_medians_and_its_summary_reported(tmp_path):
+    # metrics every 2 steps; steps 10-12 profiled (the iteration at step 13 ends the profile and writes its trace)
+    tps = {2: 100.0, 4: 60000.0, 6: 61000.0, 8: 62000.0, 10: 63000.0, 12: 20000.0, 14: 30000.0, 16: 64000.0,
+           18: 65000.0}
+    metrics = [{"step": s, "loss": 1.0, "tokens_per_s": v, "step_time_s": 1.0, "time": 100.0 + s}
+               for s, v in tps.items()]
+    events = [{"time": 100.0, "event": "run_start", "step": 0},
+              {"time": 114.0, "event": "profile", "step": 13, "from_step": 10, "steps": 3}]
+    _write(tmp_path / "r", metrics, events, {"status": "completed", "final_step": 18})
+    (tmp_path / "r" / "profile").mkdir()
+    summary = {"rank": 0, "from_step": 10, "steps": 3, "wall_ms_per_step": 80.0,
+               "breakdown": {"gemm": {"ms": 60.0, "share": 0.75}, "idle": {"ms": 20.0, "share": 0.25}},
+               "top": [{"kernel": f"k{i}", "us_per_step": 100.0 - i, "calls_per_step": 1.0} for i in range(40)]}
+    (tmp_path / "r" / "profile" / "rank0_steps10-12.summary.json").write_text(json.dumps(summary))
+    out = summarize_run(tmp_path / "r", skip_steps=2)
+    # lines 12 (iterations 10-11) and 14 (12-13) touch the window; 10 (8-9) and 16 (14-15) do not
+    assert out["steady_log_lines"] == 6
+    assert out["tokens_per_s_median"] == statistics.median([60000.0, 61000.0, 62000.0, 63000.0, 64000.0, 65000.0])
+    (profile,) = out["profile"]
+    assert profile["breakdown"] == summary["breakdown"] and profile["top"] == summary["top"][:15]

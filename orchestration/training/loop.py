@@ -31,6 +31,7 @@ from orchestration.training.faults import FaultInjector
 from orchestration.training.gc_policy import ManagedGc
 from orchestration.training.model_setup import build_training_model
 from orchestration.training.optimizer import lr_at, make_optimizer
+from orchestration.training.profiling import PROFILE_DIR, LoopProfiler
 from orchestration.training.step import MicroBatch, StepModel, compute_loss, train_step
 from orchestration.validation import check_preset_device, from_dict
 
@@ -86,6 +87,8 @@ class Trainer:
                 raise ValueError("faults=fp8_scale_error needs an FP8 model: use precision=fp8")
             for target in targets:
                 self.faults.attach_fp8_scale_fault(target, self.rank, lambda: self.state.step)
+        self.profiler = LoopProfiler(job.train.profile_from_step, job.train.profile_steps, self.run_dir.path,
+                                     self.rank, self.device)
         self.setup_s = time.time() - t_setup
 
     # -- events ---------------------------------------------------------------------------------------------
@@ -176,6 +179,7 @@ class Trainer:
     def run(self) -> str:
         with ManagedGc(self.job.train.gc_every_steps) as managed_gc:
             status = self._run_steps(managed_gc)
+        self.profile_ended(self.profiler.stop())  # a loop that ended inside the window
         if status == "completed" and self.job.checkpoint.every_steps:
             self.checkpoints.save()
         return status
@@ -185,6 +189,7 @@ class Trainer:
         status = "completed"
         t_last_log, tokens_since_log = time.time(), 0
         while self.state.step < job.train.steps:
+            self.profile_ended(self.profiler.before_step(self.state.step))
             t0 = time.time()
             # An injected crash waits for a background save in flight, so that tests know where a restart resumes
             # (tests/test_checkpoint_async.py covers a save cut short: the .tmp- directory is ignored and removed);
@@ -230,6 +235,12 @@ class Trainer:
                 self.checkpoints.save(background=self.checkpoints.async_saves)
             managed_gc.step(self.state.step)
         return status
+
+    def profile_ended(self, summary: dict[str, Any] | None) -> None:
+        if summary is not None:
+            self.event("profile", from_step=summary["from_step"], steps=summary["steps"],
+                       wall_ms_per_step=summary["wall_ms_per_step"], trace=f"{PROFILE_DIR}/{summary['trace']}",
+                       ms_per_step={c: v["ms"] for c, v in summary["breakdown"].items()})
 
     def check_validation_set(self) -> int:
         """Validation sequences per evaluation: data.eval_sequences, or 0 when train.eval_every=0 or the byte stream

@@ -1,0 +1,48 @@
+"""Where a training step's time goes: a torch.profiler table grouped into categories (GEMMs, FP8 casts, attention,
+optimizer, ...) and the rest of the step's wall time, when no kernel ran. Pure: rows in, numbers out.
+
+Rows are {"kernel", "us_per_step", "calls_per_step"}: GPU kernels on a GPU, the self time of torch's operators on a
+CPU device (aten::mm, ...). orchestration/training/profiling.py makes them from the product loop, and
+benchmarks/train_step.py from the isolated step.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+# The first pattern that matches a (lower-cased) name decides its category. cuBLASLt/CUTLASS names say e4m3/e5m2/f8
+# for FP8 GEMMs; Inductor's fused kernels name the ops they fuse (triton_red_fused_abs_amax_... is a cast's amax,
+# triton_per_fused_..._rsqrt a norm); on a CPU device the names are torch's operators.
+KERNEL_CATEGORIES = (
+    ("communication", r"nccl|all_?gather|reduce_?scatter|all_?reduce|c10d"),
+    ("attention", r"flash|fmha|attention|sdpa|_attn"),
+    ("optimizer", r"adam|multi_tensor_apply|foreach"),
+    # our Triton casts (fp8/kernels) and Inductor's fused ones (amax, then clamp before the fp8 conversion)
+    ("fp8_cast_amax", r"amax|cast|quant|rowwise|tensorwise|clamp"),
+    ("grouped_gemm", r"group"),
+    ("fp8_gemm", r"e4m3|e5m2|f8f8|fp8|scaled_mm"),
+    ("gemm", r"gemm|nvjet|xmma|cutlass|cublas|sm90_|sm80_|aten::(mm|addmm|bmm|baddbmm)$"),
+    ("cross_entropy_head", r"_ce_|cross_entropy|log_softmax|nll_loss|logsumexp"),
+    ("moe_routing", r"sort|topk|histc|bincount|cumsum|index|scatter|gather|permute"),
+    ("memcpy_memset", r"memcpy|memset"),
+    ("norm_elementwise", r"."),
+)
+
+
+def category_of(name: str) -> str:
+    """The category of one kernel or operator name (KERNEL_CATEGORIES)."""
+    lowered = name.lower()
+    return next(category for category, pattern in KERNEL_CATEGORIES if re.search(pattern, lowered))
+
+
+def kernel_breakdown(rows: list[dict[str, Any]], step_ms: float) -> dict[str, dict[str, float]]:
+    """Busy time per category for one step, in ms and as a share of the step's wall time step_ms; `idle` is the rest
+    of the step, when nothing ran (on a GPU: host work, launch gaps, synchronisations)."""
+    per_category: dict[str, float] = {name: 0.0 for name, _ in KERNEL_CATEGORIES}
+    for row in rows:
+        per_category[category_of(row["kernel"])] += row["us_per_step"] / 1e3
+    out = {c: {"ms": round(ms, 3), "share": round(ms / step_ms, 4)} for c, ms in per_category.items() if ms > 0}
+    idle = max(step_ms - sum(per_category.values()), 0.0)
+    out["idle"] = {"ms": round(idle, 3), "share": round(idle / step_ms, 4)}
+    return out
