@@ -136,22 +136,21 @@ SUITES: dict[str, tuple[Benchmark, ...]] = {
                   optional=("torchao",), timeout_s=270),
         Benchmark("train_step_dense", "train_step.py",
                   ("--configs", "dense", "--only",
-                   "bf16,ours_head:tensorwise,torchao_head:tensorwise,ours:tensorwise,torchao:tensorwise",
-                   "--steps", "8", "--warmup", "3", "--budget-s", "240", "--profile"), "train_step.json",
-                  requires=CONFIG_MODULES, optional=("torchao",), timeout_s=320),
+                   "bf16,ours_head:tensorwise,torchao_head:tensorwise",
+                   "--steps", "8", "--warmup", "3", "--budget-s", "200", "--profile"), "train_step.json",
+                  requires=CONFIG_MODULES, optional=("torchao",), timeout_s=270),
     ),
     # The product's step (the FP8 head is its default) against torchao with the same head setting on both sides
-    # (torchao's MoE conversion has no head: ours:tensorwise is its twin), then ours_nocheck: ours without the
-    # divergence check (the monitor's overhead); variants in priority order, each profiled.
+    # (torchao's MoE conversion has no head: ours:tensorwise is its twin); variants in priority order, each profiled.
     "moe": (
         Benchmark("moe_grouped", "moe_grouped.py", ("--cases", "bf16_compiled", "ours_compiled", "torchao_compiled",
                                                     "--budget-s", "150"), "moe_grouped.json",
                   optional=("torchao",), timeout_s=210),
         Benchmark("train_step_moe", "train_step.py",
                   ("--configs", "moe", "--only",
-                   "bf16,ours_head:tensorwise,ours:tensorwise,torchao:moe,ours_nocheck:tensorwise",
-                   "--steps", "12", "--warmup", "3", "--budget-s", "300", "--profile"), "train_step.json",
-                  requires=CONFIG_MODULES, optional=("torchao",), timeout_s=380),
+                   "bf16,ours_head:tensorwise,ours:tensorwise,torchao:moe",
+                   "--steps", "12", "--warmup", "3", "--budget-s", "270", "--profile"), "train_step.json",
+                  requires=CONFIG_MODULES, optional=("torchao",), timeout_s=340),
     ),
     # No checkpoints in the throughput and quality runs (checkpoint.every_steps=0): a 4-layer MoE-width save is
     # ~30 GB, and the step-0 and final saves of two of them do not fit the GPU machine's 64 GiB disk; the
