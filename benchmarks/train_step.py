@@ -48,6 +48,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 
 from benchmarks.common import env_info, kernel_times, write_json
+from models.deepseek_moe import GroupedExperts
 from orchestration.config import JobConfig, ModelConfig, MonitorConfig, PrecisionConfig, TrainConfig
 from orchestration.divergence.guard import StepGuard
 from orchestration.observability.kernel_profile import kernel_breakdown
@@ -138,6 +139,45 @@ def job_for(cfg: dict, variant: Variant, eager: bool, device: torch.device) -> J
     return job
 
 
+# torchao's FP8 grouped GEMMs contract over the tokens in the weight gradient: torch._grouped_mm then wants every
+# token group a multiple of 16 rows (16 bytes of fp8), else "expected input tensor dynamic dimension byte size to be
+# non-negative multiple of 16" (device-side assert on the H100, torch 2.11, torchao 0.18). Ours needs no padding.
+TORCHAO_GROUP_ALIGN = 16
+
+
+def padded_rows(n_rows: int, n_groups: int, align: int) -> int:
+    """Rows of the padded layout: room for every group's padding, a multiple of `align` (a fixed size: no sync)."""
+    return -(-(n_rows + n_groups * (align - 1)) // align) * align
+
+
+def aligned_group_rows(offs_E: torch.Tensor, n_rows: int, align: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row r's row in the padded layout, the padded layout's group ends) when every group of offs_E starts at a
+    multiple of `align` rows and the last one ends at padded_rows (every group a multiple of `align` long, no row
+    outside a group). Pure, on the device, no host sync."""
+    counts_E = torch.diff(offs_E, prepend=offs_E.new_zeros(1))
+    padded_E = (counts_E + align - 1) // align * align
+    padded_offs_E = torch.cumsum(padded_E, 0).to(offs_E.dtype)
+    starts_E = padded_offs_E - padded_E
+    padded_offs_E[-1] = padded_rows(n_rows, offs_E.numel(), align)
+    rows = torch.arange(n_rows, device=offs_E.device)
+    group_R = torch.bucketize(rows, offs_E, right=True).clamp_(max=offs_E.numel() - 1)
+    dest_R = starts_E[group_R] + rows - (offs_E - counts_E)[group_R]
+    return dest_R, padded_offs_E
+
+
+def pad_token_groups(experts: GroupedExperts, align: int) -> None:
+    """Run this module's grouped GEMMs on token groups padded to `align` rows (zero rows between groups)."""
+    forward = experts.forward
+
+    def padded_forward(x_RD: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+        dest_R, padded_offs_E = aligned_group_rows(offs_E, x_RD.shape[0], align)
+        x_PD = x_RD.new_zeros(padded_rows(x_RD.shape[0], offs_E.numel(), align), x_RD.shape[1])
+        x_PD = x_PD.index_copy(0, dest_R, x_RD)
+        return forward(x_PD, padded_offs_E).index_select(0, dest_R)
+
+    experts.forward = padded_forward
+
+
 def convert_torchao(model: torch.nn.Module, recipe: str, output_head: bool) -> None:
     """torchao's FP8 training on the layers ours converts (16-aligned linears, no router; the head only if asked)."""
     if recipe == "moe":
@@ -148,10 +188,10 @@ def convert_torchao(model: torch.nn.Module, recipe: str, output_head: bool) -> N
         from torchao.quantization import quantize_
 
         quantize_(model, config=Float8TrainingOpConfig(pad_token_groups_for_grouped_mm=False),
-                  filter_fn=lambda module, fqn: fqn.endswith("experts"))
+                  filter_fn=lambda module, fqn: isinstance(module, GroupedExperts))
         for module in model.modules():
-            if hasattr(module, "token_group_align"):
-                module.token_group_align = 16
+            if isinstance(module, GroupedExperts):
+                pad_token_groups(module, TORCHAO_GROUP_ALIGN)
         return
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
@@ -278,12 +318,16 @@ def bench_row(name: str, cfg: dict, text: str, args: argparse.Namespace, device:
     return row
 
 
-def bench_config(name: str, cfg: dict, args: argparse.Namespace, device: torch.device, start: float) -> dict:
+def bench_config(name: str, cfg: dict, args: argparse.Namespace, device: torch.device, start: float,
+                 save: Callable[[dict], None]) -> dict:
     from models.planning import plan_model
 
     plan = plan_model(cfg["model"], world_size=1, seq_len=cfg["seq"], micro_batch=cfg["batch"],
                       overrides=cfg["overrides"])
     rows = []
+    result = {"config": name, "model": cfg["model"], "overrides": cfg["overrides"], "batch": cfg["batch"],
+              "seq": cfg["seq"], "tokens_per_step": cfg["batch"] * cfg["seq"], "flops_per_token": plan.flops_per_token,
+              "total_params": plan.total_params, "active_params": plan.active_params, "rows": rows}
     for text in (args.only.split(",") if args.only else cfg["variants"]):
         if time.time() - start > args.budget_s:
             row = {"config": name, "variant": text, "error": f"skipped: time budget of {args.budget_s:.0f} s spent"}
@@ -296,6 +340,7 @@ def bench_config(name: str, cfg: dict, args: argparse.Namespace, device: torch.d
         rows.append(row)
         print(f"[{name}] {text:26s} " + (f"{row['ms']:9.2f} ms {row['tokens_per_s']:12,.0f} tok/s" if "ms" in row
                                           else row["error"][:200]), flush=True)
+        save(result)  # the rows so far: a failure that kills the process (a CUDA device-side assert) keeps them
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -304,9 +349,7 @@ def bench_config(name: str, cfg: dict, args: argparse.Namespace, device: torch.d
     for r in rows:
         if base is not None and "ms" in r:
             r["speedup_vs_bf16"] = base["ms"] / r["ms"]
-    return {"config": name, "model": cfg["model"], "overrides": cfg["overrides"], "batch": cfg["batch"],
-            "seq": cfg["seq"], "tokens_per_step": cfg["batch"] * cfg["seq"], "flops_per_token": plan.flops_per_token,
-            "total_params": plan.total_params, "active_params": plan.active_params, "rows": rows}
+    return result
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -347,9 +390,14 @@ def main(argv: list[str] | None = None) -> dict:
     CONFIGS["moe"]["overrides"]["n_layers"] = args.moe_layers
     argv_text = " ".join(sys.argv[1:] if argv is None else argv)
     result = {"command": f"python3 benchmarks/train_step.py {argv_text}", "env": env_info(), "configs": []}
+    path = os.path.join(args.out, "train_step.json")
+
+    def save(partial: dict) -> None:  # the configs done and the rows so far of the one running
+        write_json(path, {**result, "configs": result["configs"] + [partial]})
+
     for name in names:
-        result["configs"].append(bench_config(name, CONFIGS[name], args, device, start))
-        write_json(os.path.join(args.out, "train_step.json"), result)
+        result["configs"].append(bench_config(name, CONFIGS[name], args, device, start, save))
+        write_json(path, result)
     print("\nconfig  variant                      ms/step     tokens/s   vs bf16")
     for c in result["configs"]:
         for r in c["rows"]:

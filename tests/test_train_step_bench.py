@@ -94,3 +94,35 @@ def test_the_gpu_rows_configs_pass_the_products_checks(config):
         job = bench.job_for(bench.CONFIGS[config], bench.Variant.parse(text), eager=False, device=torch.device("cuda"))
         assert job.cluster.device == "cuda" and job.cluster.gpus_per_worker == 1.0 and job.cluster.max_workers == 1
         assert job.data.seq_len == bench.CONFIGS[config]["seq"]
+
+
+@pytest.mark.parametrize("counts", [(5, 0, 17, 16, 1), (0, 0, 3), (16,), (0, 7, 0)])
+def test_padded_token_groups_give_the_unpadded_experts_output_and_gradients(counts):
+    """torchao's FP8 grouped GEMMs need 16-row token groups: the benchmark pads them around the experts' forward,
+    which must not change what the experts compute."""
+    from benchmarks.train_step import aligned_group_rows, pad_token_groups, padded_rows
+    from models.deepseek_moe import GroupedExperts
+
+    torch.manual_seed(0)
+    experts = GroupedExperts(len(counts), dim=8, hidden_dim=8)
+    experts.init_weights(0.5, 0.5)
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32)
+    x = torch.randn(sum(counts), 8, requires_grad=True)
+    y = experts(x, offs)
+    y.square().sum().backward()
+    grads = x.grad.clone(), experts.w13.grad.clone(), experts.w2.grad.clone()
+
+    dest, padded_offs = aligned_group_rows(offs, x.shape[0], 16)
+    ends = padded_offs.tolist()
+    starts = [0] + ends[:-1]
+    assert ends[-1] == padded_rows(x.shape[0], len(counts), 16) and all(e % 16 == 0 for e in ends)
+    assert all(b - a >= n for a, b, n in zip(starts, ends, counts))  # every group fits its padded slot
+    assert sorted(dest.tolist()) == dest.tolist() and len(set(dest.tolist())) == x.shape[0]
+
+    x.grad = experts.w13.grad = experts.w2.grad = None
+    pad_token_groups(experts, 16)
+    y_padded = experts(x, offs)
+    y_padded.square().sum().backward()
+    torch.testing.assert_close(y_padded, y)
+    for padded, reference in zip((x.grad, experts.w13.grad, experts.w2.grad), grads):
+        torch.testing.assert_close(padded, reference)
