@@ -173,8 +173,10 @@ SUITES: dict[str, tuple[Benchmark, ...]] = {
     # rollback, with their recovery split (Ray's share, ours), the stall per save and what Ray's storage kept.
     "ray_dense": (
         _loop("ray_dense", DENSE_LOOP, 30, (("fp8_torchrun", "precision=fp8"),
-                                            ("fp8", "launcher=ray", *RAY_ONE_GPU, "precision=fp8")),
-              timeout_s=250, extra=("checkpoint.every_steps=0",)),
+                                            ("fp8", "launcher=ray", *RAY_ONE_GPU, "precision=fp8"),
+                                            ("bf16_torchrun", "precision=bf16"),
+                                            ("bf16", "launcher=ray", *RAY_ONE_GPU, "precision=bf16")),
+              timeout_s=420, extra=("checkpoint.every_steps=0",)),
     ),
     "ray_faults": (
         _loop("ray_crash", MOE_LOOP + ("+model.overrides.n_layers=2",), 16,
