@@ -98,13 +98,9 @@ def summarize_run(run_dir: Path, skip_steps: int) -> dict:
     }
 
 
-def profile_summaries(run_dir: Path, top: int = 15) -> list[dict]:
-    """The run's profile summaries (profile/*.summary.json), each with its `top` longest kernels only."""
-    out = []
-    for path in sorted((run_dir / "profile").glob("*.summary.json")):
-        summary = json.loads(path.read_text())
-        out.append({**summary, "top": summary["top"][:top]})
-    return out
+def profile_summaries(run_dir: Path) -> list[dict]:
+    """The run's profile summaries (profile/*.summary.json: per category, and the longest kernels)."""
+    return [json.loads(path.read_text()) for path in sorted((run_dir / "profile").glob("*.summary.json"))]
 
 
 def steps_covered(metrics: list[dict]) -> list[tuple[int, int]]:

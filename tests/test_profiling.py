@@ -15,6 +15,9 @@ from tests.test_guard import make_trainer, train_to_end
 @pytest.mark.parametrize("name, category", [
     ("sm90_xmma_gemm_e4m3e4m3_bf16_tn_n_tilesize128x128x128", "fp8_gemm"),
     ("nvjet_hsh_256x128_64x4_1x2_h_bz_coopA_NNT", "gemm"),
+    ("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT", "gemm"),  # bf16 on an H100 (a profiled product loop)
+    ("nvjet_sm90_qqtst_192x192_128x4_2x1_v_bz_coopB_TNN", "fp8_gemm"),
+    ("nvjet_sm90_qrtst_128x160_128x5_2x1_v_bz_coopA_algo2_TNT", "fp8_gemm"),
     ("triton_red_fused_abs_amax_0", "fp8_cast_amax"),
     ("flash_fwd_kernel", "attention"),
     ("ncclDevKernel_AllGather_RING_LL", "communication"),

@@ -12,7 +12,8 @@ import re
 from typing import Any
 
 # The first pattern that matches a (lower-cased) name decides its category. cuBLASLt/CUTLASS names say e4m3/e5m2/f8
-# for FP8 GEMMs; Inductor's fused kernels name the ops they fuse (triton_red_fused_abs_amax_... is a cast's amax,
+# for FP8 GEMMs, and cuBLASLt's nvjet kernels their operand types (on an H100: nvjet_sm90_tst_... for bf16,
+# nvjet_sm90_qqtst_... for e4m3 x e4m3 and qrtst_... for e4m3 x e5m2, the gradient GEMMs); Inductor's fused kernels name the ops they fuse (triton_red_fused_abs_amax_... is a cast's amax,
 # triton_per_fused_..._rsqrt a norm); on a CPU device the names are torch's operators.
 KERNEL_CATEGORIES = (
     ("communication", r"nccl|all_?gather|reduce_?scatter|all_?reduce|c10d"),
@@ -21,7 +22,7 @@ KERNEL_CATEGORIES = (
     # our Triton casts (fp8/kernels) and Inductor's fused ones (amax, then clamp before the fp8 conversion)
     ("fp8_cast_amax", r"amax|cast|quant|rowwise|tensorwise|clamp"),
     ("grouped_gemm", r"group"),
-    ("fp8_gemm", r"e4m3|e5m2|f8f8|fp8|scaled_mm"),
+    ("fp8_gemm", r"e4m3|e5m2|f8f8|fp8|scaled_mm|nvjet_sm\d+_[qr][qr]"),
     ("gemm", r"gemm|nvjet|xmma|cutlass|cublas|sm90_|sm80_|aten::(mm|addmm|bmm|baddbmm)$"),
     ("cross_entropy_head", r"_ce_|cross_entropy|log_softmax|nll_loss|logsumexp"),
     ("moe_routing", r"sort|topk|histc|bincount|cumsum|index|scatter|gather|permute"),
