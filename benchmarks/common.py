@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from orchestration.observability.kernel_profile import category_of
+
 
 def bench_ms(fn, warmup_ms: float = 50.0, rep_ms: float = 200.0) -> float:
     """Median milliseconds of fn() (fn must enqueue all its device work)."""
@@ -251,6 +253,7 @@ def kernel_times(step, steps: int = 1, name_chars: int = 120) -> list[dict]:
     for ev in prof.key_averages():
         t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
         if t > 0:
-            rows.append({"kernel": ev.key[:name_chars], "us_per_step": t / steps, "calls_per_step": ev.count / steps})
+            rows.append({"kernel": ev.key[:name_chars], "category": category_of(ev.key), "us_per_step": t / steps,
+                         "calls_per_step": ev.count / steps})
     rows.sort(key=lambda r: -r["us_per_step"])
     return rows

@@ -46,8 +46,9 @@ def summarize_run(run_dir: Path, skip_steps: int) -> dict:
     """What one finished run measured (pure over the run directory's files)."""
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     events = read_jsonl(run_dir / "events.jsonl")
-    profiled = [(e["from_step"], e["from_step"] + e["steps"]) for e in events if e["event"] == "profile"]
-    steady = [m for m, covered in zip(metrics, steps_covered(metrics))
+    # the profiled windows: from the first profiled step's start to the event written after the trace
+    profiled = [(e["started_time"], e["time"]) for e in events if e["event"] == "profile"]
+    steady = [m for m, covered in zip(metrics, times_covered(metrics))
               if m["step"] > skip_steps and m.get("tokens_per_s") and not overlaps(covered, profiled)]
 
     def median_of(key: str) -> float | None:
@@ -103,20 +104,20 @@ def profile_summaries(run_dir: Path) -> list[dict]:
     return [json.loads(path.read_text()) for path in sorted((run_dir / "profile").glob("*.summary.json"))]
 
 
-def steps_covered(metrics: list[dict]) -> list[tuple[int, int]]:
-    """The loop iterations [first, last] (by the step they started from) each metrics line's tokens_per_s covers:
-    from the previous line's step to its own. Pure."""
-    out, previous = [], 0
+def times_covered(metrics: list[dict]) -> list[tuple[float, float]]:
+    """The wall-clock span (previous line's time, own time] whose tokens each metrics line reports. Pure."""
+    out, previous = [], float("-inf")
     for m in metrics:
-        out.append((previous, m["step"] - 1))
-        previous = m["step"]
+        out.append((previous, m["time"]))
+        previous = m["time"]
     return out
 
 
-def overlaps(covered: tuple[int, int], windows: list[tuple[int, int]]) -> bool:
-    """Whether iterations [first, last] touch a profiled window [from, end]: its `steps` iterations and the next
-    one, whose start ended the profile and wrote its trace. Pure."""
-    return any(covered[0] <= end and covered[1] >= start for start, end in windows)
+def overlaps(covered: tuple[float, float], windows: list[tuple[float, float]]) -> bool:
+    """Whether a line's span (after, until] touches a profiled window [start, end]: the profiled steps and the start
+    of the next one, which stopped the profile and wrote its trace. By time, so a rollback or a restart inside the
+    window (steps repeated) changes nothing. Pure."""
+    return any(covered[1] > start and covered[0] < end for start, end in windows)
 
 
 def fault_times(run_dir: Path) -> list[float]:

@@ -27,6 +27,8 @@ from tests.test_guard import make_trainer, train_to_end
     ("aten::_scaled_grouped_mm", "grouped_gemm"),
     ("aten::nll_loss_forward", "cross_entropy_head"),
     ("aten::mul", "norm_elementwise"),
+    # CUTLASS epilogues broadcast a row or column: not a cast
+    ("_ZN7cutlass13device_kernelINS_4gemm6kernel13GemmUniversalI8Sm90RowBroadcastILi0EE", "gemm"),
 ])
 def test_kernel_names_fall_in_their_category(name, category):
     assert category_of(name) == category
@@ -38,7 +40,8 @@ def test_breakdown_sums_categories_and_leaves_the_rest_idle():
             {"kernel": "triton_poi_fused_clamp_1", "us_per_step": 100.0},
             {"kernel": "flash_bwd_kernel", "us_per_step": 1000.0},
             {"kernel": "nvjet_hsh_256x128", "us_per_step": 300.0}]
-    out = kernel_breakdown(rows, step_ms=5.0)
+    out = kernel_breakdown(rows + [{"kernel": "_ZN7cutlass13device_kernel...", "category": "fp8_gemm", "us_per_step": 0.0}],
+                           step_ms=5.0)
     assert out == {"fp8_gemm": {"ms": 2.0, "share": 0.4}, "fp8_cast_amax": {"ms": 0.5, "share": 0.1},
                    "attention": {"ms": 1.0, "share": 0.2}, "gemm": {"ms": 0.3, "share": 0.06},
                    "idle": {"ms": 1.2, "share": 0.24}}
@@ -58,10 +61,11 @@ def test_the_loop_profiles_its_window_and_writes_trace_summary_and_event(tmp_pat
                                          "train.profile_steps=3")
     assert len(summaries) == 1 and len(events) == 1
     summary, event = summaries[0], events[0]
-    assert (summary["from_step"], summary["steps"], summary["rank"]) == (2, 3, 0)
+    assert (summary["from_step"], summary["steps"], summary["steps_seen"], summary["rank"]) == (2, 3, [2, 3, 4], 0)
     assert summary["trace"] == "rank0_steps2-4.pt.trace.json.gz"
     # ended at the top of the iteration after step 4: the event is logged at step 5
     assert (event["step"], event["from_step"], event["steps"]) == (5, 2, 3)
+    assert event["started_time"] == summary["started_time"] < event["time"]
     assert event["trace"] == "profile/rank0_steps2-4.pt.trace.json.gz"
     trace = json.loads(gzip.decompress((run / "profile" / summary["trace"]).read_bytes()))
     names = {e.get("name") for e in trace["traceEvents"]}
@@ -70,6 +74,8 @@ def test_the_loop_profiles_its_window_and_writes_trace_summary_and_event(tmp_pat
     # the categories and the idle rest make up the window's wall time per step
     assert sum(v["ms"] for v in breakdown.values()) == pytest.approx(summary["wall_ms_per_step"], abs=0.01)
     assert breakdown["gemm"]["ms"] > 0 and breakdown["optimizer"]["ms"] > 0
+    assert summary["kernel_ms_per_step"] == pytest.approx(sum(v["ms"] for c, v in breakdown.items() if c != "idle"),
+                                                          abs=0.01)
     assert event["ms_per_step"] == {c: v["ms"] for c, v in breakdown.items()}
 
     # The same loop profiled over one step: every operator is called as often per step (the window is 3 steps, and
@@ -102,3 +108,18 @@ def test_no_profile_unless_asked(tmp_path):
 def test_a_profile_window_outside_the_run_is_refused(override, message):
     with pytest.raises(ConfigError, match=message):
         compose_job("train.steps=10", override)
+
+
+def test_a_loop_failing_inside_the_window_stops_the_profiler_and_writes_no_trace(tmp_path):
+    import torch
+
+    from orchestration.training.faults import InjectedCrash
+
+    trainer = make_trainer(tmp_path, "train.steps=8", "train.profile_from_step=2", "train.profile_steps=4",
+                           "faults=crash", "faults.step=4", "faults.rank=0")
+    trainer.start()
+    with pytest.raises(InjectedCrash):
+        trainer.run()
+    assert not torch._C._autograd._profiler_enabled()  # one left running would trace the rest of the process
+    assert not (tmp_path / "run" / "profile").exists()
+    assert [e for e in read_jsonl(tmp_path / "run" / "events.jsonl") if e["event"] == "profile"] == []

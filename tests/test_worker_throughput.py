@@ -109,22 +109,22 @@ def test_rollback_recovery_runs_from_the_decision_to_the_next_step(tmp_path):
 
 
 def test_the_profiled_window_is_left_out_of_the_medians_and_its_summary_reported(tmp_path):
-    # metrics every 2 steps; steps 10-12 profiled (the iteration at step 13 ends the profile and writes its trace)
+    # metrics every 2 steps, the line at step s written at time 100 + s; steps 10-11 profiled from time 110.0, the
+    # profile stopped (trace written) at the start of step 12, its event at 112.5
     tps = {2: 100.0, 4: 60000.0, 6: 61000.0, 8: 62000.0, 10: 63000.0, 12: 20000.0, 14: 30000.0, 16: 64000.0,
            18: 65000.0}
     metrics = [{"step": s, "loss": 1.0, "tokens_per_s": v, "step_time_s": 1.0, "time": 100.0 + s}
                for s, v in tps.items()]
     events = [{"time": 100.0, "event": "run_start", "step": 0},
-              {"time": 114.0, "event": "profile", "step": 13, "from_step": 10, "steps": 3}]
+              {"time": 112.5, "event": "profile", "step": 12, "from_step": 10, "steps": 2, "started_time": 110.0}]
     _write(tmp_path / "r", metrics, events, {"status": "completed", "final_step": 18})
     (tmp_path / "r" / "profile").mkdir()
-    summary = {"rank": 0, "from_step": 10, "steps": 3, "wall_ms_per_step": 80.0,
+    summary = {"rank": 0, "from_step": 10, "steps": 2, "wall_ms_per_step": 80.0,
                "breakdown": {"gemm": {"ms": 60.0, "share": 0.75}, "idle": {"ms": 20.0, "share": 0.25}},
-               "top": [{"kernel": f"k{i}", "us_per_step": 100.0 - i, "calls_per_step": 1.0} for i in range(40)]}
-    (tmp_path / "r" / "profile" / "rank0_steps10-12.summary.json").write_text(json.dumps(summary))
+               "top": [{"kernel": f"k{i}", "us_per_step": 100.0 - i, "calls_per_step": 1.0} for i in range(30)]}
+    (tmp_path / "r" / "profile" / "rank0_steps10-11.summary.json").write_text(json.dumps(summary))
     out = summarize_run(tmp_path / "r", skip_steps=2)
-    # lines 12 (iterations 10-11) and 14 (12-13) touch the window; 10 (8-9) and 16 (14-15) do not
+    # line 12 covers the profiled steps, line 14 the step whose start wrote the trace; 10 and 16 neither
     assert out["steady_log_lines"] == 6
     assert out["tokens_per_s_median"] == statistics.median([60000.0, 61000.0, 62000.0, 63000.0, 64000.0, 65000.0])
-    (profile,) = out["profile"]
-    assert profile == summary
+    assert out["profile"] == [summary]

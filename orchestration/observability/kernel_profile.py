@@ -1,8 +1,8 @@
 """Where a training step's time goes: a torch.profiler table grouped into categories (GEMMs, FP8 casts, attention,
 optimizer, ...) and the rest of the step's wall time, when no kernel ran. Pure: rows in, numbers out.
 
-Rows are {"kernel", "us_per_step", "calls_per_step"}: GPU kernels on a GPU, the self time of torch's operators on a
-CPU device (aten::mm, ...). orchestration/training/profiling.py makes them from the product loop, and
+Rows are {"kernel", "us_per_step", "calls_per_step"} and optionally "category" (when "kernel" is a shortened name):
+GPU kernels on a GPU, the self time of torch's operators on a CPU device (aten::mm, ...). orchestration/training/profiling.py makes them from the product loop, and
 benchmarks/train_step.py from the isolated step.
 """
 
@@ -20,7 +20,7 @@ KERNEL_CATEGORIES = (
     ("attention", r"flash|fmha|attention|sdpa|_attn"),
     ("optimizer", r"adam|multi_tensor_apply|foreach"),
     # our Triton casts (fp8/kernels) and Inductor's fused ones (amax, then clamp before the fp8 conversion)
-    ("fp8_cast_amax", r"amax|cast|quant|rowwise|tensorwise|clamp"),
+    ("fp8_cast_amax", r"amax|(?<!broad)cast|quant|rowwise|tensorwise|clamp"),  # not CUTLASS's Sm90RowBroadcast
     ("grouped_gemm", r"group"),
     ("fp8_gemm", r"e4m3|e5m2|f8f8|fp8|scaled_mm|nvjet_sm\d+_[qr][qr]"),
     ("gemm", r"gemm|nvjet|xmma|cutlass|cublas|sm90_|sm80_|aten::(mm|addmm|bmm|baddbmm)$"),
@@ -39,10 +39,11 @@ def category_of(name: str) -> str:
 
 def kernel_breakdown(rows: list[dict[str, Any]], step_ms: float) -> dict[str, dict[str, float]]:
     """Busy time per category for one step, in ms and as a share of the step's wall time step_ms; `idle` is the rest
-    of the step, when nothing ran (on a GPU: host work, launch gaps, synchronisations)."""
+    of the step, when nothing ran (on a GPU: host work, launch gaps, synchronisations). Kernels of several streams
+    that ran at once (NCCL beside compute) are counted in full, so idle is then a lower bound."""
     per_category: dict[str, float] = {name: 0.0 for name, _ in KERNEL_CATEGORIES}
     for row in rows:
-        per_category[category_of(row["kernel"])] += row["us_per_step"] / 1e3
+        per_category[row.get("category") or category_of(row["kernel"])] += row["us_per_step"] / 1e3
     out = {c: {"ms": round(ms, 3), "share": round(ms / step_ms, 4)} for c, ms in per_category.items() if ms > 0}
     idle = max(step_ms - sum(per_category.values()), 0.0)
     out["idle"] = {"ms": round(idle, 3), "share": round(idle / step_ms, 4)}

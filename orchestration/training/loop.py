@@ -177,8 +177,12 @@ class Trainer:
         return self.guard.check(self.model, self.state.step, loss, grad_norm, gated_update, self.shadow_losses)
 
     def run(self) -> str:
-        with ManagedGc(self.job.train.gc_every_steps) as managed_gc:
-            status = self._run_steps(managed_gc)
+        try:
+            with ManagedGc(self.job.train.gc_every_steps) as managed_gc:
+                status = self._run_steps(managed_gc)
+        except BaseException:
+            self.profiler.abandon()
+            raise
         self.profile_ended(self.profiler.stop())  # a loop that ended inside the window
         if status == "completed" and self.job.checkpoint.every_steps:
             self.checkpoints.save()
@@ -239,7 +243,8 @@ class Trainer:
     def profile_ended(self, summary: dict[str, Any] | None) -> None:
         if summary is not None:
             self.event("profile", from_step=summary["from_step"], steps=summary["steps"],
-                       wall_ms_per_step=summary["wall_ms_per_step"], trace=f"{PROFILE_DIR}/{summary['trace']}",
+                       started_time=summary["started_time"], wall_ms_per_step=summary["wall_ms_per_step"],
+                       trace=f"{PROFILE_DIR}/{summary['trace']}",
                        ms_per_step={c: v["ms"] for c, v in summary["breakdown"].items()})
 
     def check_validation_set(self) -> int:
