@@ -6,6 +6,7 @@ import json
 import pytest
 
 from orchestration.config import ConfigError
+from orchestration.observability import report
 from orchestration.observability.events import read_jsonl
 from orchestration.observability.kernel_profile import category_of, kernel_breakdown
 from tests.test_config import compose_job
@@ -77,6 +78,10 @@ def test_the_loop_profiles_its_window_and_writes_trace_summary_and_event(tmp_pat
     assert summary["kernel_ms_per_step"] == pytest.approx(sum(v["ms"] for c, v in breakdown.items() if c != "idle"),
                                                           abs=0.01)
     assert event["ms_per_step"] == {c: v["ms"] for c, v in breakdown.items()}
+    # the run report shows it (python -m orchestration.report)
+    (row,) = report.profile_lines([report.load_run(run)])[2:]
+    assert row.startswith(f"| run | 2-4 | {summary['wall_ms_per_step']:.1f} | ")
+    assert row.endswith(f" | {breakdown['idle']['ms']:.1f} |")
 
     # The same loop profiled over one step: every operator is called as often per step (the window is 3 steps, and
     # per-step figures are divided by 3, not by the iterations the profiler happened to see).

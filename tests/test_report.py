@@ -184,3 +184,23 @@ def test_summary_counts_what_checkpoints_stalled(tmp_path):
     summary = summarize(run.path, "completed")
     assert (summary["checkpoint_saves"], summary["checkpoint_background_saves"]) == (3, 2)
     assert summary["checkpoint_stall_s"] == 13.0
+
+
+def test_profiled_runs_get_a_table_of_where_their_step_time_went(tmp_path):
+    profile = {"event": "profile", "time": 1021.0, "step": 23, "from_step": 20, "steps": 3, "started_time": 1020.0,
+               "wall_ms_per_step": 114.317, "trace": "profile/rank0_steps20-22.pt.trace.json.gz",
+               "ms_per_step": {"attention": 14.69, "optimizer": 20.432, "fp8_cast_amax": 14.452, "gemm": 46.398,
+                               "idle": 4.451}}
+    metrics = [_rec(s, 3.0, 1000.0, 1, "fp8") for s in (10, 20, 30)]
+    _write(tmp_path / "bf16", {"model": {"name": "m"}}, metrics, [])
+    _write(tmp_path / "fp8", {"model": {"name": "m"}}, metrics, [{**profile, "ms_per_step": {"gemm": 1.0}}, profile])
+    runs = [report.load_run(tmp_path / name) for name in ("bf16", "fp8")]
+    # the last profile of a profiled run, categories in the table's order, idle last; the unprofiled run has no row
+    assert report.profile_lines(runs) == [
+        "| run | steps | wall ms | attention | optimizer | fp8_cast_amax | gemm | idle |",
+        "|---|---|---|---|---|---|---|---|",
+        "| fp8 | 20-22 | 114.3 | 14.7 | 20.4 | 14.5 | 46.4 | 4.5 |"]
+    assert report.profile_lines(runs[:1]) == []
+    report.build_report([tmp_path / "bf16", tmp_path / "fp8"], tmp_path / "out")
+    assert "| fp8 | 20-22 | 114.3 | 14.7 | 20.4 | 14.5 | 46.4 | 4.5 |" in (tmp_path / "out" / "report.md").read_text()
+    assert "<th>fp8_cast_amax</th>" in (tmp_path / "out" / "report.html").read_text()

@@ -108,6 +108,26 @@ def comparison_lines(runs: list[RunData], series: list[RunSeries], stats: list[d
     return lines
 
 
+def profile_lines(runs: list[RunData]) -> list[str]:
+    """A markdown table of where each profiled run's step time went (train.profile_from_step: its last `profile`
+    event, rank 0), ms per step by category; [] when no run was profiled."""
+    from orchestration.observability.kernel_profile import KERNEL_CATEGORIES
+
+    profiled = [(r.label, [e for e in r.events if e.get("event") == "profile"]) for r in runs]
+    profiled = [(label, events[-1]) for label, events in profiled if events]
+    if not profiled:
+        return []
+    seen = {c for _, e in profiled for c in e.get("ms_per_step", {})}
+    columns = [c for c, _ in KERNEL_CATEGORIES if c in seen] + ["idle"]
+    lines = ["| run | steps | wall ms | " + " | ".join(columns) + " |", "|" + "---|" * (len(columns) + 3)]
+    for label, e in profiled:
+        ms = e.get("ms_per_step", {})
+        steps = f"{e['from_step']}-{e['from_step'] + e['steps'] - 1}"
+        lines.append(f"| {label} | {steps} | {e['wall_ms_per_step']:.1f} | "
+                     + " | ".join(f"{ms[c]:.1f}" if c in ms else "-" for c in columns) + " |")
+    return lines
+
+
 # ------------------------------------------------------------------------------------------------ summary text
 
 _COLUMNS = [("run", "run"), ("model", "model"), ("precision", "precision"), ("recipe", "recipe"),
@@ -131,7 +151,10 @@ def _fmt(key: str, value: Any) -> str:
     return str(value)
 
 
-def render_markdown(stats: list[dict[str, Any]], comparisons: list[str]) -> str:
+_PROFILE_NOTE = "Where the time went in the profiled steps (train.profile_from_step), ms per step; traces in each run's profile/."
+
+
+def render_markdown(stats: list[dict[str, Any]], comparisons: list[str], profile: list[str] = ()) -> str:
     lines = ["# Run comparison", "",
              "| " + " | ".join(title for _, title in _COLUMNS) + " |",
              "|" + "---|" * len(_COLUMNS)]
@@ -139,21 +162,32 @@ def render_markdown(stats: list[dict[str, Any]], comparisons: list[str]) -> str:
         lines.append("| " + " | ".join(_fmt(k, st.get(k)).replace("|", "/") for k, _ in _COLUMNS) + " |")
     if comparisons:
         lines += ["", *(f"- {c}" for c in comparisons)]
+    if profile:
+        lines += ["", _PROFILE_NOTE, "", *profile]
     lines += ["", "MFU is against the dense peak of the precision each run used (fp8 peak for FP8 runs).", ""]
     lines += [f"![{p[:-4]}]({p})" for p in PLOTS]
     return "\n".join(lines) + "\n"
 
 
-def render_html(stats: list[dict[str, Any]], comparisons: list[str]) -> str:
+def _html_table(markdown_rows: list[str]) -> str:
+    """A markdown table (header, separator, rows) as an HTML table."""
+    cells = [[html.escape(c.strip()) for c in row.strip().strip("|").split("|")] for row in markdown_rows]
+    head = "".join(f"<th>{c}</th>" for c in cells[0])
+    body = "".join("<tr>" + "".join(f"<td>{c}</td>" for c in row) + "</tr>" for row in cells[2:])
+    return f"<table><tr>{head}</tr>{body}</table>"
+
+
+def render_html(stats: list[dict[str, Any]], comparisons: list[str], profile: list[str] = ()) -> str:
     head = "".join(f"<th>{html.escape(title)}</th>" for _, title in _COLUMNS)
     rows = "".join("<tr>" + "".join(f"<td>{html.escape(_fmt(k, st.get(k)))}</td>" for k, _ in _COLUMNS) + "</tr>"
                    for st in stats)
     items = "".join(f"<li>{html.escape(c)}</li>" for c in comparisons)
+    profile_html = f"<p>{html.escape(_PROFILE_NOTE)}</p>{_html_table(list(profile))}" if profile else ""
     imgs = "".join(f'<p><img src="{p}" alt="{p[:-4]}"></p>' for p in PLOTS)
     return ("<!DOCTYPE html><html><head><meta charset=\"utf-8\"><title>Run comparison</title>"
             "<style>body{font-family:sans-serif}table{border-collapse:collapse}"
             "td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}</style></head><body>"
-            f"<h1>Run comparison</h1><table><tr>{head}</tr>{rows}</table><ul>{items}</ul>"
+            f"<h1>Run comparison</h1><table><tr>{head}</tr>{rows}</table><ul>{items}</ul>{profile_html}"
             "<p>MFU is against the dense peak of the precision each run used (fp8 peak for FP8 runs).</p>"
             f"{imgs}</body></html>\n")
 
@@ -181,8 +215,9 @@ def build_report(run_dirs: list[Path], out_dir: Path) -> Path:
     plot_precision_timeline(series, out_dir / "precision_timeline.png")
     plot_world_size(series, out_dir / "world_size.png")
     comparisons = comparison_lines(runs, series, stats)
-    (out_dir / "report.md").write_text(render_markdown(stats, comparisons))
-    (out_dir / "report.html").write_text(render_html(stats, comparisons))
+    profile = profile_lines(runs)
+    (out_dir / "report.md").write_text(render_markdown(stats, comparisons, profile))
+    (out_dir / "report.html").write_text(render_html(stats, comparisons, profile))
     return out_dir / "report.md"
 
 
