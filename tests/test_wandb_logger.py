@@ -155,6 +155,8 @@ def test_offline_run_logs_metrics_and_resumes_same_id(wandb_env):
         run.log_metrics(rec["step"], rec)
     for ev in events1:
         run.log_event(ev)
+    run.log_event({"time": 4.0, "event": "profile", "step": 5, "from_step": 2, "steps": 3, "started_time": 3.8,
+                   "wall_ms_per_step": 114.3, "ms_per_step": {"gemm": 46.4, "fp8_cast_amax": 14.5, "idle": 4.5}})
     run.finish({"status": "stopped_divergence", "final_loss": seg1[-1]["loss"], "fallbacks": 1})
 
     got = wandb_offline.read_offline_run(run_dir)
@@ -172,6 +174,9 @@ def test_offline_run_logs_metrics_and_resumes_same_id(wandb_env):
     assert got.summary["final_loss"] == seg1[-1]["loss"] and got.summary["fallbacks"] == 1
     # counts seeded from events.jsonl (written before the run started): 1 divergence, 1 fallback
     assert got.summary["events/fallbacks"] == 1 and got.summary["events/divergences"] == 1
+    # the profiled window, one value per category
+    assert {k: v for k, v in got.summary.items() if k.startswith("profile/")} == {
+        "profile/wall_ms": 114.3, "profile/gemm_ms": 46.4, "profile/fp8_cast_amax_ms": 14.5, "profile/idle_ms": 4.5}
     assert got.alerts == []  # alerts only online
     # the events table holds every events.jsonl record
     tables = list((got.segments[0].parent / "files" / "media" / "table").glob("events_*.table.json"))

@@ -369,6 +369,11 @@ class WandbRun:
                 self._counts[counter] = self._counts.get(counter, 0) + 1
             if self._counts.get(counter):
                 self.run.log({"step": int(event.get("step") or 0), f"events/{counter}": self._counts[counter]})
+        if event.get("event") == "profile":
+            # where the profiled steps' time went (train.profile_from_step), one summary value per category: runs
+            # side by side in W&B's table (an FP8 run's casts against a BF16 run's GEMMs)
+            self.run.summary.update({"profile/wall_ms": event.get("wall_ms_per_step"),
+                                     **{f"profile/{c}_ms": ms for c, ms in event.get("ms_per_step", {}).items()}})
         alert = alert_for(event)
         if alert is not None and self.mode == "online" and not already_counted:
             import wandb
