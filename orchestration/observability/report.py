@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from orchestration.observability.kernel_profile import KERNEL_CATEGORIES
 from orchestration.observability.report_plots import (
     plot_loss,
     plot_precision_timeline,
@@ -108,24 +109,26 @@ def comparison_lines(runs: list[RunData], series: list[RunSeries], stats: list[d
     return lines
 
 
-def profile_lines(runs: list[RunData]) -> list[str]:
-    """A markdown table of where each profiled run's step time went (train.profile_from_step: its last `profile`
-    event, rank 0), ms per step by category; [] when no run was profiled."""
-    from orchestration.observability.kernel_profile import KERNEL_CATEGORIES
-
+def profile_table(runs: list[RunData]) -> list[list[str]]:
+    """Where each profiled run's step time went (train.profile_from_step: its last `profile` event, rank 0), ms per
+    step by category: a header row, then a row per profiled run; [] when no run was profiled."""
     profiled = [(r.label, [e for e in r.events if e.get("event") == "profile"]) for r in runs]
     profiled = [(label, events[-1]) for label, events in profiled if events]
     if not profiled:
         return []
     seen = {c for _, e in profiled for c in e.get("ms_per_step", {})}
     columns = [c for c, _ in KERNEL_CATEGORIES if c in seen] + ["idle"]
-    lines = ["| run | steps | wall ms | " + " | ".join(columns) + " |", "|" + "---|" * (len(columns) + 3)]
+    table = [["run", "steps", "wall ms", *columns]]
     for label, e in profiled:
         ms = e.get("ms_per_step", {})
-        steps = f"{e['from_step']}-{e['from_step'] + e['steps'] - 1}"
-        lines.append(f"| {label} | {steps} | {e['wall_ms_per_step']:.1f} | "
-                     + " | ".join(f"{ms[c]:.1f}" if c in ms else "-" for c in columns) + " |")
-    return lines
+        table.append([label, f"{e['from_step']}-{e['from_step'] + e['steps'] - 1}", f"{e['wall_ms_per_step']:.1f}",
+                      *(f"{ms[c]:.1f}" if c in ms else "-" for c in columns)])
+    return table
+
+
+def profile_lines(runs: list[RunData]) -> list[str]:
+    """profile_table as markdown lines."""
+    return _markdown_table(profile_table(runs))
 
 
 # ------------------------------------------------------------------------------------------------ summary text
@@ -151,43 +154,48 @@ def _fmt(key: str, value: Any) -> str:
     return str(value)
 
 
-_PROFILE_NOTE = "Where the time went in the profiled steps (train.profile_from_step), ms per step; traces in each run's profile/."
+_PROFILE_NOTE = ("Where the time went in the profiled steps (train.profile_from_step), ms per step; traces in each "
+                 "run's profile/.")
 
 
-def render_markdown(stats: list[dict[str, Any]], comparisons: list[str], profile: list[str] = ()) -> str:
-    lines = ["# Run comparison", "",
-             "| " + " | ".join(title for _, title in _COLUMNS) + " |",
-             "|" + "---|" * len(_COLUMNS)]
-    for st in stats:
-        lines.append("| " + " | ".join(_fmt(k, st.get(k)).replace("|", "/") for k, _ in _COLUMNS) + " |")
+def _markdown_table(table: list[list[str]]) -> list[str]:
+    """A header row and data rows as markdown table lines ("|" inside a cell becomes "/"); [] for no table."""
+    if not table:
+        return []
+    lines = ["| " + " | ".join(cell.replace("|", "/") for cell in row) + " |" for row in table]
+    return [lines[0], "|" + "---|" * len(table[0]), *lines[1:]]
+
+
+def _html_table(table: list[list[str]]) -> str:
+    """A header row and data rows as an HTML table."""
+    head = "".join(f"<th>{html.escape(cell)}</th>" for cell in table[0])
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(cell)}</td>" for cell in row) + "</tr>" for row in table[1:])
+    return f"<table><tr>{head}</tr>{body}</table>"
+
+
+def _stats_table(stats: list[dict[str, Any]]) -> list[list[str]]:
+    return [[title for _, title in _COLUMNS], *([_fmt(k, st.get(k)) for k, _ in _COLUMNS] for st in stats)]
+
+
+def render_markdown(stats: list[dict[str, Any]], comparisons: list[str], profile: list[list[str]] = ()) -> str:
+    lines = ["# Run comparison", "", *_markdown_table(_stats_table(stats))]
     if comparisons:
         lines += ["", *(f"- {c}" for c in comparisons)]
     if profile:
-        lines += ["", _PROFILE_NOTE, "", *profile]
+        lines += ["", _PROFILE_NOTE, "", *_markdown_table(list(profile))]
     lines += ["", "MFU is against the dense peak of the precision each run used (fp8 peak for FP8 runs).", ""]
     lines += [f"![{p[:-4]}]({p})" for p in PLOTS]
     return "\n".join(lines) + "\n"
 
 
-def _html_table(markdown_rows: list[str]) -> str:
-    """A markdown table (header, separator, rows) as an HTML table."""
-    cells = [[html.escape(c.strip()) for c in row.strip().strip("|").split("|")] for row in markdown_rows]
-    head = "".join(f"<th>{c}</th>" for c in cells[0])
-    body = "".join("<tr>" + "".join(f"<td>{c}</td>" for c in row) + "</tr>" for row in cells[2:])
-    return f"<table><tr>{head}</tr>{body}</table>"
-
-
-def render_html(stats: list[dict[str, Any]], comparisons: list[str], profile: list[str] = ()) -> str:
-    head = "".join(f"<th>{html.escape(title)}</th>" for _, title in _COLUMNS)
-    rows = "".join("<tr>" + "".join(f"<td>{html.escape(_fmt(k, st.get(k)))}</td>" for k, _ in _COLUMNS) + "</tr>"
-                   for st in stats)
+def render_html(stats: list[dict[str, Any]], comparisons: list[str], profile: list[list[str]] = ()) -> str:
     items = "".join(f"<li>{html.escape(c)}</li>" for c in comparisons)
     profile_html = f"<p>{html.escape(_PROFILE_NOTE)}</p>{_html_table(list(profile))}" if profile else ""
     imgs = "".join(f'<p><img src="{p}" alt="{p[:-4]}"></p>' for p in PLOTS)
     return ("<!DOCTYPE html><html><head><meta charset=\"utf-8\"><title>Run comparison</title>"
             "<style>body{font-family:sans-serif}table{border-collapse:collapse}"
             "td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}</style></head><body>"
-            f"<h1>Run comparison</h1><table><tr>{head}</tr>{rows}</table><ul>{items}</ul>{profile_html}"
+            f"<h1>Run comparison</h1>{_html_table(_stats_table(stats))}<ul>{items}</ul>{profile_html}"
             "<p>MFU is against the dense peak of the precision each run used (fp8 peak for FP8 runs).</p>"
             f"{imgs}</body></html>\n")
 
@@ -215,7 +223,7 @@ def build_report(run_dirs: list[Path], out_dir: Path) -> Path:
     plot_precision_timeline(series, out_dir / "precision_timeline.png")
     plot_world_size(series, out_dir / "world_size.png")
     comparisons = comparison_lines(runs, series, stats)
-    profile = profile_lines(runs)
+    profile = profile_table(runs)
     (out_dir / "report.md").write_text(render_markdown(stats, comparisons, profile))
     (out_dir / "report.html").write_text(render_html(stats, comparisons, profile))
     return out_dir / "report.md"
