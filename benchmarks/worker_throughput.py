@@ -264,7 +264,7 @@ def main() -> None:
                 print(f"{'':>16}{key}: {json.dumps(r[key])[:300]}", flush=True)
         for p in r.get("profile", []):
             parts = " ".join(f"{c}={v['ms']}" for c, v in p["breakdown"].items())
-            print(f"{'':>16}profile steps {p['from_step']}-{p['from_step'] + p['steps'] - 1} (rank {p['rank']}): "
+            print(f"{'':>16}profile steps {p['steps_seen'][0]}-{p['steps_seen'][-1]} (rank {p['rank']}): "
                   f"{p['wall_ms_per_step']} ms/step = {parts}", flush=True)
     base = results[0].get("tokens_per_s_median")
     for r in results:

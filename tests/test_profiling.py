@@ -41,11 +41,15 @@ def test_breakdown_sums_categories_and_leaves_the_rest_idle():
             {"kernel": "triton_poi_fused_clamp_1", "us_per_step": 100.0},
             {"kernel": "flash_bwd_kernel", "us_per_step": 1000.0},
             {"kernel": "nvjet_hsh_256x128", "us_per_step": 300.0}]
-    out = kernel_breakdown(rows + [{"kernel": "_ZN7cutlass13device_kernel...", "category": "fp8_gemm", "us_per_step": 0.0}],
-                           step_ms=5.0)
+    out = kernel_breakdown(rows, step_ms=5.0)
     assert out == {"fp8_gemm": {"ms": 2.0, "share": 0.4}, "fp8_cast_amax": {"ms": 0.5, "share": 0.1},
                    "attention": {"ms": 1.0, "share": 0.2}, "gemm": {"ms": 0.3, "share": 0.06},
                    "idle": {"ms": 1.2, "share": 0.24}}
+    # a row's category, when given, wins over its (shortened) name's: a CUTLASS name's element types come late
+    shortened = {"kernel": "_ZN7cutlass13device_kernel", "category": "fp8_gemm", "us_per_step": 500.0}
+    assert category_of(shortened["kernel"]) == "gemm"
+    assert kernel_breakdown([shortened], step_ms=1.0) == {"fp8_gemm": {"ms": 0.5, "share": 0.5},
+                                                         "idle": {"ms": 0.5, "share": 0.5}}
 
 
 def _profile_of(tmp_path, *overrides):

@@ -2,8 +2,8 @@
 optimizer, ...) and the rest of the step's wall time, when no kernel ran. Pure: rows in, numbers out.
 
 Rows are {"kernel", "us_per_step", "calls_per_step"} and optionally "category" (when "kernel" is a shortened name):
-GPU kernels on a GPU, the self time of torch's operators on a CPU device (aten::mm, ...). orchestration/training/profiling.py makes them from the product loop, and
-benchmarks/train_step.py from the isolated step.
+GPU kernels on a GPU, the self time of torch's operators on a CPU device (aten::mm, ...).
+orchestration/training/profiling.py makes them from the product loop, benchmarks/train_step.py from the isolated step.
 """
 
 from __future__ import annotations
@@ -13,8 +13,9 @@ from typing import Any
 
 # The first pattern that matches a (lower-cased) name decides its category. cuBLASLt/CUTLASS names say e4m3/e5m2/f8
 # for FP8 GEMMs, and cuBLASLt's nvjet kernels their operand types (on an H100: nvjet_sm90_tst_... for bf16,
-# nvjet_sm90_qqtst_... for e4m3 x e4m3 and qrtst_... for e4m3 x e5m2, the gradient GEMMs); Inductor's fused kernels name the ops they fuse (triton_red_fused_abs_amax_... is a cast's amax,
-# triton_per_fused_..._rsqrt a norm); on a CPU device the names are torch's operators.
+# nvjet_sm90_qqtst_... for e4m3 x e4m3 and qrtst_... for e4m3 x e5m2, the gradient GEMMs); Inductor's fused kernels
+# name the ops they fuse (triton_red_fused_abs_amax_... is a cast's amax, triton_per_fused_..._rsqrt a norm); on a CPU
+# device the names are torch's operators.
 KERNEL_CATEGORIES = (
     ("communication", r"nccl|all_?gather|reduce_?scatter|all_?reduce|c10d"),
     ("attention", r"flash|fmha|attention|sdpa|_attn"),
