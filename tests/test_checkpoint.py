@@ -453,6 +453,76 @@ def test_resave_same_step_replaces_and_discard_newer(tmp_path):
         (3, "rollback to step 1"), (2, "rollback to step 1")]
 
 
+def _inodes(path: Path) -> dict[str, int]:
+    return {f.relative_to(path).as_posix(): f.stat().st_ino for f in path.rglob("*") if f.is_file()}
+
+
+def test_resave_extra_state_links_the_files_and_publishes_the_step_good(tmp_path):
+    mgr, events, (model, opt, sched) = _saved(tmp_path, [1, 2])
+    ref = full_state(model, opt)
+    info = mgr.latest()
+    before = _inodes(info.path)
+    events.clear()
+    path = mgr.resave_extra_state(info, {"data": {"next_index": 99}})
+    assert path == tmp_path / "step_000002" and not list(tmp_path.glob(".tmp-*"))
+    after = _inodes(path)
+    kept = sorted(set(before) - {"extra_state.json", "manifest.json"})
+    assert kept and all(after[rel] == before[rel] for rel in kept)  # the same files, not copies
+    assert after["extra_state.json"] != before["extra_state.json"]
+    assert mgr.last_save_timing["linked_files"] == len(kept) and mgr.last_save_timing["copied_files"] == 0
+    assert [(n, p["step"]) for n, p in events] == [("checkpoint_saved", 2), ("checkpoint_good", 2)]
+    resaved = mgr.latest(good_only=True)  # verified with checksums, the new extra state's digest included
+    assert (resaved.step, resaved.good, resaved.world_size) == (2, True, 1)
+    fresh_model, fresh_opt, fresh_sched = build(seed=5)
+    assert mgr.load(resaved, fresh_model, fresh_opt, fresh_sched) == {"data": {"next_index": 99}}
+    assert_states_bit_identical(full_state(fresh_model, fresh_opt), ref)
+    assert fresh_sched.state_dict() == sched.state_dict()
+
+
+def test_resave_extra_state_copies_where_the_filesystem_has_no_hard_links(tmp_path, monkeypatch):
+    import errno
+    import os
+
+    from orchestration.checkpoint import writer
+
+    def no_links(src, dst):
+        raise OSError(errno.EPERM, "Operation not permitted", str(dst))
+
+    monkeypatch.setattr(writer.os, "link", no_links)
+    mgr, _, (model, opt, _) = _saved(tmp_path, [3])
+    ref = full_state(model, opt)
+    before = _inodes(mgr.latest().path)
+    mgr.resave_extra_state(mgr.latest(), {"again": True})
+    after = _inodes(tmp_path / "step_000003")
+    assert mgr.last_save_timing["linked_files"] == 0 and mgr.last_save_timing["copied_files"] == len(before) - 2
+    assert not set(before.values()) & set(after.values())
+    info = mgr.latest()
+    fresh_model, fresh_opt, fresh_sched = build(seed=5)
+    assert mgr.load(info, fresh_model, fresh_opt, fresh_sched) == {"again": True} and info.good
+    assert_states_bit_identical(full_state(fresh_model, fresh_opt), ref)
+    assert os.path.isdir(tmp_path / "step_000003")
+
+
+def test_a_failed_resave_leaves_the_checkpoint_as_it_was(tmp_path, monkeypatch):
+    import errno
+
+    from orchestration.checkpoint import writer
+
+    def failing_link(src, dst):
+        raise OSError(errno.EIO, "Input/output error", str(dst))
+
+    mgr, _, _ = _saved(tmp_path, [4])
+    monkeypatch.setattr(writer.os, "link", failing_link)
+    with pytest.raises(CheckpointError, match=r"saving step 4 again .*rank 0: OSError: \[Errno 5\] Input/output error"):
+        mgr.resave_extra_state(mgr.latest(), {"lost": True})
+    assert not list(tmp_path.glob(".tmp-*"))
+    info = mgr.latest()
+    assert (info.step, info.good) == (4, False)
+    assert json.loads((info.path / "extra_state.json").read_text()) == {"data": {"next_index": 16}}
+    with pytest.raises(TypeError, match="extra_state must be a dict"):
+        mgr.resave_extra_state(info, ["not", "a", "dict"])
+
+
 def test_ray_checkpoint_dir(tmp_path):
     mgr, _, _ = _saved(tmp_path, [1])
     info = mgr.latest()

@@ -208,6 +208,56 @@ def test_rollback_resaves_its_step_with_what_it_decided(tmp_path, async_save):
     assert manifest["good"] is True
 
 
+def test_a_restart_right_after_a_rollback_trains_as_the_run_that_went_on(tmp_path, monkeypatch):
+    """The rollback's re-save links the loaded checkpoint's tensor, scheduler and RNG files and writes only the new
+    extra state: a run that dies right after it resumes past the skipped samples, with the fallback and the
+    rollback counted, and trains steps 21-34 to the same losses as the run that went on in process."""
+    import json
+
+    from orchestration.training.checkpointing import RunCheckpoints
+
+    spike = ("train.steps=34", "train.global_batch_size=8", "train.micro_batch_size=8", "checkpoint.every_steps=10",
+             "monitor.good_after_steps=5", "faults=loss_spike", "faults.rank=0", "faults.step=30",
+             "faults.num_steps=3", "checkpoint.async_save=never")
+    went_on = make_trainer(tmp_path / "went_on", *spike)
+    assert train_to_end(went_on) == "completed"
+
+    class DiedAfterTheRollback(Exception):
+        pass
+
+    resave = RunCheckpoints.resave_after_rollback
+
+    def resave_then_die(self, info):
+        resave(self, info)
+        raise DiedAfterTheRollback
+
+    monkeypatch.setattr(RunCheckpoints, "resave_after_rollback", resave_then_die)
+    died = make_trainer(tmp_path / "restarted", *spike)
+    with pytest.raises(DiedAfterTheRollback):
+        train_to_end(died)
+    monkeypatch.setattr(RunCheckpoints, "resave_after_rollback", resave)
+    restarted = make_trainer(tmp_path / "restarted", *spike)
+    restarted.start()
+    assert restarted.state.step == 20 and restarted.state.cursor == 33 * 8
+    assert restarted.state.precision == "bf16" and restarted.guard.policy.s.rollbacks == 1
+    assert restarted.run() == "completed"
+
+    def last_losses(run):
+        metrics = {m["step"]: m["loss"] for m in read_jsonl(tmp_path / run / "run" / "metrics.jsonl")}
+        return [metrics[step] for step in range(21, 35)]
+
+    assert last_losses("restarted") == pytest.approx(last_losses("went_on"), rel=1e-6, abs=0)
+    events = read_jsonl(tmp_path / "restarted" / "run" / "events.jsonl")
+    rollback = next(e for e in events if e["event"] == "rollback")
+    timing = next(e for e in events if e["event"] == "checkpoint_timing" and e["time"] >= rollback["time"])
+    # every file of the step-20 checkpoint but its extra state (DCP data and metadata, state_meta, scheduler, RNG)
+    # linked, none written again
+    manifest = json.loads((tmp_path / "restarted" / "run" / "checkpoints" / "step_000020" / "manifest.json").read_text())
+    assert len(manifest["files"]) >= 6 and manifest["good"] is True
+    assert (timing["linked_files"], timing["copied_files"]) == (len(manifest["files"]) - 1, 0)
+    assert "write_s" not in timing
+
+
 def test_a_save_still_being_written_when_it_passed_its_clean_steps_is_the_rollback_target(tmp_path, monkeypatch):
     """good_after_steps counts clean steps after a save, not after its write: the step-30 save, still being written
     in the background when the spike at 34-36 comes (its write is held 2 s here; 13 GB took 11 s on an H100 while

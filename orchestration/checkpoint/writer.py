@@ -3,6 +3,7 @@ Runs on the training thread (synchronous saves) or in the save thread (backgroun
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import time
@@ -115,18 +116,7 @@ def write_and_finalize(job: SaveJob, *, rank: int, world_size: int, checksum: st
                         "checksum": checksum, "chunk_bytes": DIGEST_CHUNK_BYTES, "files": all_digests,
                         "torch_version": torch.__version__,
                         "has_scheduler": job.sched_bytes is not None}
-            write_json_atomic(tmp / MANIFEST, manifest)
-            fsync_dir(tmp)
-            replaced = None
-            if final.exists():
-                # Re-saving a step (after a rollback): the new one wins; the old one goes via a .tmp name so
-                # a crash here never leaves a half-deleted step_ directory.
-                replaced = root / f"{TMP_PREFIX}replaced-{final.name}-{os.getpid()}"
-                os.rename(final, replaced)
-            os.rename(tmp, final)
-            fsync_dir(root)
-            if replaced is not None:
-                shutil.rmtree(replaced, ignore_errors=True)
+            publish(tmp, final, root, manifest)
             deleted = apply_retention()
         except OSError as e:
             error = describe_error(e)
@@ -142,6 +132,49 @@ def write_and_finalize(job: SaveJob, *, rank: int, world_size: int, checksum: st
         job.events.append(("checkpoint_saved", {"step": step, "path": str(final), "good": False}))
         job.events.extend(deleted_events(deleted))
 
+
+
+def publish(tmp: Path, final: Path, root: Path, manifest: dict) -> None:
+    """Write the manifest into the complete directory `tmp` and rename it to `final` (rank 0)."""
+    write_json_atomic(tmp / MANIFEST, manifest)
+    fsync_dir(tmp)
+    replaced = None
+    if final.exists():
+        # Re-saving a step (after a rollback): the new one wins; the old one goes via a .tmp name so a crash here
+        # never leaves a half-deleted step_ directory.
+        replaced = root / f"{TMP_PREFIX}replaced-{final.name}-{os.getpid()}"
+        os.rename(final, replaced)
+    os.rename(tmp, final)
+    fsync_dir(root)
+    if replaced is not None:
+        shutil.rmtree(replaced, ignore_errors=True)
+
+
+def link_with_new_extra_state(source: Path, tmp: Path, manifest: dict, extra_json: str) -> tuple[dict, dict]:
+    """Fill `tmp` with the files of the finalized checkpoint `source` (its `manifest`) as hard links, copies where
+    the filesystem has no links, and a new extra_state.json. Returns the manifest for `tmp` (good, the new file's
+    size and digest) and what it did: linked and copied file counts. Rank 0, on the caller's thread."""
+    linked = copied = 0
+    for rel in sorted(manifest["files"]):
+        if rel == EXTRA_STATE:
+            continue
+        target = tmp / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(source / rel, target)
+            linked += 1
+        except OSError as e:
+            if e.errno not in (errno.EXDEV, errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK):
+                raise
+            shutil.copyfile(source / rel, target)
+            copied += 1
+    (tmp / EXTRA_STATE).write_text(extra_json, encoding="ascii")
+    digest, = file_digests([tmp / EXTRA_STATE], manifest["checksum"], manifest["chunk_bytes"])
+    files = dict(manifest["files"])
+    files[EXTRA_STATE] = {"size": (tmp / EXTRA_STATE).stat().st_size, "digest": digest}
+    now = time.time()
+    return {**manifest, "files": files, "time": now, "good": True, "good_time": now}, {"linked_files": linked,
+                                                                                       "copied_files": copied}
 
 
 def stage_job(job: SaveJob, tensors: dict, staging: HostStaging) -> None:

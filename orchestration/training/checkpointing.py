@@ -290,8 +290,7 @@ class RunCheckpoints:
         """Save the current step. background: copy to host memory and write in a thread (periodic saves and the
         step-0 one with checkpoint.async_save); its checkpoint_timing event and Ray report follow when it finishes
         (collect, at the next save or at the end). good=True saves (start, after a rollback) are good by definition:
-        marked at once, or once written when in the background (a rollback collects it first).
-        The rollback's re-save stays synchronous: a restart during its write would replay the skipped samples."""
+        marked at once, or once written when in the background (a rollback collects it first)."""
         t = self.trainer
         self.collect()
         t0 = time.time()
@@ -313,6 +312,19 @@ class RunCheckpoints:
         t.event("checkpoint_timing", seconds=round(time.time() - t0, 3), **self.manager.last_save_timing)
         self.report_to_ray(path)
         return path
+
+    def resave_after_rollback(self, info: Any) -> None:
+        """The checkpoint a rollback just loaded, saved again with what the rollback decided (extra_state) and its
+        tensors linked, not written. Synchronous: a restart before it is published would replay the skipped
+        samples."""
+        t = self.trainer
+        t0 = time.time()
+        try:
+            path = self.manager.resave_extra_state(info, self.extra_state())
+        except (CheckpointError, CheckpointException) as exc:
+            self.failed(info.step, exc)
+        t.event("checkpoint_timing", seconds=round(time.time() - t0, 3), **self.manager.last_save_timing)
+        self.report_to_ray(path)
 
     def maybe_mark_good(self) -> None:
         """A checkpoint is good once monitor.good_after_steps steps after it passed the monitors

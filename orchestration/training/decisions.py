@@ -113,5 +113,6 @@ def rollback(trainer: Any, decision: Rollback) -> None:
             lr_scale=decision.lr_scale)
     # Re-save the step with what the rollback decided (data cursor past the bad samples, skipped ranges, lr scale,
     # the policy's counters and precision): a restart before the next periodic save would otherwise resume the
-    # checkpoint as it was, replay the skipped samples and forget the rollback (max_rollbacks unbounded).
-    checkpoints.save(good=True)
+    # checkpoint as it was, replay the skipped samples and forget the rollback (max_rollbacks unbounded). The
+    # model, optimizer, scheduler and RNG are the checkpoint's own: only the extra state is written.
+    checkpoints.resave_after_rollback(info)
