@@ -485,8 +485,8 @@ def test_resave_extra_state_copies_where_the_filesystem_has_no_hard_links(tmp_pa
 
     from orchestration.checkpoint import writer
 
-    def no_links(src, dst):
-        raise OSError(errno.EPERM, "Operation not permitted", str(dst))
+    def no_links(src, dst):  # what a FUSE filesystem without link() answers
+        raise OSError(errno.ENOSYS, "Function not implemented", str(dst))
 
     monkeypatch.setattr(writer.os, "link", no_links)
     mgr, _, (model, opt, _) = _saved(tmp_path, [3])
@@ -508,11 +508,12 @@ def test_a_failed_resave_leaves_the_checkpoint_as_it_was(tmp_path, monkeypatch):
 
     from orchestration.checkpoint import writer
 
-    def failing_link(src, dst):
+    def failing(src, dst):
         raise OSError(errno.EIO, "Input/output error", str(dst))
 
     mgr, _, _ = _saved(tmp_path, [4])
-    monkeypatch.setattr(writer.os, "link", failing_link)
+    monkeypatch.setattr(writer.os, "link", failing)
+    monkeypatch.setattr(writer.shutil, "copyfile", failing)
     with pytest.raises(CheckpointError, match=r"saving step 4 again .*rank 0: OSError: \[Errno 5\] Input/output error"):
         mgr.resave_extra_state(mgr.latest(), {"lost": True})
     assert not list(tmp_path.glob(".tmp-*"))
@@ -521,6 +522,44 @@ def test_a_failed_resave_leaves_the_checkpoint_as_it_was(tmp_path, monkeypatch):
     assert json.loads((info.path / "extra_state.json").read_text()) == {"data": {"next_index": 16}}
     with pytest.raises(TypeError, match="extra_state must be a dict"):
         mgr.resave_extra_state(info, ["not", "a", "dict"])
+
+
+def test_a_failed_rename_while_replacing_a_step_puts_the_old_one_back(tmp_path, monkeypatch):
+    from orchestration.checkpoint import writer
+
+    mgr, _, _ = _saved(tmp_path, [5])
+    rename = writer.os.rename
+
+    def refuse_the_new_one(src, dst):
+        if Path(src).name == ".tmp-step_000005":
+            raise OSError(13, "Permission denied", str(dst))
+        return rename(src, dst)
+
+    monkeypatch.setattr(writer.os, "rename", refuse_the_new_one)
+    with pytest.raises(CheckpointError, match="Permission denied"):
+        mgr.resave_extra_state(mgr.latest(), {"lost": True})
+    info = mgr.latest()
+    assert info.step == 5 and json.loads((info.path / "extra_state.json").read_text()) == {"data": {"next_index": 20}}
+
+
+@pytest.mark.parametrize("new_one_complete", [True, False])
+def test_a_crash_between_the_renames_of_a_replaced_step_is_recovered_at_start(tmp_path, new_one_complete):
+    """Killed after step_N moved aside and before the new step_N moved in: the next start puts the new one in place
+    when its manifest is written (complete), else the old one; nothing is left under .tmp-."""
+    import shutil
+
+    _saved(tmp_path, [6, 7], keep_last=5)
+    new = tmp_path / ".tmp-step_000007"
+    shutil.copytree(tmp_path / "step_000007", new)
+    (new / "extra_state.json").write_text("{}")  # which one comes back, told apart (its digest no longer matches)
+    if not new_one_complete:
+        (new / "manifest.json").unlink()
+    (tmp_path / "step_000007").rename(tmp_path / ".tmp-replaced-step_000007-4242")
+    restarted = CheckpointManager(tmp_path, rank=0, world_size=1)
+    assert not list(tmp_path.glob(".tmp-*")) and (tmp_path / "step_000007").is_dir()
+    extra = (tmp_path / "step_000007" / "extra_state.json").read_text()
+    assert (extra == "{}") is new_one_complete
+    assert [s for s, _ in restarted.finalized()] == [7, 6]
 
 
 def test_ray_checkpoint_dir(tmp_path):

@@ -210,15 +210,16 @@ def test_rollback_resaves_its_step_with_what_it_decided(tmp_path, async_save):
 
 def test_a_restart_right_after_a_rollback_trains_as_the_run_that_went_on(tmp_path, monkeypatch):
     """The rollback's re-save links the loaded checkpoint's tensor, scheduler and RNG files and writes only the new
-    extra state: a run that dies right after it resumes past the skipped samples, with the fallback and the
-    rollback counted, and trains steps 21-34 to the same losses as the run that went on in process."""
+    extra state: a run that dies right after it resumes past the skipped samples, with the fallback, the rollback and
+    its learning-rate scale in force, and trains steps 21-34 to the same losses as the run that went on in process
+    (which trained its first step after the rollback at the checkpoint's scale before the scale was set again)."""
     import json
 
     from orchestration.training.checkpointing import RunCheckpoints
 
     spike = ("train.steps=34", "train.global_batch_size=8", "train.micro_batch_size=8", "checkpoint.every_steps=10",
              "monitor.good_after_steps=5", "faults=loss_spike", "faults.rank=0", "faults.step=30",
-             "faults.num_steps=3", "checkpoint.async_save=never")
+             "faults.num_steps=3", "checkpoint.async_save=never", "monitor.rollback_lr_scale=0.5")
     went_on = make_trainer(tmp_path / "went_on", *spike)
     assert train_to_end(went_on) == "completed"
 

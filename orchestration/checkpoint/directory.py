@@ -34,6 +34,7 @@ FORMAT = "elastic-fp8-checkpoint"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 TMP_PREFIX = ".tmp-"
+REPLACED_PREFIX = f"{TMP_PREFIX}replaced-"  # a step_ directory being replaced by a new save of its step
 DCP_DIR = "dcp"
 STATE_META = "state_meta.pt"
 SCHEDULER = "scheduler.pt"
@@ -147,6 +148,14 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     except OSError:
         pass
+    finally:
+        os.close(fd)
+
+
+def fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
     finally:
         os.close(fd)
 

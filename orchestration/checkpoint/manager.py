@@ -14,15 +14,19 @@ Life of a checkpoint:
 4. `load` reshards the tensors into the current model/optimizer (any world size, FSDP2 or plain), restores the
    scheduler, the RNG of this rank, and returns the extra state (reader.py). Loading never deletes anything.
 5. `resave_extra_state` (after a rollback loaded a checkpoint): the same step published again, good, with new extra
-   state; its tensor, scheduler and RNG files are hard links to the loaded ones, the directory swapped as in 1.
+   state; its other files (tensors, state_meta, scheduler, RNG) are hard links to the loaded ones, or copies where
+   the filesystem has no links. The old step_N goes aside as .tmp-replaced-step_N-PID; a crash between the two
+   renames is undone by the next start (the new directory if complete, else the old one). state_meta's optimizer
+   `lr` is the old one: every load sets the learning rate from the schedule and the extra state's lr_scale.
 
 RNG on load: with the same world size, each rank gets back exactly the states it saved. With a different world
 size there is no meaningful mapping of old ranks to new ones, so every rank seeds torch (CPU and all CUDA
 devices), python `random` and numpy from `derive_rng_seed(seed, step, rank)`: a pure function of the manager's
 seed, the checkpoint step and the new rank, so a resumed run is reproducible for a given world size.
 
-Events go to `event_sink(name, payload)`; each payload has `step`. `checkpoint_saved` (path, step, good=False),
-`checkpoint_good` (path, step), `checkpoint_deleted` (path, step, reason) and `checkpoint_loaded` come from rank 0;
+Events go to `event_sink(name, payload)`; each payload has `step`. `checkpoint_saved` (path, step, good: False, True
+from resave_extra_state), `checkpoint_good` (path, step), `checkpoint_deleted` (path, step, reason) and
+`checkpoint_loaded` come from rank 0;
 `checkpoint_corrupt` (path, step, reason) comes from the rank that found it (from rank 0 only when `latest` runs
 collectively). Give non-zero ranks a sink that drops events if only rank 0 should write the event log.
 """
@@ -46,6 +50,7 @@ import torch.distributed as dist
 from orchestration.checkpoint.collectives import broadcast_from_rank0, dist_on, gather_to_all, sync_errors
 from orchestration.checkpoint.directory import (
     MANIFEST,
+    REPLACED_PREFIX,
     RNG_DIR,
     STEP_DIR_RE,
     TMP_PREFIX,
@@ -148,6 +153,7 @@ class CheckpointManager:
             except OSError as e:
                 raise ValueError(f"cannot create checkpoint root {self.root}: {e}") from e
         if clean_tmp and self.rank == 0:
+            self._recover_replaced()
             # leftovers of saves or deletions that crashed; nobody else writes here before our first save
             for leftover in self._tmp_dirs():
                 shutil.rmtree(leftover, ignore_errors=True)
@@ -164,6 +170,22 @@ class CheckpointManager:
         if not self.root.is_dir():
             raise CheckpointError(f"checkpoint root {self.root} does not exist (deleted, or the storage is not "
                                   f"mounted on this node?)")
+
+    def _recover_replaced(self) -> None:
+        """A crash between the two renames of a step saved again (writer.publish) left no step_N: its old directory
+        is .tmp-replaced-step_N-PID and the new one, complete once its manifest is in, .tmp-step_N. The new one is
+        put in place if complete, else the old one (a rollback's re-save would otherwise lose its only good target)."""
+        for replaced in sorted(self.root.glob(f"{REPLACED_PREFIX}step_*")):
+            name = replaced.name[len(REPLACED_PREFIX):].rsplit("-", 1)[0]
+            final = self.root / name
+            if not STEP_DIR_RE.match(name) or final.exists():
+                continue
+            new = self.root / f"{TMP_PREFIX}{name}"
+            try:
+                os.rename(new if (new / MANIFEST).is_file() else replaced, final)
+            except OSError as e:
+                raise ValueError(f"checkpoint {final} was being replaced when a run stopped and cannot be put back "
+                                 f"from {replaced} ({e}): rename it to {final.name} by hand") from e
 
     def _tmp_dirs(self) -> list[Path]:
         return [p for p in self.root.iterdir() if p.name.startswith(TMP_PREFIX) and p.is_dir()]

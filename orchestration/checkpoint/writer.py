@@ -3,7 +3,6 @@ Runs on the training thread (synchronous saves) or in the save thread (backgroun
 
 from __future__ import annotations
 
-import errno
 import os
 import shutil
 import time
@@ -23,11 +22,12 @@ from orchestration.checkpoint.directory import (
     FORMAT,
     FORMAT_VERSION,
     MANIFEST,
+    REPLACED_PREFIX,
     SCHEDULER,
     STATE_META,
-    TMP_PREFIX,
     file_digests,
     fsync_dir,
+    fsync_file,
     io_threads,
     list_files,
     rng_file_name,
@@ -141,10 +141,15 @@ def publish(tmp: Path, final: Path, root: Path, manifest: dict) -> None:
     replaced = None
     if final.exists():
         # Re-saving a step (after a rollback): the new one wins; the old one goes via a .tmp name so a crash here
-        # never leaves a half-deleted step_ directory.
-        replaced = root / f"{TMP_PREFIX}replaced-{final.name}-{os.getpid()}"
+        # never leaves a half-deleted step_ directory (a crash between the renames: recover_replaced at start).
+        replaced = root / f"{REPLACED_PREFIX}{final.name}-{os.getpid()}"
         os.rename(final, replaced)
-    os.rename(tmp, final)
+    try:
+        os.rename(tmp, final)
+    except OSError:
+        if replaced is not None:
+            os.rename(replaced, final)
+        raise
     fsync_dir(root)
     if replaced is not None:
         shutil.rmtree(replaced, ignore_errors=True)
@@ -155,20 +160,24 @@ def link_with_new_extra_state(source: Path, tmp: Path, manifest: dict, extra_jso
     the filesystem has no links, and a new extra_state.json. Returns the manifest for `tmp` (good, the new file's
     size and digest) and what it did: linked and copied file counts. Rank 0, on the caller's thread."""
     linked = copied = 0
+    directories = {tmp}
     for rel in sorted(manifest["files"]):
         if rel == EXTRA_STATE:
             continue
         target = tmp / rel
         target.parent.mkdir(parents=True, exist_ok=True)
+        directories.add(target.parent)
         try:
             os.link(source / rel, target)
             linked += 1
-        except OSError as e:
-            if e.errno not in (errno.EXDEV, errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK):
-                raise
+        except OSError:  # no hard links here (EPERM, EXDEV, ENOSYS on FUSE, ...): a copy's own error is the real one
             shutil.copyfile(source / rel, target)
+            fsync_file(target)
             copied += 1
     (tmp / EXTRA_STATE).write_text(extra_json, encoding="ascii")
+    fsync_file(tmp / EXTRA_STATE)
+    for directory in sorted(directories, reverse=True):  # the links' entries, before publish removes the source
+        fsync_dir(directory)
     digest, = file_digests([tmp / EXTRA_STATE], manifest["checksum"], manifest["chunk_bytes"])
     files = dict(manifest["files"])
     files[EXTRA_STATE] = {"size": (tmp / EXTRA_STATE).stat().st_size, "digest": digest}

@@ -25,7 +25,7 @@ from orchestration.config import redact_secrets, to_dict
 from orchestration.data.byte_stream import WINDOW_RULE
 from orchestration.observability.events import EVENTS_FILE, METRICS_FILE, read_jsonl
 from orchestration.training.decisions import apply_policy_precision
-from orchestration.training.optimizer import lr_at
+from orchestration.training.optimizer import set_learning_rate
 
 
 class RunFailed(Exception):
@@ -265,8 +265,7 @@ class RunCheckpoints:
         if "guard" in extra:
             t.guard.load_state_dict(extra["guard"])
             apply_policy_precision(t)
-        for group in t.optimizer.param_groups:
-            group["lr"] = t.job.train.lr * lr_at(t.state.step, t.job) * t.state.lr_scale
+        set_learning_rate(t.optimizer, t.job, t.state.step, t.state.lr_scale)
 
     def extra_state(self) -> dict[str, Any]:
         t = self.trainer

@@ -9,6 +9,7 @@ from typing import Any
 
 from orchestration.divergence.policy import Decision, FallbackToBF16, RetryFP8, Rollback, SkipStep, Stop
 from orchestration.training.elastic import merge_ranges
+from orchestration.training.optimizer import set_learning_rate
 
 
 def apply_decision(trainer: Any, decision: Decision) -> str:
@@ -102,6 +103,7 @@ def rollback(trainer: Any, decision: Rollback) -> None:
     t.state.skipped_ranges = merge_ranges(t.state.skipped_ranges + [skipped])
     t.state.cursor = new_cursor
     t.state.lr_scale = decision.lr_scale
+    set_learning_rate(t.optimizer, t.job, t.state.step, t.state.lr_scale)  # restore_extra set the checkpoint's scale
     # The precision in force is the policy's, not the checkpoint's (a fallback stays in effect after it).
     apply_policy_precision(t)
     t.optimizer.zero_grad(set_to_none=True)

@@ -30,7 +30,7 @@ from orchestration.training.elastic import BatchPlan, count_in_ranges, merge_ran
 from orchestration.training.faults import FaultInjector
 from orchestration.training.gc_policy import ManagedGc
 from orchestration.training.model_setup import build_training_model
-from orchestration.training.optimizer import lr_at, make_optimizer
+from orchestration.training.optimizer import lr_at, make_optimizer, set_learning_rate
 from orchestration.training.profiling import PROFILE_DIR, LoopProfiler
 from orchestration.training.step import MicroBatch, StepModel, compute_loss, train_step
 from orchestration.validation import check_preset_device, from_dict
@@ -217,8 +217,7 @@ class Trainer:
                 self.state.skipped_ranges = merge_ranges(self.state.skipped_ranges + [step_range])
             self.state.step += 1
             self.state.cursor += job.train.global_batch_size
-            for group in self.optimizer.param_groups:
-                group["lr"] = job.train.lr * lr_at(self.state.step, job) * self.state.lr_scale
+            set_learning_rate(self.optimizer, job, self.state.step, self.state.lr_scale)
             self.scheduler.last_epoch = self.state.step
             tokens_since_log += self.tokens_per_step
             eval_fields = self.maybe_evaluate()

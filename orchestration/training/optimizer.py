@@ -21,6 +21,13 @@ def lr_at(step: int, job: JobConfig) -> float:
     return t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+def set_learning_rate(optimizer: torch.optim.Optimizer, job: JobConfig, step: int, lr_scale: float) -> None:
+    """The learning rate the next step trains with: the schedule at the global step `step` times the scale a
+    rollback left in force. Set after every step, after a load and after a rollback (which changes the scale)."""
+    for group in optimizer.param_groups:
+        group["lr"] = job.train.lr * lr_at(step, job) * lr_scale
+
+
 def adamw_kwargs(job: JobConfig, device: torch.device) -> dict[str, Any]:
     """AdamW's settings. Fused on GPUs: one multi-tensor kernel per step for all parameters instead of torch's
     default foreach chain (about a dozen launches, and their host time, where the MoE step's GPU already waits on
