@@ -14,8 +14,8 @@ Life of a checkpoint:
 4. `load` reshards the tensors into the current model/optimizer (any world size, FSDP2 or plain), restores the
    scheduler, the RNG of this rank, and returns the extra state (reader.py). Loading never deletes anything.
 5. `resave_extra_state` (after a rollback loaded a checkpoint): the same step published again, good, with new extra
-   state; its other files (tensors, state_meta, scheduler, RNG) are hard links to the loaded ones, or copies where
-   the filesystem has no links. The old step_N goes aside as .tmp-replaced-step_N-PID; a crash between the two
+   state; its other files (tensors, state_meta, scheduler, RNG) are hard links to the loaded ones (where the
+   filesystem has none, the caller saves the step in full). The old step_N goes aside as .tmp-replaced-step_N-PID; a crash between the two
    renames is undone by the next start (the new directory if complete, else the old one). state_meta's optimizer
    `lr` is the old one: every load sets the learning rate from the schedule and the extra state's lr_scale.
 
@@ -68,6 +68,7 @@ from orchestration.checkpoint.reader import read_into
 from orchestration.checkpoint.rng import capture_rng_state
 from orchestration.checkpoint.state import model_and_optimizer_state, split_tensors
 from orchestration.checkpoint.writer import (
+    NoHardLinks,
     SaveJob,
     deleted_events,
     describe_error,
@@ -271,35 +272,44 @@ class CheckpointManager:
         job.thread.start()
         return job.final
 
-    def resave_extra_state(self, info: CheckpointInfo, extra_state: dict) -> Path:
-        """Collective: publish checkpoint `info` again as good, with `extra_state` and its other files as they are
-        (hard links, copies where the filesystem has none; rank 0 writes). For a rollback, whose model, optimizer,
-        scheduler and RNG are the ones just loaded from `info`: writing them again took 9.2 s of the 13.1 s from a
-        rollback decision to the next step (13 GB, one H100, Ray). The manifest keeps the world size that wrote the
-        tensors and RNG states; a load at another size reshards and derives the RNG, as for any checkpoint."""
+    def resave_extra_state(self, info: CheckpointInfo, extra_state: dict) -> Path | None:
+        """Collective: publish checkpoint `info` again as good, with `extra_state` and hard links to its other files
+        (rank 0 writes). For a rollback, whose model, optimizer, scheduler and RNG are the ones just loaded from
+        `info`: writing them again took 9.2 s of the 13.1 s from a rollback decision to the next step (13 GB, one
+        H100, Ray). The manifest keeps the world size that wrote the tensors and RNG states; a load at another size
+        reshards and derives the RNG, as for any checkpoint. Returns None, changing nothing, where the filesystem
+        has no hard links: the caller saves the step in full then."""
         extra_json = _extra_json(extra_state)
         self._join()
         self._require_root()
         t_start = time.perf_counter()
         final = self.path_for(info.step)
         tmp = self.root / f"{TMP_PREFIX}{final.name}"
-        error, counts, deleted = None, {}, []
+        error, no_links, deleted = None, None, []
         if self.rank == 0:
             try:
                 manifest = read_manifest(info.path)
                 if tmp.exists():
                     shutil.rmtree(tmp)
                 tmp.mkdir()
-                manifest, counts = link_with_new_extra_state(info.path, tmp, manifest, extra_json)
+                manifest = link_with_new_extra_state(info.path, tmp, manifest, extra_json)
                 publish(tmp, final, self.root, manifest)
                 deleted = self._apply_retention()
+            except NoHardLinks as e:
+                shutil.rmtree(tmp, ignore_errors=True)
+                no_links = str(e)
             except (OSError, CheckpointError) as e:
                 shutil.rmtree(tmp, ignore_errors=True)
                 error = describe_error(e)
         sync_errors(error, f"saving step {info.step} again with new extra state from {info.path}")
+        no_links = broadcast_from_rank0(no_links)
+        self.last_save_timing = {"resave_s": round(time.perf_counter() - t_start, 3)}
+        if no_links is not None:
+            self.last_save_timing["no_hard_links"] = no_links
+            return None
+        self.last_save_timing["linked_files"] = len(info.manifest["files"]) - 1  # all but the extra state
         self.corrupt_steps.discard(info.step)
         self.awaiting_good.discard(info.step)
-        self.last_save_timing = {"resave_s": round(time.perf_counter() - t_start, 3), **counts}
         if self.rank == 0:
             self._emit("checkpoint_saved", {"step": info.step, "path": str(final), "good": True})
             self._emit("checkpoint_good", {"step": info.step, "path": str(final)})

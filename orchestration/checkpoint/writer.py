@@ -155,11 +155,15 @@ def publish(tmp: Path, final: Path, root: Path, manifest: dict) -> None:
         shutil.rmtree(replaced, ignore_errors=True)
 
 
-def link_with_new_extra_state(source: Path, tmp: Path, manifest: dict, extra_json: str) -> tuple[dict, dict]:
-    """Fill `tmp` with the files of the finalized checkpoint `source` (its `manifest`) as hard links, copies where
-    the filesystem has no links, and a new extra_state.json. Returns the manifest for `tmp` (good, the new file's
-    size and digest) and what it did: linked and copied file counts. Rank 0, on the caller's thread."""
-    linked = copied = 0
+class NoHardLinks(OSError):
+    """The checkpoint's filesystem refused a hard link (EPERM, EXDEV, ENOSYS on FUSE, ...)."""
+
+
+def link_with_new_extra_state(source: Path, tmp: Path, manifest: dict, extra_json: str) -> dict:
+    """Fill `tmp` with hard links to the files of the finalized checkpoint `source` (its `manifest`) and a new
+    extra_state.json; return the manifest for `tmp` (good, the new file's size and digest). NoHardLinks when the
+    filesystem has none (a copy, rank 0 alone while the others wait, would be slower than a save written by all
+    ranks). Rank 0, on the caller's thread."""
     directories = {tmp}
     for rel in sorted(manifest["files"]):
         if rel == EXTRA_STATE:
@@ -169,11 +173,8 @@ def link_with_new_extra_state(source: Path, tmp: Path, manifest: dict, extra_jso
         directories.add(target.parent)
         try:
             os.link(source / rel, target)
-            linked += 1
-        except OSError:  # no hard links here (EPERM, EXDEV, ENOSYS on FUSE, ...): a copy's own error is the real one
-            shutil.copyfile(source / rel, target)
-            fsync_file(target)
-            copied += 1
+        except OSError as e:
+            raise NoHardLinks(e.errno, f"cannot hard-link {source / rel}: {e.strerror}") from e
     (tmp / EXTRA_STATE).write_text(extra_json, encoding="ascii")
     fsync_file(tmp / EXTRA_STATE)
     for directory in sorted(directories, reverse=True):  # the links' entries, before publish removes the source
@@ -182,8 +183,7 @@ def link_with_new_extra_state(source: Path, tmp: Path, manifest: dict, extra_jso
     files = dict(manifest["files"])
     files[EXTRA_STATE] = {"size": (tmp / EXTRA_STATE).stat().st_size, "digest": digest}
     now = time.time()
-    return {**manifest, "files": files, "time": now, "good": True, "good_time": now}, {"linked_files": linked,
-                                                                                       "copied_files": copied}
+    return {**manifest, "files": files, "time": now, "good": True, "good_time": now}
 
 
 def stage_job(job: SaveJob, tensors: dict, staging: HostStaging) -> None:

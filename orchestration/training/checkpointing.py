@@ -314,8 +314,8 @@ class RunCheckpoints:
 
     def resave_after_rollback(self, info: Any) -> None:
         """The checkpoint a rollback just loaded, saved again with what the rollback decided (extra_state) and its
-        tensors linked, not written. Synchronous: a restart before it is published would replay the skipped
-        samples."""
+        other files linked, not written; written in full where the filesystem has no hard links. Synchronous: a
+        restart before it is published would replay the skipped samples."""
         t = self.trainer
         t0 = time.time()
         try:
@@ -323,6 +323,9 @@ class RunCheckpoints:
         except (CheckpointError, CheckpointException) as exc:
             self.failed(info.step, exc)
         t.event("checkpoint_timing", seconds=round(time.time() - t0, 3), **self.manager.last_save_timing)
+        if path is None:  # the event says why (no_hard_links); the full save has its own
+            self.save(good=True)
+            return
         self.report_to_ray(path)
 
     def maybe_mark_good(self) -> None:
