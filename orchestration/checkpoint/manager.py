@@ -15,9 +15,10 @@ Life of a checkpoint:
    scheduler, the RNG of this rank, and returns the extra state (reader.py). Loading never deletes anything.
 5. `resave_extra_state` (after a rollback loaded a checkpoint): the same step published again, good, with new extra
    state; its other files (tensors, state_meta, scheduler, RNG) are hard links to the loaded ones (where the
-   filesystem has none, the caller saves the step in full). The old step_N goes aside as .tmp-replaced-step_N-PID; a crash between the two
-   renames is undone by the next start (the new directory if complete, else the old one). state_meta's optimizer
-   `lr` is the old one: every load sets the learning rate from the schedule and the extra state's lr_scale.
+   filesystem has none, the caller saves the step in full). The old step_N goes aside as .tmp-replaced-step_N-PID;
+   a crash between the two renames is undone by the next start (the new directory if complete, else the old one).
+   state_meta's optimizer `lr` is the old one: every load sets the learning rate from the schedule and the extra
+   state's lr_scale.
 
 RNG on load: with the same world size, each rank gets back exactly the states it saved. With a different world
 size there is no meaningful mapping of old ranks to new ones, so every rank seeds torch (CPU and all CUDA
@@ -288,17 +289,17 @@ class CheckpointManager:
         error, no_links, deleted = None, None, []
         if self.rank == 0:
             try:
-                manifest = read_manifest(info.path)
                 if tmp.exists():
                     shutil.rmtree(tmp)
                 tmp.mkdir()
-                manifest = link_with_new_extra_state(info.path, tmp, manifest, extra_json)
+                # info.manifest: the one `latest` verified against the files being linked
+                manifest = link_with_new_extra_state(info.path, tmp, info.manifest, extra_json)
                 publish(tmp, final, self.root, manifest)
                 deleted = self._apply_retention()
             except NoHardLinks as e:
                 shutil.rmtree(tmp, ignore_errors=True)
                 no_links = str(e)
-            except (OSError, CheckpointError) as e:
+            except OSError as e:
                 shutil.rmtree(tmp, ignore_errors=True)
                 error = describe_error(e)
         sync_errors(error, f"saving step {info.step} again with new extra state from {info.path}")
