@@ -121,6 +121,8 @@ class Trainer:
                    recipe=self.recipe, adamw=type(self.optimizer).__name__)
         if self.eval_unavailable:
             self.event("eval_unavailable", reason=self.eval_unavailable)
+        if self.eval_reduced:
+            self.event("eval_reduced", reason=self.eval_reduced, eval_sequences=self.eval_sequences)
         self.checkpoints.begin(resumed)
 
     def check_same_corpus_on_every_rank(self) -> None:
@@ -252,6 +254,7 @@ class Trainer:
         an error naming what to change."""
         job = self.job
         self.eval_unavailable: str | None = None  # why evaluation is off though train.eval_every asks for it
+        self.eval_reduced: str | None = None  # why it runs on fewer sequences than data.eval_sequences
         if job.train.eval_every == 0:
             return 0
         if self.validation is None:
@@ -260,10 +263,16 @@ class Trainer:
                                      "files, or set train.eval_every=0")
             return 0
         capacity = self.validation.validation_capacity()
+        if capacity == 0:
+            raise ValueError(f"the held-out data holds no sequence of data.seq_len={job.data.seq_len} tokens: point "
+                             "data.source at a directory with more files, lower data.seq_len, or set "
+                             "train.eval_every=0")
         if capacity < job.data.eval_sequences:
-            raise ValueError(f"the held-out data holds {capacity} sequences of data.seq_len={job.data.seq_len} tokens, "
-                             f"fewer than data.eval_sequences={job.data.eval_sequences}: lower data.eval_sequences, "
-                             "prepare the corpus with a larger --val-fraction, or set train.eval_every=0")
+            # A small held-out set is still worth evaluating on: all of it, said once (an event, rank 0's log).
+            self.eval_reduced = (f"the held-out data holds {capacity} sequences of data.seq_len={job.data.seq_len} "
+                                 f"tokens, fewer than data.eval_sequences={job.data.eval_sequences}: evaluating on "
+                                 f"all {capacity}")
+            return capacity
         return job.data.eval_sequences
 
     def maybe_evaluate(self) -> dict[str, Any]:
