@@ -43,6 +43,9 @@ def build_job_plan(job: JobConfig, machine_notes: list[str] | tuple[str, ...] = 
         workers_needed = smallest_fitting_workers(job, batch.micro_batch_size)
         reasons.append(_suggestion(job, workers_needed))
     run_name = job.run_name or f"{job.model.name}-{job.precision.name}-<timestamp>"
+    from orchestration.training.model_setup import fp8_kept_in_bf16
+
+    kept_bf16, fp8_eligible = fp8_kept_in_bf16(job, on_gpu=c.device in ("cuda", "rocm"))
     return {
         "model": job.model.name,
         "precision": job.precision.name,
@@ -62,6 +65,7 @@ def build_job_plan(job: JobConfig, machine_notes: list[str] | tuple[str, ...] = 
         "fits": fits,
         "reasons": reasons,
         "workers_needed": workers_needed,
+        "fp8_layers": {"eligible": fp8_eligible, "converted": fp8_eligible - len(kept_bf16), "kept_bf16": kept_bf16},
         "machine": list(machine_notes),
         "scaling": scaling_plan(job) if c.fabric != "none" else None,
         "model_plan": mp,
@@ -196,6 +200,15 @@ def print_plan(plan: dict[str, Any]) -> None:
           f"{plan['active_params'] / 1e9:.3f}B active")
     print(f"workers {plan['world_size_min']}..{plan['world_size_max']}  global batch {plan['global_batch_tokens']:,} "
           f"tokens  micro-batch {plan['micro_batch_size']} x grad-accum {plan['grad_accum']}")
+    layers = plan.get("fp8_layers") or {}
+    if layers.get("eligible"):
+        kept = layers["kept_bf16"]
+        line = f"fp8: {layers['converted']} of {layers['eligible']} layers"
+        if kept:
+            sizes = sorted(set(kept.values()))
+            line += (f"; {len(kept)} stay bf16, too small for FP8 to pay at micro-batch x seq_len tokens "
+                     f"({'; '.join(sizes)})")
+        print(line)
     breakdown = plan["bytes_breakdown"]
     if isinstance(breakdown, dict):
         parts = "  ".join(f"{k} {v / GIB:.2f}" for k, v in breakdown.items() if isinstance(v, (int, float)))

@@ -29,7 +29,7 @@ from orchestration.training.distributed import init_distributed
 from orchestration.training.elastic import BatchPlan, count_in_ranges, merge_ranges, plan_batch
 from orchestration.training.faults import FaultInjector
 from orchestration.training.gc_policy import ManagedGc
-from orchestration.training.model_setup import build_training_model
+from orchestration.training.model_setup import build_training_model, fp8_kept_in_bf16
 from orchestration.training.optimizer import lr_at, make_optimizer, set_learning_rate
 from orchestration.training.profiling import PROFILE_DIR, LoopProfiler
 from orchestration.training.step import MicroBatch, StepModel, compute_loss, train_step
@@ -57,7 +57,9 @@ class Trainer:
         self.dataset, self.validation = build_datasets(job)
         self.eval_sequences = self.check_validation_set()
         torch.manual_seed(job.train.seed)
-        self.model, self.recipe = build_training_model(job, self.world_size, self.device, self.dataset.vocab_size)
+        self.fp8_kept_bf16, self.fp8_eligible = fp8_kept_in_bf16(job, on_gpu=self.device.type == "cuda")
+        self.model, self.recipe = build_training_model(job, self.world_size, self.device, self.dataset.vocab_size,
+                                                       keep_bf16=frozenset(self.fp8_kept_bf16))
         self.compiled = compile_enabled(job, self.device)  # the loss follows the blocks
         self.cuda_graphs = self.compiled and job.model.compile_mode == "reduce-overhead" and self.device.type == "cuda"
         self.optimizer = make_optimizer(job, self.device, self.model.parameters())
@@ -121,6 +123,9 @@ class Trainer:
                    recipe=self.recipe, adamw=type(self.optimizer).__name__)
         if self.eval_unavailable:
             self.event("eval_unavailable", reason=self.eval_unavailable)
+        if self.fp8_eligible:
+            self.event("fp8_layers", converted=self.fp8_eligible - len(self.fp8_kept_bf16),
+                       eligible=self.fp8_eligible, kept_bf16=self.fp8_kept_bf16)
         if self.eval_reduced:
             self.event("eval_reduced", reason=self.eval_reduced, eval_sequences=self.eval_sequences)
         self.checkpoints.begin(resumed)
