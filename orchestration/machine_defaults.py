@@ -44,15 +44,27 @@ class Machine:
 NO_GPU = Machine()
 
 
+def is_gpu_job(job: JobConfig) -> bool:
+    """Whether the job's workers train on GPUs: a GPU device, or device=auto with GPUs per worker (its workers pick
+    the vendor)."""
+    c = job.cluster
+    return c.device in ("cuda", "rocm") or (c.device == "auto" and bool(c.gpus_per_worker))
+
+
 def resolve_cluster(job: JobConfig, machine: Machine) -> list[str]:
     """Fill the cluster settings left null from the machine; returns the notes saying what was decided."""
     c = job.cluster
     notes: list[str] = []
     decided = []
     if c.device == "auto":
-        c.device = machine.gpu_vendor if machine.has_gpus else "cpu"
+        if machine.has_gpus:
+            c.device = machine.gpu_vendor
+        elif not c.gpus_per_worker:
+            c.device = "cpu"
+        # else GPUs asked for on a cluster not seen from here (a preset serving NVIDIA and AMD alike): each worker
+        # picks its vendor's device (orchestration/training/distributed.pick_device)
         decided.append("device")
-    gpu = c.device in ("cuda", "rocm")
+    gpu = is_gpu_job(job)
     if c.gpus_per_worker is None:
         c.gpus_per_worker = 1.0 if gpu else 0.0
         decided.append("gpus_per_worker")
@@ -104,7 +116,7 @@ def resolve_data_shape(job: JobConfig) -> list[str]:
 
     notes: list[str] = []
     d, t, c = job.data, job.train, job.cluster
-    gpu = c.device in ("cuda", "rocm")
+    gpu = is_gpu_job(job)
     if job.model.name not in MODEL_FLAVORS:  # validate names the unknown model
         d.seq_len = d.seq_len or CPU_SEQ_LEN
         t.global_batch_size = t.global_batch_size or CPU_GLOBAL_BATCH

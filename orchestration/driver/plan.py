@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from orchestration.config import JobConfig
+from orchestration.machine_defaults import is_gpu_job
 from orchestration.training.elastic import plan_batch
 
 GIB = 1024**3
@@ -45,7 +46,7 @@ def build_job_plan(job: JobConfig, machine_notes: list[str] | tuple[str, ...] = 
     run_name = job.run_name or f"{job.model.name}-{job.precision.name}-<timestamp>"
     from orchestration.training.model_setup import fp8_kept_in_bf16
 
-    kept_bf16, fp8_eligible = fp8_kept_in_bf16(job, on_gpu=c.device in ("cuda", "rocm"))
+    kept_bf16, fp8_eligible = fp8_kept_in_bf16(job, on_gpu=is_gpu_job(job))
     return {
         "model": job.model.name,
         "precision": job.precision.name,
@@ -174,7 +175,7 @@ def smallest_fitting_workers(job: JobConfig, micro_batch: int, limit: int = 1 <<
 
 def _suggestion(job: JobConfig, workers_needed: int | None) -> str:
     options = []
-    gpu = job.cluster.device in ("cuda", "rocm")
+    gpu = is_gpu_job(job)
     if workers_needed is not None and workers_needed > job.cluster.min_workers:
         unit = f"GPUs of {job.cluster.memory_per_worker_gb:g} GiB" if gpu else \
             f"workers of {job.cluster.memory_per_worker_gb:g} GiB"
