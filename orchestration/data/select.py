@@ -18,7 +18,6 @@ from typing import Any
 from orchestration.config import DATA_KINDS, ConfigError, JobConfig
 from orchestration.data.byte_stream import VOCAB_SIZE as BYTE_VOCAB_SIZE
 
-
 log = logging.getLogger(__name__)
 
 def _fail(key: str, message: str) -> None:
