@@ -42,10 +42,38 @@ def resolve_job(cfg: DictConfig | dict, machine: Machine, *,
     job = merge_job_config(cfg)
     requested = (job.cluster.device, job.cluster.min_workers, job.cluster.max_workers, job.cluster.gpus_per_worker)
     notes = resolve_machine_defaults(job, machine)
+    notes += fp8_where_it_pays(job)
     if enforce_machine and job.cluster.address is None and not os.environ.get("RAY_ADDRESS"):
         check_machine_has(job, machine, requested)
     validate(job)
     return job, notes
+
+
+def fp8_where_it_pays(job: JobConfig) -> list[str]:
+    """A GPU job asking for FP8 where no layer's GEMMs are large enough for FP8 to pay (fp8.size_rule) trains in
+    bf16, which is then the faster of the two: said in the plan. CPU jobs emulate FP8 and keep it."""
+    from orchestration.machine_defaults import is_gpu_job
+    from orchestration.training.model_setup import fp8_kept_in_bf16
+
+    if job.precision.name != "fp8" or not is_gpu_job(job) or job.model.name not in _model_names():
+        return []
+    try:
+        kept, eligible = fp8_kept_in_bf16(job, on_gpu=True)
+    except (ValueError, TypeError):  # a bad model override: validate names it
+        return []
+    if eligible and len(kept) == eligible:
+        job.precision.name = "bf16"
+        job.precision.fp8_output_head = False
+        return [f"precision bf16: no layer of {job.model.name} is large enough for FP8 to pay at "
+                f"{job.train.micro_batch_size} x {job.data.seq_len} tokens a micro-batch (fp8.size_rule); a larger "
+                "micro-batch or data.seq_len brings FP8 back"]
+    return []
+
+
+def _model_names() -> set[str]:
+    from models.registry import MODEL_FLAVORS
+
+    return set(MODEL_FLAVORS)
 
 
 def check_machine_has(job: JobConfig, machine: Machine, requested: tuple) -> None:
