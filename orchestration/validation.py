@@ -64,9 +64,9 @@ def fp8_where_it_pays(job: JobConfig) -> list[str]:
     if eligible and len(kept) == eligible:
         job.precision.name = "bf16"
         job.precision.fp8_output_head = False
-        return [f"precision bf16: no layer of {job.model.name} is large enough for FP8 to pay at "
+        return [(f"precision bf16: no layer of {job.model.name} is large enough for FP8 to pay at "
                 f"{job.train.micro_batch_size} x {job.data.seq_len} tokens a micro-batch (fp8.size_rule); a larger "
-                "micro-batch or data.seq_len brings FP8 back"]
+                "micro-batch or data.seq_len brings FP8 back")]
     return []
 
 
