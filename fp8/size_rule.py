@@ -26,9 +26,14 @@ class SizeRule:
         return 2.0 * m * k * n >= self.min_gflop * 1e9 and min(k, n) >= self.min_dim
 
 
-# Dense linears and routed-expert groups, from benchmarks/results/fp8_size_rule.json (tensorwise, H100).
-LINEAR_RULE = SizeRule(min_gflop=0.0, min_dim=0)
-EXPERT_GROUP_RULE = SizeRule(min_gflop=0.0, min_dim=0)
+# Read off benchmarks/results/fp8_size_rule.json and mission_moe.json (H100, tensorwise; BENCHMARKS.md "Where FP8
+# pays"). Routed experts are GPU-bound even alone, so their sweep's crossover is the rule: FP8 loses below about
+# 1536 rows per expert at DeepSeek-MoE-16B's sizes and wins above. A lone linear is host-bound below a few hundred
+# GFLOP (a fixed launch cost the FP8 layer pays and a compiled block hides), so its sweep over-states the loss: the
+# rule sits under the smallest linears that the whole product step runs in FP8 at a gain (the 2048 x 2048 attention
+# projections at 16k tokens, 137 GFLOP) and above every linear of the 16 x 128-token step FP8 lost at.
+LINEAR_RULE = SizeRule(min_gflop=100.0, min_dim=0)
+EXPERT_GROUP_RULE = SizeRule(min_gflop=8.0, min_dim=0)
 
 
 def linear_pays(tokens: int, in_features: int, out_features: int, rule: SizeRule | None = None) -> bool:

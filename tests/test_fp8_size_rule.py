@@ -80,3 +80,14 @@ def test_at_the_gpu_defaults_every_layer_of_the_mission_models_pays(model):
     _, plan = _planned(H100, f"model={model}", "+model.overrides.n_layers=4")
     assert plan["fp8_layers"]["kept_bf16"] == {}
     assert plan["fp8_layers"]["converted"] == plan["fp8_layers"]["eligible"] > 0
+
+
+def test_at_sixteen_sequences_of_128_tokens_only_the_lm_head_is_large_enough_for_fp8():
+    """The shape where FP8 ran at 0.70x bf16 on an H100 (DeepSeek-MoE-16B width, 2048 tokens a micro-batch): every
+    block GEMM falls under the rule and stays bf16; the 2048 -> 102400 head (859 GFLOP) still pays."""
+    _, plan = _planned(H100, "model=deepseek_moe16b", "+model.overrides.n_layers=4", "data.seq_len=128",
+                       "train.global_batch_size=16")
+    assert plan["micro_batch_size"] == 16
+    layers = plan["fp8_layers"]
+    assert layers["converted"] == 1 and "output" not in layers["kept_bf16"]
+    assert len(layers["kept_bf16"]) == layers["eligible"] - 1
