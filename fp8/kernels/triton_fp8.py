@@ -33,11 +33,6 @@ except ImportError:  # CPU-only installs: the references run instead
     HAS_TRITON = False
 
 
-def interpreting() -> bool:
-    """True when the kernels below were built by the Triton interpreter (TRITON_INTERPRET=1 at import)."""
-    return INTERPRETED
-
-
 _MANTISSA_BITS = {
     torch.float8_e4m3fn: 3,
     torch.float8_e5m2: 2,
