@@ -92,7 +92,7 @@ class Float8LMHead(Float8Linear):
     (fp8_linear_cross_entropy), called through the module so that wrappers' hooks (FSDP2's unshard) run.
 
     fused_loss: False keeps the unfused head and loss even where fusing applies (for A/B measurements; fused is the
-    measured winner: 1.6-2.6 ms a step on the H200 at a 102400-token vocabulary, +0.4-1.0 GiB of peak memory).
+    measured winner at a 102400-token vocabulary, for a little more peak memory: BENCHMARKS.md).
     """
 
     # The head runs its own fused kernels on the weight it is given, so FSDP2 gathers it in its own dtype.
