@@ -261,13 +261,19 @@ def rowwise_tile(N: int, max_tile: int | None = None) -> tuple[int, int, bool]:
     return 1, max_tile, False
 
 
-def quantize_rowwise_triton(
-    x_hp_MN: torch.Tensor, fp8_dtype: torch.dtype, pow2: bool = True
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _rowwise_outputs(x_hp_MN: torch.Tensor, fp8_dtype: torch.dtype):
+    """(M, N, out_MN, scale_M1): the uninitialised results of a row cast of x."""
     require_triton(x_hp_MN)
     M, N = x_hp_MN.shape
     out_MN = torch.empty((M, N), dtype=fp8_dtype, device=x_hp_MN.device)
     scale_M1 = torch.empty((M, 1), dtype=torch.float32, device=x_hp_MN.device)
+    return M, N, out_MN, scale_M1
+
+
+def quantize_rowwise_triton(
+    x_hp_MN: torch.Tensor, fp8_dtype: torch.dtype, pow2: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    M, N, out_MN, scale_M1 = _rowwise_outputs(x_hp_MN, fp8_dtype)
     if M == 0:
         return out_MN, scale_M1
     BM, BN, one_tile = rowwise_tile(N)
@@ -281,10 +287,7 @@ def quantize_rowwise_group_scaled_triton(
     x_hp_MN: torch.Tensor, mul_GN: torch.Tensor, gid_M: torch.Tensor, fp8_dtype: torch.dtype, pow2: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rowwise quantization of y = x * mul_GN[gid_M[m], :] in one read of x (see reference)."""
-    require_triton(x_hp_MN)
-    M, N = x_hp_MN.shape
-    out_MN = torch.empty((M, N), dtype=fp8_dtype, device=x_hp_MN.device)
-    scale_M1 = torch.empty((M, 1), dtype=torch.float32, device=x_hp_MN.device)
+    M, N, out_MN, scale_M1 = _rowwise_outputs(x_hp_MN, fp8_dtype)
     if M == 0:
         return out_MN, scale_M1
     BM, BN, one_tile = rowwise_tile(N)
