@@ -31,7 +31,7 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=102400)
     ap.add_argument("--reps", type=int, default=9)
     args = ap.parse_args()
-    from fp8 import kernels as K
+    from fp8 import quant as K
     from fp8.kernels import cross_entropy as ce
     from fp8.reference import cross_entropy_fwd_ref, cross_entropy_grad_cast_ref
     from models.loss import token_cross_entropy

@@ -136,7 +136,7 @@ def fp8_dtypes(device: torch.device | str | None = None) -> tuple[torch.dtype, t
 def recommended_recipe(device: torch.device | str | None = None) -> str:
     """The recipe `precision=fp8` means on this device.
 
-    NVIDIA: tensorwise (fastest: +25% on 8xH100 Llama3-8B per torchao/torchtitan). ROCm: rowwise_gw_hp
+    NVIDIA: tensorwise (the fastest in torchao's and torchtitan's published runs). ROCm: rowwise_gw_hp
     (the seed's MI300X recipe; high-precision weight gradients, rowwise scales tolerate outliers).
     CPU: tensorwise, the cheapest emulation for correctness runs.
     """

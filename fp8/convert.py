@@ -67,9 +67,9 @@ def make_module_filter(output_head: bool = False, experts: bool = True) -> Calla
     """default_module_filter with the two changes the precision config exposes.
 
     output_head: convert the LM output head too (16-aligned dims). Off by default, as in torchtitan and DeepSeek-V3:
-    the head's logits feed the softmax directly. It is the largest single GEMM of a Llama3-8B step (vocab 128256: ~32
-    ms of bf16 GEMM per step at seq 8192 on an H200, BENCHMARKS.md), so converting it is the biggest speed lever left
-    once the layers are in FP8; take it with the divergence monitors on, which fall the head back to bf16 with
+    the head's logits feed the softmax directly. It is the largest single GEMM of a Llama3-8B step (vocab 128256;
+    BENCHMARKS.md, "Training step vs bf16 and torchao"), so converting it is the biggest speed lever left once the
+    layers are in FP8; take it with the divergence monitors on, which fall the head back to bf16 with
     the rest of the model.
     experts: convert MoE grouped experts (False keeps them in high precision: for devices without an FP8 grouped
     GEMM, where the emulated one would run in float32).

@@ -6,22 +6,21 @@ Semantics are torch._grouped_mm's for a 2D activation and a 3D expert weight:
 
 with `offs_E` int32 cumulative end offsets (group e owns rows offs[e-1]:offs[e]). Rows past offs[-1]
 are left unspecified, as in torch. Groups may start at any row: no padding between them is needed (torch's rowwise
-grouped kernel reads groups that start at unaligned rows correctly on the H200, tests/test_fp8_gpu.py), because no
-fp8 GEMM here contracts over the token dim.
+grouped kernel reads groups that start at unaligned rows correctly, tests/test_fp8_gpu.py), because no fp8 GEMM here
+contracts over the token dim.
 
 The three GEMMs (scales always along the contraction dim, powers of two so scaling is exact):
     forward      out  = x @ w[e]          x rowwise (M,), w per expert per column (E, N)
     grad_input   gx   = gy @ w[e]^T       on the weight exactly as forward quantized it: w recast by the forward's
                                           saved scales into the [E, K, N] layout this GEMM reads (one read of w, no
                                           amax pass), those scales folded into gy's row cast (exact: powers of two).
-                                          Measured on the H200 for DeepSeek-MoE-16B's routed experts: 8.24 ms a layer
-                                          against 8.87 ms with a second column cast of w and 9.16 ms in bf16
-                                          (BENCHMARKS.md, MoE section); gx within 0.5 dB of that cast's SQNR.
+                                          Faster than a second column cast of w and than bf16 for DeepSeek-MoE-16B's
+                                          routed experts, gx as accurate (BENCHMARKS.md, "MoE grouped FFN").
     grad_weight  gw[e] = x_e^T @ gy_e     in the activations' precision (bf16 grouped GEMM): the fp8 grouped GEMM
                                           that contracts over the jagged token dim is barely faster than bf16 at
-                                          DeepSeek-MoE-16B shapes (w13: 1.72 vs 1.88 ms) or slower (w2: 2.03 vs 1.07
-                                          ms), so fp8 there only adds casts; the whole FFN ran 9.36 ms with it in bf16
-                                          against 11.08 ms in fp8, and the weight gradient keeps bf16 accuracy.
+                                          DeepSeek-MoE-16B shapes or slower, so fp8 there only adds casts and the
+                                          whole FFN ran slower; the weight gradient keeps bf16 accuracy
+                                          (BENCHMARKS.md, "Tried, did not pay").
 
 The weight may be any [E, K, N] layout. Stored [E, N, K] (nn.Linear's out x in, passed as the column-major view
 w.transpose(-2, -1)), the forward cast is a plain row cast of that storage and grad_weight is computed directly
@@ -61,8 +60,8 @@ def _is_column_major(w_EKN: torch.Tensor) -> bool:
 
 def _scaled_or_emulated_2d3d(a_fp8, sa_M1, b_fp8, sb_E1N, offs_E, use_scaled: bool):
     """out[rows of e] = a[rows of e] @ b[e], fp8 operands with scales along K (a: per row, b: per expert column).
-    Fast accumulation on the GPU: on the H200 the promoted kernel ran w2's grad-input at 1.794 ms against 0.616 ms
-    fast (bf16 1.007), with gx's SQNR against float64 within 0.5 dB of the promoted kernel's."""
+    Fast accumulation on the GPU: the promoted kernel ran w2's grad-input several times slower, for gx's SQNR against
+    float64 within 0.5 dB of fast accumulation's (BENCHMARKS.md, "Tried, did not pay")."""
     if use_scaled:
         # Both dequant multipliers in one multi-tensor launch (host time per launch counts in eager op bodies).
         inv_a, inv_b = torch._foreach_reciprocal([sa_M1, sb_E1N])
@@ -142,19 +141,18 @@ class _Fp8GroupedMMFn(torch.autograd.Function):
 
 # How the opaque ops' bodies run on GPUs:
 #   "compiled"  _grouped_forward / _grouped_backward through torch.compile (default on CUDA). Why: an eager body is a
-#               Python dispatch per cast, GEMM and statistic, and on the H200 hosts a Triton launch from Python cost
-#               270-530 us of host time against 16-20 us for a torch op (benchmarks/grouped_host.py): at
-#               DeepSeek-MoE-16B's w13 the forward body took 0.9-1.6 ms of host time for 1.6 ms of GPU work, so a
-#               slow host starved the GPU. Compiled, Inductor launches the same Triton casts with its own launchers
-#               and fuses the health statistics: 431 vs 916 us of host time per forward, 1538 vs 3125 us per
-#               forward + backward, and the MoE training step 125.62 vs 130.80 ms (same run).
+#               Python dispatch per cast, GEMM and statistic, and a Triton launch from Python costs far more host
+#               time than a torch op (benchmarks/grouped_host.py): at DeepSeek-MoE-16B's w13 the forward body's host
+#               time was about its GPU time, so a slow host starved the GPU. Compiled, Inductor launches the same
+#               Triton casts with its own launchers and fuses the health statistics: about half the host time, and a
+#               faster MoE training step (BENCHMARKS.md, "Tried, did not pay").
 #               The body still runs inside the opaque op, so the outer graph and its gradients are what "opaque"
 #               mode gives (no autograd is traced here: the bodies are plain functions of tensors).
 #   "eager"     the Python bodies as written (always on CPU, where the emulated path runs outside compile).
 #   Under CUDA-graph trees (torch.compile mode="reduce-overhead") the bodies run eagerly: where steps are not
 #   marked (cudagraph_mark_step_begin), the trees find iterations by dynamo's generation counter, which entering any
 #   torch.compile'd function bumps, so a compiled body inside a graphed block made the trees treat that step's own
-#   live outputs as stale ("accessing tensor output of CUDAGraphs that has been overwritten" on the H200). Graph
+#   live outputs as stale ("accessing tensor output of CUDAGraphs that has been overwritten"). Graph
 #   replay skips the bodies' Python anyway. orchestration's compile_blocks sets this (set_body_mode).
 BODY_MODES = ("compiled", "eager")
 _COMPILED_BODIES: dict = {}
@@ -196,8 +194,8 @@ def _run_body(fn, on_cuda: bool, *args):
 
 # ---------------------------------------------------------------------------------------------------------------
 # Opaque form: the same forward and backward as two torch.library custom ops. torch.compile keeps each one call in
-# the block's graph (no graph break, no tracing of the casts and GEMMs inside: traced into a compiled MoE block on
-# the H200 (torch 2.11), the autograd.Function left every expert weight gradient exactly zero), and the op bodies run
+# the block's graph (no graph break, no tracing of the casts and GEMMs inside: traced into a compiled MoE block
+# (torch 2.11, CUDA), the autograd.Function left every expert weight gradient exactly zero), and the op bodies run
 # exactly the eager code above.
 
 

@@ -41,10 +41,7 @@ class _Fp8LinearCrossEntropyFn(torch.autograd.Function):
         x_fp8, sx = quant.quantize_tensorwise(x_MK, e4m3)
         w_fp8, sw = quant.quantize_tensorwise(w_VK, e4m3)
         logits_MV = scaled_mm(x_fp8, w_fp8.t(), sx, sw, x_MK.dtype, use_scaled_mm, fast_accum=True)
-        # Imported here, as fp8.quant does: a broken Triton install must not stop `import fp8` (the references run).
-        from fp8 import kernels as fp8_kernels
-
-        lse_M, loss_M, gamax_M = fp8_kernels.cross_entropy_fwd(logits_MV, targets_M, IGNORE_INDEX)
+        lse_M, loss_M, gamax_M = quant.cross_entropy_fwd(logits_MV, targets_M, IGNORE_INDEX)
         counted = (targets_M != IGNORE_INDEX).sum().float()
         loss = loss_M.sum() / counted  # all targets ignored: 0 / 0 = NaN, as F.cross_entropy gives
         ctx.save_for_backward(logits_MV, targets_M, lse_M, gamax_M.amax(), counted, x_fp8, sx, w_fp8, sw)
@@ -56,13 +53,11 @@ class _Fp8LinearCrossEntropyFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, _grad_stats):
         logits_MV, targets_M, lse_M, gamax, counted, x_fp8, sx, w_fp8, sw = ctx.saved_tensors
-        from fp8 import kernels as fp8_kernels
-
         # No counted row (every target ignored): the loss is NaN but its gradient is zero, as F.cross_entropy's
         # (a NaN coef would poison every gradient of an accumulated step)
         coef = torch.where(counted > 0, grad_loss.float() / counted.clamp_min(1), 0.0)
-        g_fp8, g_fp8_t, sg = fp8_kernels.cross_entropy_grad_cast(logits_MV, targets_M, lse_M, gamax, coef,
-                                                                 ctx.grad_dtype, IGNORE_INDEX)
+        g_fp8, g_fp8_t, sg = quant.cross_entropy_grad_cast(logits_MV, targets_M, lse_M, gamax, coef, ctx.grad_dtype,
+                                                           IGNORE_INDEX)
         out_dtype = logits_MV.dtype
         gx_MK = scaled_mm(g_fp8, w_fp8, sg, sw, out_dtype, ctx.use_scaled_mm)
         gw_VK = scaled_mm(g_fp8_t, x_fp8, sg, sx, out_dtype, ctx.use_scaled_mm)
@@ -97,7 +92,7 @@ class Float8LMHead(Float8Linear):
     (fp8_linear_cross_entropy), called through the module so that wrappers' hooks (FSDP2's unshard) run.
 
     fused_loss: False keeps the unfused head and loss even where fusing applies (for A/B measurements; fused is the
-    measured winner: 1.6-2.6 ms a step on the H200 at a 102400-token vocabulary, +0.4-1.0 GiB of peak memory).
+    measured winner at a 102400-token vocabulary, for a little more peak memory: BENCHMARKS.md).
     """
 
     # The head runs its own fused kernels on the weight it is given, so FSDP2 gathers it in its own dtype.

@@ -1,6 +1,6 @@
 """FP8 health statistics of one cast: the definition the divergence monitors read (pure torch, any device).
 
-fp8.kernels.health_stats computes the same bits in one Triton launch; fp8.quant dispatches between them.
+fp8.quant.health_stats runs it for every cast (no kernel: see there why).
 """
 
 from __future__ import annotations

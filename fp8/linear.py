@@ -26,11 +26,11 @@ from fp8.recipes import Recipe, get_recipe
 
 
 def _row_major(a: torch.Tensor) -> torch.Tensor:
-    return a if a.stride(-1) == 1 else quant.transposed_copy(a.t())
+    return a if a.stride(-1) == 1 else quant.transpose(a.t())
 
 
 def _col_major(b: torch.Tensor) -> torch.Tensor:
-    return b if b.stride(-2) == 1 else quant.transposed_copy(b).t()
+    return b if b.stride(-2) == 1 else quant.transpose(b).t()
 
 
 def _as_row_vec(s: torch.Tensor, n: int) -> torch.Tensor:
@@ -104,7 +104,7 @@ class _Fp8LinearFn(torch.autograd.Function):
             # A weight FSDP2 all-gathered in fp8 (fp8.fsdp_allgather) comes cast, with its global scale.
             w_fp8, sw = gathered_fp8(w_NK) or quant.quantize_tensorwise(w_NK, e4m3, pow2)
             # One scale serves either layout: keep the fp8 copies for backward (half the bytes of x_hp); backward
-            # transposes them for the GEMMs that read them the other way (fp8.quant.transposed_copy).
+            # transposes them for the GEMMs that read them the other way (fp8.quant.transpose).
             ctx.save_for_backward(x_fp8, sx, w_fp8, sw)
             sw_1N = sw
         else:

@@ -1,7 +1,8 @@
 """The FP8 quantization reference: pure PyTorch, any device, torch.compile friendly. The one definition of the numerics.
 
 The emulated FP8 path (fp8.quant off the GPU, and wherever a kernel is unavailable) runs these functions; the Triton
-kernels in fp8/kernels must match them bit for bit on a GPU (tests/test_fp8_kernels.py, tests/test_fp8_gpu.py).
+kernels in fp8/kernels must match them bit for bit (tests/test_fp8_kernels.py in the interpreter,
+tests/test_fp8_gpu.py on a GPU). fp8.quant.CASTS pairs each kernel with its reference here.
 
 Conventions shared by every function here and in the kernels:
 - `scale` multiplies: x_fp8 = saturate(x_hp * scale), dequant x_hp ~= x_fp8 / scale. torch._scaled_mm wants the
@@ -76,7 +77,7 @@ def abs_amax(x_hp: torch.Tensor, dim: int | None = None, keepdim: bool = False) 
     return abs_x.amax(dim=dim, keepdim=keepdim).float()
 
 
-def _check_2d(x_hp: torch.Tensor, name: str) -> None:
+def check_2d_high_precision(x_hp: torch.Tensor, name: str) -> None:
     if x_hp.dim() != 2:
         raise ValueError(f"{name} expects a 2D tensor [M, N], got shape {tuple(x_hp.shape)}; reshape first")
     if not x_hp.is_floating_point() or x_hp.dtype in FP8_DTYPES:
@@ -121,12 +122,17 @@ def quantize_rowwise_and_colwise_ref(
       scale_b = x's scale_1K.reciprocal() ([1, K]).
     """
     check_fp8_dtype(fp8_dtype)
-    _check_2d(x_hp_MN, "quantize_rowwise_and_colwise")
+    check_2d_high_precision(x_hp_MN, "quantize_rowwise_and_colwise")
     scale_M1 = amax_to_scale(abs_amax(x_hp_MN, dim=1, keepdim=True), fp8_dtype, pow2)
     scale_1N = amax_to_scale(abs_amax(x_hp_MN, dim=0, keepdim=True), fp8_dtype, pow2)
     x_fp8_MN = saturated_cast(x_hp_MN, scale_M1, fp8_dtype)
     x_fp8_t_NM = saturated_cast(x_hp_MN, scale_1N, fp8_dtype).t().contiguous()
     return x_fp8_MN, scale_M1, x_fp8_t_NM, scale_1N
+
+
+def transpose_ref(x_MN: torch.Tensor) -> torch.Tensor:
+    """x^T as a contiguous [N, M] tensor, any dtype (fp8 data moves bit for bit)."""
+    return x_MN.t().contiguous()
 
 
 def group_ids(offs_E: torch.Tensor, num_rows: int) -> torch.Tensor:
@@ -191,7 +197,7 @@ def quantize_rowwise_group_scaled_ref(
     output column, powers of two, so the product is exact) move onto the gradient's columns, group by group.
     """
     check_fp8_dtype(fp8_dtype)
-    _check_2d(x_hp_MN, "quantize_rowwise_group_scaled")
+    check_2d_high_precision(x_hp_MN, "quantize_rowwise_group_scaled")
     y_MN = x_hp_MN.float() * mul_GN.float()[gid_M.long()]
     return quantize_rowwise_ref(y_MN, fp8_dtype, pow2)
 

@@ -1,7 +1,8 @@
 """DeepSeek-MoE: fine-grained routed experts plus always-on shared experts, first layers dense.
 
 Read top to bottom: hyper-parameters, routing numerics (pure functions), token permutation, the grouped experts,
-the MoE layer, multi-head latent attention (DeepSeek-V2/V3 shape), the block, the whole model.
+the MoE layer, multi-head latent attention (DeepSeek-V2/V3 shape), the block, the model (models/decoder.py's
+decoder around the blocks, plus the load-balance state).
 No distributed code; expert parallelism and FSDP are applied from outside.
 
 Routing (DeepSeekMoE, arXiv 2401.06066; DeepSeek-V3, arXiv 2412.19437):
@@ -30,17 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.init import init_model_by_units
-from models.llama3 import (
-    Attention,
-    FeedForward,
-    RMSNorm,
-    apply_rope,
-    depth_init_std,
-    rope_cos_sin,
-    rope_frequencies,
-)
-from models.loss import head_output
+from models.decoder import Decoder, DecoderBlock, RMSNorm
+from models.llama3 import Attention, FeedForward, apply_rope, rope_frequencies
 
 SCORE_FUNCS = ("softmax", "sigmoid")
 AUX_LOSS_SCOPES = ("seq", "batch")
@@ -240,7 +232,7 @@ def grouped_mm_hp(x_MK: torch.Tensor, w_EKN: torch.Tensor, offs_E: torch.Tensor)
 
     Under autocast both operands take autocast's dtype, as autocast does for matmuls: it has no rule for
     torch._grouped_mm, so fp32 master weights (one worker: no FSDP mixed precision) or fp32 activations made the
-    bf16 experts run in fp32 - the product's bf16 MoE step ran 3.3x slower than its fp8 one on the H200.
+    bf16 experts run in fp32, and the product's bf16 MoE step ran several times slower than its fp8 one.
     """
     device_type = x_MK.device.type
     if torch.is_autocast_enabled(device_type):
@@ -469,74 +461,30 @@ class MLAttention(nn.Module):
 # Block and model
 
 
-class MoEBlock(nn.Module):
+class MoEBlock(DecoderBlock):
     def __init__(self, layer_id: int, args: DeepSeekMoEArgs):
-        super().__init__()
-        self.layer_id = layer_id
-        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.attention = Attention(args.dim, args.n_heads, args.n_heads) if args.attention == "mha" else (
-            MLAttention(args)
-        )
-        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        attention = Attention(args.dim, args.n_heads, args.n_heads) if args.attention == "mha" else MLAttention(args)
+        super().__init__(layer_id, args.dim, args.norm_eps, attention)
         self.moe_enabled = layer_id >= args.n_dense_layers
         if self.moe_enabled:
             self.moe = MoE(args)
         else:
             self.feed_forward = FeedForward(args.dim, args.inter_dim)
 
-    def forward(self, x_BTD: torch.Tensor, cos_TP: torch.Tensor, sin_TP: torch.Tensor) -> torch.Tensor:
-        h_BTD = x_BTD + self.attention(self.attention_norm(x_BTD), cos_TP, sin_TP)
-        ffn = self.moe if self.moe_enabled else self.feed_forward
-        return h_BTD + ffn(self.ffn_norm(h_BTD))
-
-    def init_weights(self) -> None:
-        out_std = depth_init_std(self.layer_id)
-        self.attention_norm.reset_parameters()
-        self.ffn_norm.reset_parameters()
-        self.attention.init_weights(0.02, out_std)
-        (self.moe if self.moe_enabled else self.feed_forward).init_weights(0.02, out_std)
+    @property
+    def ffn(self) -> nn.Module:
+        return self.moe if self.moe_enabled else self.feed_forward
 
 
-class DeepSeekMoE(nn.Module):
+class DeepSeekMoE(Decoder):
     def __init__(self, args: DeepSeekMoEArgs):
-        super().__init__()
-        args.validate()
-        self.args = args
-        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleDict({str(i): MoEBlock(i, args) for i in range(args.n_layers)})
-        self.norm = RMSNorm(args.dim, args.norm_eps)
-        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
-        cos_TP, sin_TP = rope_cos_sin(rope_frequencies(args.rope_head_dim, args.rope_theta), args.max_seq_len)
-        self.register_buffer("rope_cos", cos_TP, persistent=False)
-        self.register_buffer("rope_sin", sin_TP, persistent=False)
-        self.tie_weights()
+        super().__init__(args, lambda layer_id: MoEBlock(layer_id, args))
 
-    def tie_weights(self) -> None:
-        if self.args.tie_embeddings:
-            self.output.weight = self.tok_embeddings.weight
-
-    def to_empty(self, *, device: torch.device | str | None, recurse: bool = True) -> DeepSeekMoE:
-        super().to_empty(device=device, recurse=recurse)
-        self.tie_weights()
-        return self
+    def rotary_frequencies(self, device: torch.device | None) -> torch.Tensor:
+        return rope_frequencies(self.args.rope_head_dim, self.args.rope_theta, device=device)
 
     def moe_layers(self) -> list[MoE]:
         return [layer.moe for layer in self.layers.values() if layer.moe_enabled]
-
-    def hidden_states(self, tokens_BT: torch.Tensor) -> torch.Tensor:
-        """The final-normed hidden states the output head reads (models.loss.model_lm_loss fuses head and loss)."""
-        T = tokens_BT.shape[1]
-        if T > self.args.max_seq_len:
-            raise ValueError(f"sequence length {T} exceeds max_seq_len={self.args.max_seq_len}; raise max_seq_len")
-        h_BTD = self.tok_embeddings(tokens_BT)
-        for layer in self.layers.values():
-            h_BTD = layer(h_BTD, self.rope_cos, self.rope_sin)
-        return self.norm(h_BTD)
-
-    def forward(self, tokens_BT: torch.Tensor, targets_BT: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits [B, T, V]; with targets, the mean token cross-entropy (models.loss.head_output). Through forward,
-        not hidden_states plus the head, so that wrappers' hooks (FSDP2's root unshard) run."""
-        return head_output(self.output, self.hidden_states(tokens_BT), targets_BT)
 
     def aux_loss(self) -> torch.Tensor:
         """Load-balancing loss of the last forward, already times aux_loss_alpha (0 when off or no grad)."""
@@ -568,27 +516,3 @@ class DeepSeekMoE(nn.Module):
                 moe.tokens_per_expert.zero_()
             else:
                 moe.tokens_per_expert.mul_(1 - gate.to(moe.tokens_per_expert.dtype))
-
-    @torch.no_grad()
-    def init_weights(self, seed: int | None = None) -> None:
-        """Deterministic init (same seed, same weights) after to_empty(); also recomputes the RoPE tables. Each unit
-        (the root's own weights, each block) draws from its own seed (models.init), so the unit-by-unit sharded
-        initialisation of large models gives these same weights."""
-        init_model_by_units(self, seed)
-
-    @torch.no_grad()
-    def init_root_weights(self) -> None:
-        """The weights outside the blocks (embedding, output head, final norm) and the RoPE tables."""
-        device = self.rope_cos.device
-        if device.type != "meta":
-            freqs_P = rope_frequencies(self.args.rope_head_dim, self.args.rope_theta, device=device)
-            cos_TP, sin_TP = rope_cos_sin(freqs_P, self.args.max_seq_len)
-            self.rope_cos.copy_(cos_TP)
-            self.rope_sin.copy_(sin_TP)
-        out_std = self.args.dim**-0.5
-        if self.args.tie_embeddings:
-            nn.init.trunc_normal_(self.tok_embeddings.weight, std=out_std, a=-3 * out_std, b=3 * out_std)
-        else:
-            nn.init.normal_(self.tok_embeddings.weight)
-            nn.init.trunc_normal_(self.output.weight, std=out_std, a=-3 * out_std, b=3 * out_std)
-        self.norm.reset_parameters()

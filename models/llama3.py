@@ -1,6 +1,7 @@
-"""Llama 3 dense transformer: RMSNorm, RoPE with Llama 3 frequency scaling, GQA attention, SwiGLU.
+"""Llama 3 dense transformer: RoPE with Llama 3 frequency scaling, GQA attention, SwiGLU.
 
-Read top to bottom: hyper-parameters, small modules, the transformer block, the whole model.
+Read top to bottom: hyper-parameters, RoPE, attention and feed-forward, the transformer block, the model. The
+decoder around the blocks (embedding, final RMSNorm, output head, RoPE tables, init) is models/decoder.py's.
 Built on the meta device and initialised on the target device (`to_empty` then `init_weights`); no distributed
 code here: FSDP is applied from outside per entry of `model.layers`.
 
@@ -21,8 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.init import init_model_by_units
-from models.loss import head_output
+from models.decoder import Decoder, DecoderBlock
 
 
 @dataclass
@@ -107,13 +107,6 @@ def rope_frequencies(
     return torch.where(wavelen_P < high_freq_wavelen, freqs_P, out_P)
 
 
-def rope_cos_sin(freqs_P: torch.Tensor, max_seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables [T, P] in fp32 (angles computed in fp64: position * freq loses digits in fp32)."""
-    pos_T = torch.arange(max_seq_len, dtype=torch.float64, device=freqs_P.device)
-    angle_TP = torch.outer(pos_T, freqs_P)
-    return angle_TP.cos().float(), angle_TP.sin().float()
-
-
 def apply_rope(x_BTHC: torch.Tensor, cos_TP: torch.Tensor, sin_TP: torch.Tensor) -> torch.Tensor:
     """Rotate interleaved pairs (x[2p], x[2p+1]) by angle pos * freq[p], in fp32."""
     B, T, H, C = x_BTHC.shape
@@ -127,22 +120,6 @@ def apply_rope(x_BTHC: torch.Tensor, cos_TP: torch.Tensor, sin_TP: torch.Tensor)
 
 # ---------------------------------------------------------------------------------------------------------------
 # Modules
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Statistics in fp32 whatever the activation dtype (bf16 mean-square loses too much).
-        x_fp32 = x.float()
-        normed = x_fp32 * torch.rsqrt(x_fp32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return normed.type_as(x) * self.weight
-
-    def reset_parameters(self) -> None:
-        nn.init.ones_(self.weight)
 
 
 class Attention(nn.Module):
@@ -196,106 +173,23 @@ class FeedForward(nn.Module):
         nn.init.trunc_normal_(self.w3.weight, mean=0.0, std=out_std)
 
 
-def depth_init_std(layer_id: int, base_std: float = 0.02) -> float:
-    # Output projections shrink with depth so the residual stream's variance stays bounded (torchtitan depth_init).
-    return base_std / math.sqrt(2 * (layer_id + 1))
-
-
-class TransformerBlock(nn.Module):
+class TransformerBlock(DecoderBlock):
     def __init__(self, layer_id: int, args: Llama3Args):
-        super().__init__()
-        self.layer_id = layer_id
-        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.attention = Attention(args.dim, args.n_heads, args.kv_heads)
-        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        super().__init__(layer_id, args.dim, args.norm_eps, Attention(args.dim, args.n_heads, args.kv_heads))
         self.feed_forward = FeedForward(args.dim, args.hidden_dim)
 
-    def forward(self, x_BTD: torch.Tensor, cos_TP: torch.Tensor, sin_TP: torch.Tensor) -> torch.Tensor:
-        h_BTD = x_BTD + self.attention(self.attention_norm(x_BTD), cos_TP, sin_TP)
-        return h_BTD + self.feed_forward(self.ffn_norm(h_BTD))
-
-    def init_weights(self) -> None:
-        out_std = depth_init_std(self.layer_id)
-        self.attention_norm.reset_parameters()
-        self.ffn_norm.reset_parameters()
-        self.attention.init_weights(0.02, out_std)
-        self.feed_forward.init_weights(0.02, out_std)
+    @property
+    def ffn(self) -> FeedForward:
+        return self.feed_forward
 
 
-class Llama3(nn.Module):
+class Llama3(Decoder):
     def __init__(self, args: Llama3Args):
-        super().__init__()
-        args.validate()
-        self.args = args
-        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
-        self.norm = RMSNorm(args.dim, args.norm_eps)
-        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
-        # RoPE tables: non-persistent (recomputed, never checkpointed), fp32 even when params are bf16.
-        cos_TP, sin_TP = self._rope_tables(device=None)
-        self.register_buffer("rope_cos", cos_TP, persistent=False)
-        self.register_buffer("rope_sin", sin_TP, persistent=False)
-        self.tie_weights()
+        super().__init__(args, lambda layer_id: TransformerBlock(layer_id, args))
 
-    def _rope_tables(self, device: torch.device | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def rotary_frequencies(self, device: torch.device | None) -> torch.Tensor:
         a = self.args
-        freqs_P = rope_frequencies(
+        return rope_frequencies(
             a.head_dim, a.rope_theta, a.rope_scaling_factor, a.rope_low_freq_factor,
             a.rope_high_freq_factor, a.rope_original_max_seq_len, device=device,
         )
-        return rope_cos_sin(freqs_P, a.max_seq_len)
-
-    def tie_weights(self) -> None:
-        # to_empty() from meta gives each module a fresh Parameter and so unties; call again after it.
-        if self.args.tie_embeddings:
-            self.output.weight = self.tok_embeddings.weight
-
-    def to_empty(self, *, device: torch.device | str | None, recurse: bool = True) -> Llama3:
-        super().to_empty(device=device, recurse=recurse)
-        self.tie_weights()
-        return self
-
-    def hidden_states(self, tokens_BT: torch.Tensor) -> torch.Tensor:
-        """The final-normed hidden states the output head reads (models.loss.model_lm_loss fuses head and loss)."""
-        T = tokens_BT.shape[1]
-        if T > self.args.max_seq_len:
-            raise ValueError(f"sequence length {T} exceeds max_seq_len={self.args.max_seq_len}; raise max_seq_len")
-        h_BTD = self.tok_embeddings(tokens_BT)
-        for layer in self.layers.values():
-            h_BTD = layer(h_BTD, self.rope_cos, self.rope_sin)
-        return self.norm(h_BTD)
-
-    def forward(self, tokens_BT: torch.Tensor, targets_BT: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits [B, T, V]; with targets, the mean token cross-entropy (models.loss.head_output). Through forward,
-        not hidden_states plus the head, so that wrappers' hooks (FSDP2's root unshard) run."""
-        return head_output(self.output, self.hidden_states(tokens_BT), targets_BT)
-
-    def aux_loss(self) -> torch.Tensor:
-        return torch.zeros((), device=self.norm.weight.device)
-
-    def update_load_balance_bias(self, reduce_fn=None, gate=None) -> None:
-        """Dense model: nothing to balance."""
-
-    @torch.no_grad()
-    def init_weights(self, seed: int | None = None) -> None:
-        """Deterministic init (same seed, same weights) after to_empty(); also recomputes the RoPE tables. Each unit
-        (the root's own weights, each block) draws from its own seed (models.init), so the unit-by-unit sharded
-        initialisation of large models gives these same weights."""
-        init_model_by_units(self, seed)
-
-    @torch.no_grad()
-    def init_root_weights(self) -> None:
-        """The weights outside the blocks (embedding, output head, final norm) and the RoPE tables."""
-        device = self.rope_cos.device
-        if device.type != "meta":
-            cos_TP, sin_TP = self._rope_tables(device=device)
-            self.rope_cos.copy_(cos_TP)
-            self.rope_sin.copy_(sin_TP)
-        out_std = self.args.dim**-0.5
-        if self.args.tie_embeddings:
-            # One matrix serves as embedding and output: give it the output scale (logits of order 1).
-            nn.init.trunc_normal_(self.tok_embeddings.weight, std=out_std, a=-3 * out_std, b=3 * out_std)
-        else:
-            nn.init.normal_(self.tok_embeddings.weight)
-            nn.init.trunc_normal_(self.output.weight, std=out_std, a=-3 * out_std, b=3 * out_std)
-        self.norm.reset_parameters()

@@ -1,9 +1,9 @@
 """Language-model loss: mean token cross-entropy in fp32 from (usually bf16) logits.
 
 The eager form materializes fp32 copies of the [tokens, vocab] logits four times over (upcast, log-softmax, its
-gradient, the downcast of the gradient): ~60 GB of memory traffic per step for DeepSeek-MoE's 102400-token vocab at
-16384 tokens, 13 ms of softmax kernels alone in an H200 profile (BENCHMARKS.md). Compiled, Inductor fuses the upcast
-into the reductions and writes the bf16 gradient directly, with the same fp32 arithmetic.
+gradient, the downcast of the gradient): tens of GB of memory traffic per step for DeepSeek-MoE's 102400-token vocab
+at 16384 tokens, and softmax kernels a visible share of the step's profile (BENCHMARKS.md). Compiled, Inductor fuses
+the upcast into the reductions and writes the bf16 gradient directly, with the same fp32 arithmetic.
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ The activation estimate counts, per token and layer, the tensors autograd keeps 
 What it leaves out: allocator fragmentation, CUDA/NCCL context and communication buffers, temporaries that live
 only inside one kernel's backward: `fits` keeps a reserve fraction of the memory for those.
 FP8: the estimate assumes compute_dtype_bytes for every saved activation and does not count the fp8 copies of
-weights an FP8 layer keeps for backward; on the H200 FP8 runs peaked above bf16 (DeepSeek-MoE-16B width, 4 layers:
-32.3 vs 28.4 GiB; Llama3-8B, 32 layers: 89.2 vs 87.2 GiB; BENCHMARKS.md), so the reserve fraction must cover that.
+weights an FP8 layer keeps for backward; measured FP8 runs can peak above bf16 (the max_mem_gib of
+benchmarks/results/train_step_*.json), so the reserve fraction must cover that.
 """
 
 from __future__ import annotations

@@ -31,8 +31,8 @@ class ModelFlavor:
     published_total_params: float | None = None  # as published (model card / paper), for the tests
     published_active_params: float | None = None
     # Peak learning rate that train.lr=null resolves to: the published one where there is one. Far too high a rate
-    # is a divergence the monitors then (rightly) act on: 3e-3, right for the debug flavors, made an 8B-width run
-    # jump from loss 8.5 to 31.6 in bf16 and trip FP8's amax-growth detector (an H200 run of the product loop).
+    # is a divergence the monitors then (rightly) act on: 3e-3, right for the debug flavors, made an 8B-width run of
+    # the product loop diverge in bf16 and trip FP8's amax-growth detector.
     peak_lr: float = 3e-3
     # Tokens each GPU trains on per optimizer step when train.global_batch_size is left null on GPUs: 16k keeps an
     # H100 busy at the 4-layer widths of the benchmarks (the FP8 GEMMs win at that size, not at 16 x 128 tokens)

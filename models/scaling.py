@@ -1,8 +1,8 @@
 """Scaling model: step time, tokens/s per GPU, MFU and scaling efficiency of FSDP2 training on 1 to 1,024 GPUs.
 
 Pure functions of numbers (no torch, nothing of orchestration): the planner (orchestration/driver/plan.py) fills a
-`Workload` from a meta-built model and a single-GPU step time measured on the product (MEASURED_STEPS, from
-BENCHMARKS.md), and `scaling_curve` predicts every world size for a `Fabric` preset.
+`Workload` from a meta-built model and a single-GPU step time measured on the product (MEASURED_STEPS, read from the
+benchmark result files in benchmarks/results/), and `scaling_curve` predicts every world size for a `Fabric` preset.
 
 The model, per training step of one GPU (FSDP2, one unit per transformer block, resharded after forward):
 - compute: the measured single-GPU step time per model FLOP, times this workload's FLOPs; the optimizer step,
@@ -23,8 +23,10 @@ Validated against published runs (PUBLISHED_RUNS, `validate_published`; docs/sca
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -182,7 +184,15 @@ def fp8_compute_speedup(layer_speedup: float, bf16_fraction: float) -> float:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Single-GPU measurements of the product (BENCHMARKS.md, "Training step vs bf16 and torchao"), the compute input.
+# Single-GPU measurements of the product, the compute input: read from the training-step benchmark's result files
+# (benchmarks/train_step.py through benchmarks/run_suite.py; BENCHMARKS.md, "Training step vs bf16 and torchao").
+
+RESULTS_DIR = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+# The result file of each family's measured step, and the rows the planner reads: bf16, and the product's FP8 default
+# (tensorwise with the fused FP8 head).
+MEASURED_STEP_FILES = {"llama3_8b": "train_step_dense.json", "deepseek_moe16b": "train_step_moe.json"}
+BF16_VARIANT = "bf16"
+FP8_VARIANT = "ours_head:tensorwise"
 
 
 @dataclass(frozen=True)
@@ -196,20 +206,42 @@ class MeasuredStep:
     accelerator: str
     bf16_s: float
     fp8_s: float
-    optimizer_s: float  # of those seconds, the optimizer step (estimated from the AdamW figures of BENCHMARKS.md)
+    optimizer_s: float  # of those seconds, the optimizer step (its kernels' time in the bf16 run's profile)
     source: str
 
 
-MEASURED_STEPS: dict[str, MeasuredStep] = {
-    # Full 32 layers, seq 8192, batch 1: bf16 771.47 ms, tensorwise 604.72 ms; torch's fused AdamW on fp32 masters
-    # (29.14 ms for 2.8B parameters on the H200 -> ~84 ms for 8.03B).
-    "llama3_8b": MeasuredStep("llama3_8b", {}, 8192, 8192, "h200", 0.77147, 0.60472, 0.084,
-                              "BENCHMARKS.md, training step, full 32-layer Llama3-8B, H200"),
-    # 4 layers (1 dense + 3 MoE) at full width, 16384 tokens: bf16 113.98 ms, fp8 (tensorwise + FP8 head) 95.08 ms; our
-    # AdamW (18.71 ms for 2.8B fp32 parameters -> ~4 ms for the 4-layer model's ~0.6B).
-    "deepseek_moe16b": MeasuredStep("deepseek_moe16b", {"n_layers": 4}, 4096, 16384, "h200", 0.11398, 0.09508, 0.004,
-                                    "BENCHMARKS.md, training step, DeepSeek-MoE-16B width, 4 layers, H200"),
-}
+def accelerator_of(device_name: str) -> str:
+    """The ACCELERATORS key a device name (torch.cuda.get_device_name) names, e.g. "NVIDIA H100 80GB HBM3" -> h100."""
+    name = device_name.lower().replace(" ", "")
+    found = [key for key in ACCELERATORS if key in name]
+    if len(found) != 1:
+        raise ValueError(f"device {device_name!r} is none of the accelerators {sorted(ACCELERATORS)}: add it there")
+    return found[0]
+
+
+def measured_step_from_result(result: dict, source: str) -> MeasuredStep:
+    """The MeasuredStep of a train_step result file (parsed JSON): its one config, the bf16 and FP8 rows' medians."""
+    (config,) = result["results"]["configs"]
+    rows = {row["variant"]: row for row in config["rows"]}
+    bf16, fp8 = rows[BF16_VARIANT], rows[FP8_VARIANT]
+    device = result["results"]["env"]["device"]
+    return MeasuredStep(config["model"], dict(config["overrides"]), config["seq"], config["tokens_per_step"],
+                        accelerator_of(device), bf16["ms"] / 1e3, fp8["ms"] / 1e3,
+                        bf16["profile_breakdown"]["optimizer"]["ms"] / 1e3, f"{source} ({device})")
+
+
+def load_measured_steps(results_dir: Path = RESULTS_DIR) -> dict[str, MeasuredStep]:
+    """Each family's measured step whose result file is there (none without the repository's benchmarks/results/:
+    the planner then says that scaling has no measurement to start from)."""
+    steps = {}
+    for name, file in MEASURED_STEP_FILES.items():
+        path = results_dir / file
+        if path.is_file():
+            steps[name] = measured_step_from_result(json.loads(path.read_text()), f"benchmarks/results/{file}")
+    return steps
+
+
+MEASURED_STEPS: dict[str, MeasuredStep] = load_measured_steps()
 
 
 def workload_from_measurement(name: str, m: MeasuredStep, measured_flops_per_token: float, flops_per_token: float,
@@ -242,10 +274,10 @@ _LLAMA3_70B = Workload("llama3_70b", "h100", 8192, 6 * (70.55e9 - 1.05e9) + 12 *
 # Share of the step's compute in the bf16 output head (torchtitan's float8 leaves it bf16): 6 * D * V FLOPs a token.
 _HEAD_8B = 6 * 4096 * 128256 / _LLAMA3_8B.flops_per_token
 _HEAD_70B = 6 * 8192 * 128256 / _LLAMA3_70B.flops_per_token
-# One Llama3-8B layer at seq 8192, fwd + bwd, torchao's recipes vs compiled bf16 on the H200 (measured in this
-# project): tensorwise 1.235x, rowwise 1.042x. For a 70B layer, the same linear-GEMM speedup (1.331x, what 1.235x
-# leaves after the layer's bf16 attention, 23.5 % of its FLOPs), scaled by the measured 70B/8B w13 GEMM speedups
-# (1.64x / 1.55x), on 13.6 % attention FLOPs.
+# One Llama3-8B layer at seq 8192, fwd + bwd, torchao's recipes vs compiled bf16 (measured in this project on one
+# GPU; docs/scaling.md): the tensorwise and rowwise speedups below. For a 70B layer, the same linear-GEMM speedup (what
+# the 8B layer's leaves after its bf16 attention, 23.5 % of its FLOPs), scaled by the measured 70B/8B ratio of the w13
+# GEMM speedups, on 13.6 % attention FLOPs.
 _TENSORWISE_8B_LAYER = 1.235
 _ROWWISE_8B_LAYER = 1.042
 _LINEAR_8B = 0.765 / (1 / 1.235 - 0.235)
@@ -284,7 +316,7 @@ PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
 # Published runs the model does not reproduce within 15 %: the post gives neither the tensor-parallel degree nor the
 # batch (torchtitan's Llama3-70B config uses TP 8 and 8 sequences per rank, which this FSDP-only model cannot express);
 # as FSDP-only at one sequence per GPU over RoCE, the model finds the bf16 run communication-bound, so FP8 compute
-# alone gains little (1.02x predicted vs 1.40x published). Kept to show the gap, not asserted.
+# alone gains little (far below the published ratio). Kept to show the gap, not asserted.
 UNMODELLED_RUNS: tuple[PublishedRun, ...] = (
     # The bf16 run's throughput is not published, only the ratio: calibrate on the FLOP rate of the 8-GPU bf16 run
     # (PUBLISHED_RUNS[0]) and predict the ratio.

@@ -1,12 +1,11 @@
 """AdamW with torch.optim.AdamW's state, settings and checkpoints, stepped by one Triton launch for all parameters,
 with the gradient clip folded into that launch.
 
-Why (H200 profiles of benchmarks/train_step.py, one step): torch's fused AdamW took 16.7 ms for
-the 8-layer Llama3-8B-width model's 2.8B bf16 parameters (~39 GB of reads and writes: 2.35 TB/s, half of the H200's
-HBM bandwidth) in 134 launches - multi_tensor_apply puts at most 320 chunks of 65536 elements in one launch - and
-the clip's scaling pass (`clip_grads_with_norm_`: one more read and write of every gradient) another 3.8 ms. The same
-two items were 12.3 + 3.1 ms of the 4-layer DeepSeek-MoE-16B-width step. Both precisions pay them, so they are pure
-step time for every run.
+Why (profiles of benchmarks/train_step.py; BENCHMARKS.md has the figures): torch's fused AdamW reached about half of
+the GPU's HBM bandwidth for the 8-layer Llama3-8B-width model's bf16 parameters, in a launch per 320 chunks of 65536
+elements (multi_tensor_apply's limit), and the clip's scaling pass (`clip_grads_with_norm_`: one more read and write
+of every gradient) came on top, in the dense and the MoE step alike. Both precisions pay them, so they are pure step
+time for every run.
 
 Here: one launch over BLOCK-element chunks of every parameter of a dtype bucket. A table of per-tensor addresses
 (parameter, gradient, exp_avg, exp_avg_sq, step) lives on the device and is re-sent only when an address changes
@@ -49,9 +48,9 @@ except ImportError:  # CPU-only installs: torch's step runs instead
     tl = None
     HAS_TRITON = False
 
-# Elements per program and warps, from the H200 sweeps of benchmarks/adamw.py (2.8B bf16 parameters, clip included;
-# torch's fused AdamW + clip pass 25.2 ms): scalar accesses 4096/8 warps 20.2 ms, 2048/8 14.0, 1024/4 12.0; vector
-# accesses (HINT_POINTERS) 1024/4 10.3, 512/4 9.6 ms = 4.06 TB/s (fp32: 19.2 ms vs 29.3, 4.1 TB/s).
+# Elements per program and warps: the fastest of benchmarks/adamw.py's sweeps (bf16 and fp32 parameters, clip
+# included; BENCHMARKS.md): smaller programs won with scalar accesses, and vector accesses (HINT_POINTERS) at 512
+# elements and 4 warps won over all, near the HBM bandwidth.
 BLOCK = 512
 NUM_WARPS = 4
 HINT_POINTERS = True  # state 16-byte alignment to the compiler where it holds (see the kernel); False: no hints
@@ -131,7 +130,7 @@ if HAS_TRITON:
         offs = start + tl.arange(0, BLOCK)
         if start + BLOCK <= n:
             # Whole chunks without a mask: a mask against a numel of unknown divisibility stops the compiler from
-            # vectorizing the accesses (the first H200 run of this kernel, masked everywhere, moved bf16 at half
+            # vectorizing the accesses (the first GPU run of this kernel, masked everywhere, moved bf16 at half
             # the bandwidth of torch's fused AdamW).
             p, m, v = _adamw_update(tl.load(p_ptr + offs).to(tl.float32), tl.load(g_ptr + offs).to(tl.float32),
                                     tl.load(m_ptr + offs).to(tl.float32), tl.load(v_ptr + offs).to(tl.float32),
@@ -157,7 +156,7 @@ else:
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard (FSDP2 parameters, their gradients and AdamW states), else the tensor itself.
-    `_local_tensor` instead of to_local(): to_local() is an autograd call, ~10 us each for hundreds of tensors.
+    `_local_tensor` instead of to_local(): to_local() is an autograd call, costly in host time for hundreds of tensors.
     A weight FSDP2 all-gathers in fp8 (fp8.fsdp_allgather.Fp8AllGatherWeight) is a wrapper without storage of its own:
     its plain master tensor, which the kernel updates in place."""
     local = getattr(t, "_local_tensor", t)
@@ -242,7 +241,7 @@ class ChunkedAdamW(torch.optim.AdamW):
     # -- which steps the kernel takes --------------------------------------------------------------------------
     # Host time matters here: the step starts right after the guard's host read, with the GPU idle until the first
     # launch. Parameters and states are checked once per set of parameter addresses (a bucket build); each step
-    # checks only the gradients (dtype, size, layout, alignment), ~1 us a parameter.
+    # checks only the gradients (dtype, size, layout, alignment).
     def _plan_kernel_step(self) -> list | None:
         """(group, bucket, gradient addresses, all aligned) for every launch of this step, or None: torch's step runs."""
         launches = []
@@ -275,7 +274,7 @@ class ChunkedAdamW(torch.optim.AdamW):
         for p in params:
             lp = _local(p)
             # A wrapper tensor subclass (torchao's FP8 expert weights, say) has no storage of its own at data_ptr():
-            # the kernel would read and write through a bogus address (an illegal memory access on the H200).
+            # the kernel would read and write through a bogus address (an illegal memory access on a GPU).
             if type(lp) not in (torch.Tensor, torch.nn.Parameter):
                 return False
             on_device = lp.is_cuda and torch.version.hip is None
@@ -316,8 +315,8 @@ class ChunkedAdamW(torch.optim.AdamW):
         beta1, beta2 = group["betas"]
         self._send_grad_addresses(bucket, grad_addrs)
         # The step counts advance by the gate (0 or 1), added on the device as a list of tensors: _foreach_add_ with
-        # one 0-d CUDA tensor as its scalar synchronises the host (train_step.py --sync-probe on the H200: the GPU then
-        # drained before the next step was launched).
+        # one 0-d CUDA tensor as its scalar synchronises the host (train_step.py --sync-probe: the GPU then drained
+        # before the next step was launched).
         step_increment = 1.0 if gate is None else [gate.detach().reshape(()).to(torch.float32)] * len(bucket.steps)
         if bucket.chunk_tensor.numel() == 0:  # only empty parameters: nothing to update but the step counts
             torch._foreach_add_(bucket.steps, step_increment)

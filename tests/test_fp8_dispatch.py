@@ -1,14 +1,15 @@
-"""The dispatch layer (fp8/quant.py) feeds fp8/kernels the right shapes and reads back the right layouts.
+"""The dispatch (fp8/quant.py) feeds the kernels the right shapes and reads back the right layouts.
 
-On CPU the kernels package answers with the PyTorch reference, so routing every cast through it must reproduce
-the results of the direct reference calls bit for bit (Float8Linear per recipe, grouped GEMM incl. the 3D
-expert-weight casts that the dispatch reshapes to 2D).
+With the policy made to pick a "kernel" for every cast whose body is the cast's reference (fp8.quant.CASTS; on CPU,
+with the kernels' arguments), every cast takes the kernel branch of the dispatch - flattening, copies, reshapes of the
+results - and must reproduce the results of the reference branch bit for bit (Float8Linear per recipe, grouped GEMM
+incl. the 3D expert-weight casts that the dispatch reshapes to 2D).
 """
 
 import pytest
 import torch
 
-from fp8 import RECIPES, Float8Linear, Fp8GroupedMM, kernels, quant
+from fp8 import RECIPES, Float8Linear, Fp8GroupedMM, quant
 
 
 def linear_run(recipe):
@@ -51,7 +52,7 @@ def test_kernel_dispatch_matches_references(monkeypatch, case):
         def run():
             return linear_run(case)
     ref = run()
-    monkeypatch.setattr(quant, "_kernel_fn", lambda x, name: getattr(kernels, name))
+    monkeypatch.setattr(quant, "_kernel_for", lambda cast, x, use_triton: cast.reference)
     got = run()
     for a, b in zip(got, ref, strict=True):
         assert torch.equal(a, b)
@@ -63,7 +64,7 @@ def test_kernel_failure_falls_back_to_reference(monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("no kernel for this shape")
 
-    monkeypatch.setattr(quant, "_kernel_fn", lambda x, name: None if name in quant._FAILED else broken)
+    monkeypatch.setattr(quant, "_kernel_for", lambda cast, x, use_triton: None if cast.name in quant._FAILED else broken)
     monkeypatch.setattr(quant, "_FAILED", set())
     with pytest.warns(UserWarning, match="using the PyTorch reference"):
         got = linear_run("rowwise")
@@ -76,17 +77,15 @@ def test_stored_enk_backward_weight_cast_reads_the_storage_in_place(monkeypatch)
     transposed bf16 copy), and gives the same result as the references."""
     calls = []
 
-    def spy(name):
-        fn = getattr(kernels, name)
-
+    def spy(cast, x, use_triton):
         def wrapped(x, *args, **kwargs):
-            calls.append((name, x.is_contiguous()))
-            return fn(x, *args, **kwargs)
+            calls.append((cast.name, x.is_contiguous()))
+            return cast.reference(x, *args, **kwargs)
 
         return wrapped
 
     ref = grouped_run(stored_enk=True)
-    monkeypatch.setattr(quant, "_kernel_fn", lambda x, name: spy(name))
+    monkeypatch.setattr(quant, "_kernel_for", spy)
     got = grouped_run(stored_enk=True)
     assert ("cast_rows_transposed_batched", True) in calls  # the [E, N, K] storage, contiguous as stored
     for a, b in zip(got, ref, strict=True):
@@ -105,7 +104,30 @@ def test_fp8_layers_work_when_the_kernels_package_cannot_import():
         "lin = fp8.Float8Linear.from_float(torch.nn.Linear(32, 16), 'rowwise')\n"
         "y = lin(torch.randn(8, 32)); y.sum().backward()\n"
         "assert lin.fp8_health_valid and torch.isfinite(lin.fp8_health_stats).all()\n"
-        "print('ok', fp8.quant.kernels_active('cpu'))\n"
+        "print('ok')\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and proc.stdout.startswith("ok"), proc.stdout + proc.stderr[-3000:]
+
+
+def test_cpu_tensors_take_the_reference_without_looking_up_the_kernels(monkeypatch):
+    """On CPU (no TRITON_INTERPRET) the policy never reaches a kernel: launchers that would raise are not called,
+    no warning, no cast retired, the results are the references'."""
+    import fp8.kernels
+    from fp8 import reference
+
+    def broken(*args, **kwargs):
+        raise AssertionError("a Triton launcher ran on a CPU tensor")
+
+    for name in quant.CASTS:
+        monkeypatch.setattr(fp8.kernels, f"{name}_triton", broken)
+    monkeypatch.setattr(quant, "_FAILED", set())
+    x = torch.randn(16, 24)
+    e4m3 = torch.float8_e4m3fn
+    for got, want in ((quant.quantize_rowwise(x, e4m3), reference.quantize_rowwise_ref(x, e4m3)),
+                      (quant.quantize_tensorwise(x, e4m3), reference.quantize_tensorwise_ref(x, e4m3)),
+                      (quant.quantize_rowwise_and_colwise(x, e4m3), reference.quantize_rowwise_and_colwise_ref(x, e4m3)),
+                      ((quant.transpose(x),), (x.t().contiguous(),))):
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a.float(), b.float())
+    assert quant._FAILED == set()

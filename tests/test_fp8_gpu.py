@@ -231,6 +231,65 @@ def test_grouped_op_compiled_body_matches_eager_body(dims):
         assert torch.equal(a, b), f"{name}: compiled body differs from eager by up to {diff}"
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.element_size() == 1 else t
+
+
+def test_dispatch_runs_every_cast_through_its_kernel_and_matches_the_reference():
+    """fp8.quant on CUDA tensors: the policy picks each cast's launcher in eager code, and every public cast equals its
+    reference bit for bit. Compiled, the casts kept as kernels launch our kernel inline (same bits), the tensorwise
+    cast is Inductor's own (fused into its producers), and no kernel failed."""
+    from torch._inductor.utils import run_and_get_code
+
+    from fp8 import kernels, quant, reference
+
+    x = _x(1024, 768, seed=21)
+    for name, cast in quant.CASTS.items():
+        assert quant._kernel_for(cast, x, None) is getattr(kernels, f"{name}_triton"), name
+    w_ENK = torch.stack([_x(96, 768, seed=22 + e) for e in range(3)])  # expert weights, [E, N, K] storage
+    scale_EN = reference.quantize_rowwise_ref(w_ENK, E4M3)[1].squeeze(-1)
+    gid = torch.repeat_interleave(torch.arange(3, device="cuda", dtype=torch.int32),
+                                  torch.tensor([500, 24, 500], device="cuda"))
+    mul = torch.exp2(torch.randint(-4, 5, (3, 768), device="cuda").float())
+    # (dispatched, defined, our kernel in compiled code: its name, or None where Inductor writes the cast)
+    cases = {
+        "tensorwise": (lambda a: quant.quantize_tensorwise(a * 2, E4M3),
+                       lambda a: reference.quantize_tensorwise_ref(a * 2, E4M3), None),
+        "rowwise": (lambda a: quant.quantize_rowwise(a * 2, E4M3), lambda a: reference.quantize_rowwise_ref(a * 2, E4M3),
+                    "_rowwise_kernel"),
+        "rowwise_and_colwise": (lambda a: quant.quantize_rowwise_and_colwise(a * 2, E4M3),
+                                lambda a: reference.quantize_rowwise_and_colwise_ref(a * 2, E4M3),
+                                "_row_col_cast_kernel"),
+        "transpose": (lambda a: (quant.transpose((a * 2).to(E4M3)),),
+                      lambda a: (reference.transpose_ref((a * 2).to(E4M3)),), "_transpose_kernel"),
+        "group_scaled": (lambda a: quant.quantize_rowwise_group_scaled(a * 2, mul, gid, E4M3),
+                         lambda a: reference.quantize_rowwise_group_scaled_ref(a * 2, mul, gid, E4M3),
+                         "_rowwise_group_scaled_kernel"),
+        "rows_transposed_batched": (lambda a: (quant.cast_rows_transposed_batched(w_ENK * 2, scale_EN, E4M3),),
+                                    lambda a: (reference.cast_rows_transposed_batched_ref(w_ENK * 2, scale_EN, E4M3),),
+                                    "_batched_row_scaled_cast_t_kernel"),
+        "colwise_3d": (lambda a: quant.quantize_colwise_3d((w_ENK * 2).transpose(-2, -1), E4M3),
+                       lambda a: reference.quantize_rowwise_ref((w_ENK * 2).transpose(-2, -1), E4M3, True, -2),
+                       "_rowwise_kernel"),
+    }
+    for name, (dispatched, defined, kernel_name) in cases.items():
+        want = defined(x)
+        got = dispatched(x)
+        for g, w in zip(got, want, strict=True):
+            assert g.shape == w.shape and torch.equal(_bits(g), _bits(w)), (name, "eager")
+        torch._dynamo.reset()
+        got, codes = run_and_get_code(torch.compile(dispatched, fullgraph=True), x)
+        code = "\n".join(codes)
+        assert "elastic_fp8" not in code, name
+        if kernel_name is None:
+            assert "_cast_tensorwise_kernel" not in code and "_amax_kernel" not in code, name
+            continue
+        assert kernel_name in code, name
+        for g, w in zip(got, want, strict=True):
+            assert g.shape == w.shape and torch.equal(_bits(g), _bits(w)), (name, "compiled")
+    assert quant._FAILED == set()
+
+
 @pytest.mark.parametrize("n", [2816, 2048, 53])
 def test_group_scaled_row_cast_matches_reference_on_gpu(n):
     """The grad-input GEMM's gradient cast (one multiplier vector per block where its rows share a group, a gather

@@ -51,11 +51,12 @@ def _kernel_cases():
 
 
 def _check_kernels_against_references(device: str) -> None:
-    from fp8 import kernels as K
+    from fp8 import quant as K
+    from fp8 import reference
 
     for M, V, dt in _kernel_cases():
         logits, targets = _logits_and_targets(M, V, seed=M + V, device=device)
-        lse_r, loss_r, gam_r = K.cross_entropy_fwd_ref(logits, targets, IGNORE)
+        lse_r, loss_r, gam_r = reference.cross_entropy_fwd_ref(logits, targets, IGNORE)
         from fp8.kernels import cross_entropy as ce
 
         shipped = ce.CE_FWD_TILE
@@ -85,7 +86,7 @@ def _check_kernels_against_references(device: str) -> None:
         g_k, gt_k, s_k = K.cross_entropy_grad_cast(logits, targets, lse_r, gamax, coef, dt, IGNORE, use_triton=True)
         assert torch.equal(g_o.view(torch.int8), g_k.view(torch.int8))
         assert torch.equal(gt_o.view(torch.int8), gt_k.view(torch.int8))
-        g_r, _, s_r = K.cross_entropy_grad_cast_ref(logits, targets, lse_r, gamax, coef, dt, IGNORE)
+        g_r, _, s_r = reference.cross_entropy_grad_cast_ref(logits, targets, lse_r, gamax, coef, dt, IGNORE)
         assert float(s_k) == float(s_r)
         assert torch.equal(gt_k.view(torch.int8), g_k.t().contiguous().view(torch.int8)), "layouts disagree"
         steps = _fp8_steps_apart(g_k, g_r)
@@ -98,7 +99,8 @@ def _check_kernels_against_references(device: str) -> None:
 
 
 def _check_kernel_edge_cases(device: str) -> None:
-    from fp8 import kernels as K
+    from fp8 import quant as K
+    from fp8 import reference
     from fp8.kernels import cross_entropy as ce
 
     # A row whose first column tile is all -inf (masked vocabulary padding): exp(-inf - -inf) must not make lse NaN.
@@ -111,7 +113,7 @@ def _check_kernel_edge_cases(device: str) -> None:
         lse_k, loss_k, gam_k = K.cross_entropy_fwd(logits, targets, IGNORE, use_triton=True)
     finally:
         ce.CE_FWD_TILE = shipped
-    lse_r, loss_r, gam_r = K.cross_entropy_fwd_ref(logits, targets, IGNORE)
+    lse_r, loss_r, gam_r = reference.cross_entropy_fwd_ref(logits, targets, IGNORE)
     torch.testing.assert_close(lse_k, lse_r, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(loss_k, loss_r, rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(gam_k, gam_r, rtol=1e-4, atol=1e-6)
@@ -132,8 +134,10 @@ def _interp_kernels_match_references():
     _check_kernels_against_references("cpu")
 
 
-def _interp_fused_head_through_triton_matches_reference_path():
-    from fp8 import kernels as K
+def _interp_fused_head_through_triton_matches_reference_path(monkeypatch):
+    """The head's casts forced through the Triton kernels (the dispatch's policy made to pick them on CPU) against
+    the same head on the references."""
+    from fp8 import quant
     from fp8.head import Float8LMHead
 
     torch.manual_seed(0)
@@ -141,16 +145,14 @@ def _interp_fused_head_through_triton_matches_reference_path():
     x = torch.randn(48, 32)
     t = torch.randint(0, 272, (48,))
     results = []
+    policy = quant._kernel_for
     for use in (True, False):
-        K.set_default_use_triton(use)
-        try:
-            head = Float8LMHead.from_float(copy.deepcopy(lin), "tensorwise")
-            xi = x.clone().requires_grad_()
-            loss = head(xi, targets=t)
-            loss.backward()
-            results.append((loss.detach(), xi.grad, head.weight.grad))
-        finally:
-            K.set_default_use_triton(None)
+        monkeypatch.setattr(quant, "_kernel_for", lambda cast, x, use_triton, use=use: policy(cast, x, use))
+        head = Float8LMHead.from_float(copy.deepcopy(lin), "tensorwise")
+        xi = x.clone().requires_grad_()
+        loss = head(xi, targets=t)
+        loss.backward()
+        results.append((loss.detach(), xi.grad, head.weight.grad))
     (la, gxa, gwa), (lb, gxb, gwb) = results
     torch.testing.assert_close(la, lb, rtol=1e-6, atol=1e-6)
     assert _sqnr_db(gxb, gxa) > 40 and _sqnr_db(gwb, gwa) > 40  # one fp8 step on rare elements at most

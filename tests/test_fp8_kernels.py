@@ -16,8 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import fp8.kernels as fk
-from fp8 import health
+from fp8 import health, quant
 from fp8 import reference as ref
 from fp8.kernels import quantize as fq
 from fp8.kernels import transposed as ft
@@ -132,14 +131,14 @@ def test_reference_rowwise_and_colwise_layout():
 def test_validation_errors():
     x = torch.randn(4, 4)
     with pytest.raises(ValueError, match="fp8_dtype"):
-        fk.quantize_rowwise(x, torch.bfloat16)
-    with pytest.raises(ValueError, match="2D"):
-        fk.quantize_rowwise(x[None], torch.float8_e4m3fn)
+        quant.quantize_rowwise(x, torch.bfloat16)
+    with pytest.raises(ValueError, match="2D"):  # the row cast takes any rank (a dim); the row+column cast 2D only
+        quant.quantize_rowwise_and_colwise(x[None], torch.float8_e4m3fn)
     with pytest.raises(ValueError, match="amax"):
-        fk.quantize_tensorwise(x, torch.float8_e4m3fn, amax=torch.ones(2))
+        quant.quantize_tensorwise(x, torch.float8_e4m3fn, amax=torch.ones(2))
     with pytest.raises(ValueError, match="Triton cannot run"):
-        fk.quantize_rowwise(torch.empty(4, 4, device="meta"), torch.float8_e4m3fn, use_triton=True)
-    assert not fk.will_use_triton(x), "CPU tensors take the reference by default"
+        quant.quantize_rowwise(torch.empty(4, 4, device="meta"), torch.float8_e4m3fn, use_triton=True)
+    # CPU tensors take the reference by default: tests/test_fp8_dispatch.py
 
 
 # ----------------------------------------------------------------------------- Triton kernels (interpreter)
@@ -155,7 +154,7 @@ def _interp_rounding_ties_and_carries(interp, fp8_dtype):
     vals = torch.cat([vals, -vals])
     limit = ref.fp8_max(fp8_dtype)
     amax = torch.tensor(limit)  # scale = fp8_max / amax = 1 exactly
-    got, s = fk.quantize_tensorwise(vals[None, :], fp8_dtype, amax=amax, use_triton=True)
+    got, s = quant.quantize_tensorwise(vals[None, :], fp8_dtype, amax=amax, use_triton=True)
     want, s_ref = ref.quantize_tensorwise_ref(vals[None, :], fp8_dtype, amax=amax)
     assert s.item() == 1.0 == s_ref.item()
     assert_fp8_equal(got, want, "ties/carries")
@@ -165,13 +164,13 @@ def _interp_rounding_ties_and_carries(interp, fp8_dtype):
 @pytest.mark.parametrize("shape", [(37, 53), (1, 7), (6, 130)])
 def _interp_tensorwise(interp, fp8_dtype, shape):
     x = make_x(*shape, seed=4)
-    got, s = fk.quantize_tensorwise(x, fp8_dtype, use_triton=True)
+    got, s = quant.quantize_tensorwise(x, fp8_dtype, use_triton=True)
     want, s_ref = ref.quantize_tensorwise_ref(x, fp8_dtype)
     assert s.shape == () and s_ref.shape == ()
     assert_scale_equal(s, s_ref, "tensorwise scale")
     assert_fp8_equal(got, want, "tensorwise data")
     zeros = torch.zeros(shape, dtype=torch.bfloat16)
-    got0, s0 = fk.quantize_tensorwise(zeros, fp8_dtype, use_triton=True)
+    got0, s0 = quant.quantize_tensorwise(zeros, fp8_dtype, use_triton=True)
     assert torch.isfinite(s0) and (got0.float() == 0).all()
 
 
@@ -179,7 +178,7 @@ def _interp_tensorwise(interp, fp8_dtype, shape):
 @pytest.mark.parametrize("pow2", [True, False])
 def _interp_rowwise(interp, fp8_dtype, pow2):
     x = make_x(37, 53, seed=5)
-    got, s = fk.quantize_rowwise(x, fp8_dtype, pow2=pow2, use_triton=True)
+    got, s = quant.quantize_rowwise(x, fp8_dtype, pow2=pow2, use_triton=True)
     want, s_ref = ref.quantize_rowwise_ref(x, fp8_dtype, pow2=pow2)
     assert_scale_equal(s, s_ref, "rowwise scale")
     assert_fp8_equal(got, want, "rowwise data")
@@ -191,12 +190,13 @@ def _interp_rowwise_looped_and_strided(interp, monkeypatch):
     monkeypatch.setattr(interp, "ROWWISE_MAX_ROW", 32)
     x = make_x(5, 77, seed=6)
     assert interp.rowwise_tile(77) == (1, 32, False)
-    got, s = fk.quantize_rowwise(x, torch.float8_e4m3fn, use_triton=True)
+    got, s = quant.quantize_rowwise(x, torch.float8_e4m3fn, use_triton=True)
     want, s_ref = ref.quantize_rowwise_ref(x, torch.float8_e4m3fn)
     assert_scale_equal(s, s_ref, "looped scale")
     assert_fp8_equal(got, want, "looped data")
     xt = make_x(40, 6, seed=7).t()  # [6, 40], strides (1, 6)
-    got, s = fk.quantize_rowwise(xt, torch.float8_e4m3fn, use_triton=True)
+    # the launcher itself: the dispatch hands it a contiguous copy
+    got, s = interp.quantize_rowwise_triton(xt, torch.float8_e4m3fn)
     want, s_ref = ref.quantize_rowwise_ref(xt, torch.float8_e4m3fn)
     assert_scale_equal(s, s_ref, "strided scale")
     assert_fp8_equal(got, want, "strided data")
@@ -206,7 +206,7 @@ def _interp_rowwise_looped_and_strided(interp, monkeypatch):
 @pytest.mark.parametrize("shape", [(37, 53), (70, 130)])
 def _interp_rowwise_and_colwise(interp, fp8_dtype, shape):
     x = make_x(*shape, seed=8)
-    got = fk.quantize_rowwise_and_colwise(x, fp8_dtype, use_triton=True)
+    got = quant.quantize_rowwise_and_colwise(x, fp8_dtype, use_triton=True)
     want = ref.quantize_rowwise_and_colwise_ref(x, fp8_dtype)
     for i, what in enumerate(["row data", "row scale", "col data (transposed)", "col scale"]):
         if i % 2:
@@ -222,7 +222,7 @@ def _interp_transpose(interp, monkeypatch, dtype):
     monkeypatch.setattr(ft, "TRANSPOSE_TILE", (16, 32))
     x = make_x(37, 70, seed=31).to(dtype)
     for src, what in ((x, "row-major"), (x.t().contiguous().t(), "column-major")):
-        got = fk.transpose(src, use_triton=True)
+        got = quant.transpose(src, use_triton=True)
         assert got.is_contiguous() and got.shape == (70, 37), what
         assert torch.equal(got.view(torch.uint8) if dtype.itemsize == 1 else got,
                            x.t().contiguous().view(torch.uint8) if dtype.itemsize == 1 else x.t().contiguous()), what
@@ -241,13 +241,13 @@ def _interp_rowwise_group_scaled(interp, monkeypatch):
         monkeypatch.setattr(interp, "ROWWISE_MAX_TILE", max_tile)
         if looped:
             monkeypatch.setattr(interp, "ROWWISE_MAX_ROW", 32)
-        got, s = fk.quantize_rowwise_group_scaled(x, mul, gid, torch.float8_e4m3fn, use_triton=True)
+        got, s = quant.quantize_rowwise_group_scaled(x, mul, gid, torch.float8_e4m3fn, use_triton=True)
         want, s_ref = ref.quantize_rowwise_group_scaled_ref(x, mul, gid, torch.float8_e4m3fn)
         assert_scale_equal(s, s_ref, f"group-scaled scale looped={looped}")
         assert_fp8_equal(got, want, f"group-scaled data looped={looped}")
         assert got[-3:].float().abs().max() == 0  # the zero multiplier row
         # bf16 multipliers (read as they are by the kernel): powers of two, so the same bytes and scales
-        got16, s16 = fk.quantize_rowwise_group_scaled(x, mul.bfloat16(), gid, torch.float8_e4m3fn, use_triton=True)
+        got16, s16 = quant.quantize_rowwise_group_scaled(x, mul.bfloat16(), gid, torch.float8_e4m3fn, use_triton=True)
         assert_scale_equal(s16, s_ref, f"group-scaled scale, bf16 multipliers, looped={looped}")
         assert_fp8_equal(got16, want, f"group-scaled data, bf16 multipliers, looped={looped}")
 
@@ -260,7 +260,7 @@ def _interp_cast_rows_transposed_batched(interp, monkeypatch):
     for x, what in ((w, "contiguous"), (w.transpose(-2, -1).contiguous().transpose(-2, -1), "column-major")):
         row_fp8, scale_M1 = ref.quantize_rowwise_ref(x.reshape(-1, 45), torch.float8_e4m3fn)
         scale_BR = scale_M1.reshape(3, 37)
-        got = fk.cast_rows_transposed_batched(x, scale_BR, torch.float8_e4m3fn, use_triton=True)
+        got = quant.cast_rows_transposed_batched(x, scale_BR, torch.float8_e4m3fn, use_triton=True)
         want = ref.cast_rows_transposed_batched_ref(x, scale_BR, torch.float8_e4m3fn)
         assert got.shape == (3, 45, 37) and got.is_contiguous()
         assert_fp8_equal(got, want, f"{what} data")
@@ -271,11 +271,11 @@ def _interp_nan_is_loud(interp):
     """A NaN input makes its row's scale and data NaN (never a saturated finite value); other rows unaffected."""
     x = make_x(4, 16, seed=11)
     x[1, 3] = float("nan")
-    for got, s in [fk.quantize_rowwise(x, torch.float8_e4m3fn, use_triton=True),
+    for got, s in [quant.quantize_rowwise(x, torch.float8_e4m3fn, use_triton=True),
                    ref.quantize_rowwise_ref(x, torch.float8_e4m3fn)]:
         assert s[1].isnan().all() and got[1].float().isnan().all()
         assert torch.isfinite(s[[0, 2, 3]]).all() and not got[[0, 2, 3]].float().isnan().any()
-    got, s = fk.quantize_tensorwise(x, torch.float8_e5m2, use_triton=True)
+    got, s = quant.quantize_tensorwise(x, torch.float8_e5m2, use_triton=True)
     assert s.isnan() and got.float().isnan().all()
 
 
@@ -337,8 +337,8 @@ def _interp_custom_ops_trace_under_torch_compile(interp):
     x = make_x(8, 24, seed=13)
 
     def step(x_hp):
-        row, s_row, col_t, s_col = fk.quantize_rowwise_and_colwise(x_hp, torch.float8_e4m3fn, use_triton=True)
-        tw, s_tw = fk.quantize_tensorwise(x_hp * 2, torch.float8_e4m3fn, use_triton=True)
+        row, s_row, col_t, s_col = quant.quantize_rowwise_and_colwise(x_hp, torch.float8_e4m3fn, use_triton=True)
+        tw, s_tw = quant.quantize_tensorwise(x_hp * 2, torch.float8_e4m3fn, use_triton=True)
         return row.float() / s_row, col_t.float() / s_col.t(), tw.float() / s_tw
 
     compiled = torch.compile(step, backend="aot_eager", fullgraph=True)

@@ -182,7 +182,7 @@ def test_first_kernel_lookup_inside_a_compiled_backward_keeps_one_graph(monkeypa
     """The kernels package's first lookup may happen while dynamo traces an autograd.Function's backward (a
     tensorwise Float8Linear first reaches it there, for its fp8 transposes). It must not store module state then:
     such a store is a side effect dynamo refuses inside the Function, and the whole Function graph-broke and ran
-    eagerly (~120 ms of host per dense step on the H200). fullgraph=True turns a break into an error."""
+    eagerly, costing host time every step. fullgraph=True turns a break into an error."""
     from fp8 import quant
 
     monkeypatch.setattr(quant, "_KERNELS_LOOKED_UP", False)
@@ -225,7 +225,7 @@ def test_kernel_failure_while_tracing_a_backward_falls_back_without_breaking_the
 
         @staticmethod
         def backward(ctx, g):
-            out = quant._call("transpose", broken_kernel, None, g)
+            out = quant._attempt(quant.CASTS["transpose"], broken_kernel, None, g)
             return (g * 7) if out is None else out
 
     torch._dynamo.reset()
@@ -235,7 +235,7 @@ def test_kernel_failure_while_tracing_a_backward_falls_back_without_breaking_the
     torch.testing.assert_close(x.grad, torch.full((4,), 7.0))
     assert quant._FAILED == set()
     with pytest.warns(UserWarning, match="transpose failed"):
-        assert quant._call("transpose", broken_kernel, None, x) is None
+        assert quant._attempt(quant.CASTS["transpose"], broken_kernel, None, x) is None
     assert quant._FAILED == {"transpose"}
 
 

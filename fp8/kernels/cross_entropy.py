@@ -11,8 +11,8 @@ a transpose reads and writes the fp8 copy. Fused:
   amax is therefore known after the forward, with no pass over g.
 - `_ce_bwd_cast_kernel`, one program per [BM, BV] tile: recomputes p from the saved logits and lse, forms g, scales it
   by fp8_max / amax (computed in-kernel from the forward's row maxima times |coef|) and stores the fp8 tile row-major,
-  and transposed too where CE_BWD_FUSED_T (else one transpose pass over the fp8 gradient makes that copy: faster on
-  the H200, see the tiles below). Traffic: one read of the bf16 logits and two 1-byte writes (plus a 1-byte read and
+  and transposed too where CE_BWD_FUSED_T (else one transpose pass over the fp8 gradient makes that copy: faster,
+  see the tiles below). Traffic: one read of the bf16 logits and two 1-byte writes (plus a 1-byte read and
   write for the separate transpose), where the unfused path moves ~5.5x that.
 
 Numerics: g is formed in fp32 from bf16 logits (as F.cross_entropy on upcast logits) and quantized from fp32 (the
@@ -142,12 +142,11 @@ if HAS_TRITON:
                          mask=mask_v[:, None] & mask_m[None, :])
 
 
-# Tiles, from two sweeps on the H200 (benchmarks/ce_head.py, 16384 x 102400 bf16 logits). Forward: one row per
-# program, 1024-column tiles, 2 warps: 1.03 / 1.01 ms, 3.3 TB/s of its least traffic (1 x 2048 with 4 warps
-# 1.05 / 1.01; 2 or 4 rows per program 1.22-1.49). A kernel with four reductions a tile (max, sum-exp, the non-target
-# max, the target's logit) took 2.31 ms at its best tile. Backward: 8 x 1024 tiles, 4 warps, the transposed copy by a
-# separate transpose pass: 2.44 / 2.38 ms in all (16 x 512: 2.41 / 2.70; others 2.45-2.79); storing the transposed
-# tile from the kernel was slower at every tile tried (2.50-3.41; masked, 3.67).
+# Tiles, the fastest of two sweeps of benchmarks/ce_head.py (16384 x 102400 bf16 logits; its result file has the
+# table). Forward: one row per program, 1024-column tiles, 2 warps, near the bandwidth of its least traffic; more
+# rows per program were slower, and so was a kernel with four reductions a tile (max, sum-exp, the non-target max,
+# the target's logit). Backward: 8 x 1024 tiles, 4 warps, the transposed copy by a separate transpose pass: storing
+# the transposed tile from the kernel was slower at every tile tried.
 CE_FWD_TILE = (1, 1024)  # (BM rows, BV columns) per program
 CE_FWD_WARPS = 2
 CE_BWD_TILE = (8, 1024)

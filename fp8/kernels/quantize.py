@@ -17,8 +17,8 @@ Kernels (all memory-bound: the work is one or two reads of x and one write per f
 
 Why no triton.autotune: the autotuner re-runs a kernel many times on the first call of each key (the tensorwise
 amax kernel accumulates with atomics, so it would need reset hooks), and the interpreter would benchmark too.
-The launchers pick block sizes with small heuristics measured on the H200 (benchmarks/fp8_kernels.py sweeps the
-candidates); the autotune key would be (N, or K) plus the input dtype, since the tile shape depends only on the
+The launchers pick block sizes with small heuristics from benchmarks/fp8_kernels.py's sweeps of the candidates
+(BENCHMARKS.md, "Cast kernels vs copy bandwidth"); the autotune key would be (N, or K) plus the input dtype, since the tile shape depends only on the
 row length and element size, not on M (M only changes the grid).
 
 Shape legend: M rows, N (or K) columns; BM/BN tile sizes.
@@ -211,11 +211,11 @@ if HAS_TRITON:
 
 # Tile heuristics (the would-be autotune key: row length N/K and element size; see module docstring).
 TENSORWISE_BLOCK = 8192  # elements per program: 16 KB of bf16, 8 warps -> 32 elements a thread
-# H200 sweep (benchmarks/fp8_kernels.py): 8192-element tiles were best for rows of 2048 and 4096
-# (26.3 vs 27.5 us at 8192x4096), whole 16384-padded rows best for 14336 (87.0 vs 97.3 us with 8192 and a loop).
+# benchmarks/fp8_kernels.py's sweep: 8192-element tiles were best for rows of 2048 and 4096, whole 16384-padded rows
+# best for 14336 (against 8192 and a loop).
 ROWWISE_MAX_TILE = 8192  # elements a program holds in registers (BM * BN) when several rows share a program
 ROWWISE_MAX_ROW = 16384  # longest (padded) row kept whole in registers; longer rows loop over BN = ROWWISE_MAX_TILE
-# (128, 64) beat (64, 128) by 23-30 % on the whole rowwise+colwise op: half the column atomics.
+# (128, 64) beat (64, 128) on the whole rowwise+colwise op (the same sweep): half the column atomics.
 ROW_COL_AMAX_TILE = (128, 64)  # (BM, BN) of the amax pass
 ROW_COL_CAST_TILE = (64, 128)  # (BM, BN) of the cast pass
 TENSORWISE_WARPS = 8
@@ -261,13 +261,19 @@ def rowwise_tile(N: int, max_tile: int | None = None) -> tuple[int, int, bool]:
     return 1, max_tile, False
 
 
-def quantize_rowwise_triton(
-    x_hp_MN: torch.Tensor, fp8_dtype: torch.dtype, pow2: bool = True
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _rowwise_outputs(x_hp_MN: torch.Tensor, fp8_dtype: torch.dtype):
+    """(M, N, out_MN, scale_M1): the uninitialised results of a row cast of x."""
     require_triton(x_hp_MN)
     M, N = x_hp_MN.shape
     out_MN = torch.empty((M, N), dtype=fp8_dtype, device=x_hp_MN.device)
     scale_M1 = torch.empty((M, 1), dtype=torch.float32, device=x_hp_MN.device)
+    return M, N, out_MN, scale_M1
+
+
+def quantize_rowwise_triton(
+    x_hp_MN: torch.Tensor, fp8_dtype: torch.dtype, pow2: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    M, N, out_MN, scale_M1 = _rowwise_outputs(x_hp_MN, fp8_dtype)
     if M == 0:
         return out_MN, scale_M1
     BM, BN, one_tile = rowwise_tile(N)
@@ -281,10 +287,7 @@ def quantize_rowwise_group_scaled_triton(
     x_hp_MN: torch.Tensor, mul_GN: torch.Tensor, gid_M: torch.Tensor, fp8_dtype: torch.dtype, pow2: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rowwise quantization of y = x * mul_GN[gid_M[m], :] in one read of x (see reference)."""
-    require_triton(x_hp_MN)
-    M, N = x_hp_MN.shape
-    out_MN = torch.empty((M, N), dtype=fp8_dtype, device=x_hp_MN.device)
-    scale_M1 = torch.empty((M, 1), dtype=torch.float32, device=x_hp_MN.device)
+    M, N, out_MN, scale_M1 = _rowwise_outputs(x_hp_MN, fp8_dtype)
     if M == 0:
         return out_MN, scale_M1
     BM, BN, one_tile = rowwise_tile(N)
@@ -306,7 +309,7 @@ def row_col_amax_triton(x_hp_MN: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     col_bits = torch.zeros(N, dtype=torch.int32, device=x_hp_MN.device)
     if M and N:
         BM, BN = ROW_COL_AMAX_TILE
-        # Enough programs to fill the GPU (about 8 per SM on an H200) while each covers many columns, which
+        # Enough programs to fill the GPU (several per SM on a Hopper GPU) while each covers many columns, which
         # keeps the column atomics at N * ceil(M / BM).
         row_blocks = triton.cdiv(M, BM)
         splits = max(1, min(triton.cdiv(N, BN), triton.cdiv(1024, row_blocks)))

@@ -68,8 +68,8 @@ if HAS_TRITON:
 TRANSPOSE_TILE = (128, 128)  # (BM, BN): 128-byte runs on both the fp8 read and the transposed write
 TRANSPOSE_WARPS = 4
 # (rows, columns) of the row-scaled transposed weight cast: a bf16 read in fp32 registers, so half the transpose's tile
-# (the fused head's backward, the same read-compute-store-transposed shape, ran 128 x 128 tiles at 5.5 ms and
-# 64 x 128 at 4.0 ms on the H200; not swept for this kernel)
+# (the fused head's backward, the same read-compute-store-transposed shape, was faster at 64 x 128 than at 128 x 128
+# in benchmarks/ce_head.py; not swept for this kernel)
 BATCHED_ROW_CAST_TILE = (64, 128)
 
 
@@ -78,7 +78,8 @@ def transpose_triton(x_MN: torch.Tensor) -> torch.Tensor:
 
     For fp8 operands: torch._scaled_mm wants its left operand row-major and its right one column-major, so a
     tensorwise-scaled fp8 tensor needs a transposed copy for the backward GEMMs; as a separate kernel it keeps
-    Inductor from fusing a strided byte-wide write into the cast (186.7 vs 197.2 ms a dense step on the H200).
+    Inductor from fusing a strided byte-wide write into the cast, which made the dense step slower (BENCHMARKS.md,
+    "Tried, did not pay").
     """
     require_triton(x_MN)
     M, N = x_MN.shape

@@ -33,11 +33,6 @@ except ImportError:  # CPU-only installs: the references run instead
     HAS_TRITON = False
 
 
-def interpreting() -> bool:
-    """True when the kernels below were built by the Triton interpreter (TRITON_INTERPRET=1 at import)."""
-    return INTERPRETED
-
-
 _MANTISSA_BITS = {
     torch.float8_e4m3fn: 3,
     torch.float8_e5m2: 2,
@@ -74,7 +69,7 @@ if HAS_TRITON:
         # NaN-propagating max (max.NaN.f32 on NVIDIA, same cost): a NaN input must reach the scale.
         return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
-    # The interpreter runs a tl.reduce combine function in Python per element pair (10x slower tests), so there
+    # The interpreter runs a tl.reduce combine function in Python per element pair (much slower tests), so there
     # the NaN-dropping tl.max is patched with a NaN count instead. Same condition as the @triton.jit decision.
     _NUMPY_MAX = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 
