@@ -52,7 +52,9 @@ def resolve_defaults(job: JobConfig) -> None:
     W&B and the workers all see the number. precision.fsdp_param_dtype=auto takes precision.compute_dtype.
     Idempotent."""
     from models.registry import MODEL_FLAVORS
+    from orchestration.interop.config_check import resolve_from_hf
 
+    resolve_from_hf(job)  # model=from_hf: a preset with config.json's architecture, before anything reads the model
     if job.train.lr is None and job.model.name in MODEL_FLAVORS:  # an unknown model fails in validate
         job.train.lr = MODEL_FLAVORS[job.model.name].peak_lr
         job.train.lr_source = "model"
@@ -135,6 +137,9 @@ def validate(job: JobConfig) -> None:
     from orchestration.data.select import resolve_data  # reads a prepared corpus's manifest; sizes the vocabulary
 
     resolve_data(job)
+    from orchestration.interop.config_check import check_hf_settings
+
+    check_hf_settings(job)  # after resolve_data: it may size a debug model's vocabulary
 
     t = job.train
     _require(t.steps >= 1, "train.steps", f"must be >= 1, got {t.steps}")

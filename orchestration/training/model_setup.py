@@ -58,6 +58,17 @@ def build_training_model(job: JobConfig, world_size: int, device: torch.device,
     return model, recipe
 
 
+def import_hf_weights(model: torch.nn.Module, job: JobConfig) -> dict:
+    """Replace the model's initial weights by those of the Hugging Face checkpoint model.init_from (checked against
+    the model when the config was loaded), each rank reading the rows it holds. Returns the weights_imported event's
+    fields: the source's path and digests, tensors, bytes read on this rank, seconds."""
+    from models.registry import resolve_flavor
+    from orchestration.interop.import_hf import import_weights
+
+    flavor = resolve_flavor(job.model.name, dict(job.model.overrides))
+    return import_weights(model, job.model.init_from, flavor.family, flavor.args)
+
+
 def require_vocab_covers_data(model: torch.nn.Module, model_name: str, data_vocab_size: int) -> None:
     """The data's token ids (0..data_vocab_size-1: bytes, or a prepared corpus's tokenizer) must be rows of the model's
     vocabulary: a smaller vocabulary would fail at the first step (an index error in the embedding or the loss; on a
