@@ -350,6 +350,8 @@ RowReader = Callable[[str, "int | None", "int | None"], torch.Tensor]
 def rows_from_hf(tmap: TensorMap, read: RowReader, start: int, stop: int, our_shape: tuple[int, ...]) -> torch.Tensor:
     """Rows start:stop (dimension 0) of our parameter, reading only what they need: for q/k the whole heads that
     hold them, for experts the experts start:stop."""
+    if stop <= start:
+        return torch.empty((0, *our_shape[1:]))
     if tmap.kind == "copy":
         full = start == 0 and stop == our_shape[0]
         return read(tmap.hf[0], None, None) if full else read(tmap.hf[0], start, stop)
