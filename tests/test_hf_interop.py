@@ -6,6 +6,7 @@ refusals of bad checkpoint directories before anything starts."""
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import subprocess
@@ -317,7 +318,8 @@ def test_export_refusals_name_what_to_change_and_write_nothing(llama_dir, tmp_pa
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Sharded import: 3 gloo ranks, so FSDP2's row splits fall inside heads and one rank holds no expert of 4
+# Sharded import: 3 gloo ranks, so FSDP2's row splits fall inside heads and one rank holds no expert of 4; the Llama
+# converted to FP8 with its weights all-gathered in fp8, as the default job's model
 
 
 def _sharded_worker(rank: int, world: int, port: int, roots: list[str], out: str) -> None:
@@ -331,8 +333,13 @@ def _sharded_worker(rank: int, world: int, port: int, roots: list[str], out: str
             args = args_of(family, fields)
             with torch.device("meta"):
                 model = (Llama3 if family == "llama3" else DeepSeekMoE)(args)
-            template = (Llama3 if family == "llama3" else DeepSeekMoE)(args).to("meta")
-            model = parallelize(model, world, "fsdp", "float32", "float32")
+            fp8_all_gather = family == "llama3"  # the default job's FP8 model: Float8Linear weights gathered in fp8
+            if fp8_all_gather:
+                import fp8
+
+                fp8.convert_to_fp8(model, "tensorwise")
+            template = copy.deepcopy(model)
+            model = parallelize(model, world, "fsdp", "float32", "float32", fp8_all_gather=fp8_all_gather)
             init_weights_by_unit(model, template, 0, torch.device("cpu"))
             report = import_weights(model, root, family, args)
             full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))

@@ -27,7 +27,6 @@ from orchestration.interop.layout import (
     IGNORED_SUFFIXES,
     LayoutError,
     TensorMap,
-    args_from_hf_config,
     hf_shapes,
 )
 
@@ -45,6 +44,7 @@ class HfTensor:
     file: str  # name of the .safetensors file in the directory
     dtype: str  # safetensors code: F32, BF16, F16
     shape: tuple[int, ...]
+    offset: int = 0  # of its first byte in the file
 
 
 @dataclass
@@ -56,10 +56,6 @@ class HfCheckpoint:
     tensors: dict[str, HfTensor]
     index_file: str | None  # INDEX_FILE, or None for a single model.safetensors
     provenance: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def family_and_fields(self) -> tuple[str, dict[str, Any]]:
-        return args_from_hf_config(self.config)
 
 
 def sha256_file(path: Path) -> str:
@@ -107,7 +103,7 @@ def read_header(path: Path) -> tuple[dict[str, HfTensor], bytes]:
         if end > data_bytes:
             raise LayoutError(f"{path}: tensor {name} ends at byte {end} of the data but the file holds {data_bytes} "
                               "(truncated: copy the file again)")
-        out[name] = HfTensor(path.name, dtype, shape)
+        out[name] = HfTensor(path.name, dtype, shape, 8 + n + begin)
     return out, raw
 
 
@@ -179,28 +175,41 @@ def check_tensors(ckpt: HfCheckpoint, maps: list[TensorMap], our_shapes: dict[st
 
 
 class TensorReader:
-    """Reads tensors (or rows of them) from a checked checkpoint, each file memory-mapped once (safe_open): only the
-    bytes asked for are read from disk."""
+    """Reads tensors (or rows of them) from a checked checkpoint: only the bytes asked for, straight into a new
+    tensor. Not through a memory map (safetensors' safe_open): the pages of a map that a read touched stay resident
+    until it is unmapped, so an import through maps kept whole shards in the process's memory next to the model
+    (BENCHMARKS.md, Hugging Face import and export). Rows of a row-major tensor are one contiguous byte range."""
 
     def __init__(self, ckpt: HfCheckpoint):
         self.ckpt = ckpt
-        self._handles: dict[str, Any] = {}
+        self._files: dict[str, Any] = {}
 
-    def _handle(self, file: str) -> Any:
-        if file not in self._handles:
-            from safetensors import safe_open
-
-            self._handles[file] = safe_open(str(self.ckpt.root / file), framework="pt", device="cpu")
-        return self._handles[file]
+    def _file(self, name: str) -> Any:
+        if name not in self._files:
+            self._files[name] = open(self.ckpt.root / name, "rb", buffering=0)  # noqa: SIM115 - closed in close()
+        return self._files[name]
 
     def read(self, name: str, start: int | None = None, stop: int | None = None) -> torch.Tensor:
-        handle = self._handle(self.ckpt.tensors[name].file)
-        if start is None:
-            return handle.get_tensor(name)
-        return handle.get_slice(name)[start:stop]
+        info = self.ckpt.tensors[name]
+        dtype = HF_DTYPES[info.dtype]
+        rows = info.shape[0] if info.shape else 1
+        start, stop = (0, rows) if start is None else (start, min(stop, rows))
+        row_bytes = math.prod(info.shape[1:]) * dtype.itemsize
+        out = torch.empty((stop - start) * row_bytes, dtype=torch.uint8)
+        view = memoryview(out.numpy()).cast("B")
+        f, done = self._file(info.file), 0
+        while done < len(view):
+            n = os.preadv(f.fileno(), [view[done:]], info.offset + start * row_bytes + done)
+            if n <= 0:
+                raise LayoutError(f"{self.ckpt.root / info.file}: ended inside tensor {name} (truncated?)")
+            done += n
+        shape = (stop - start, *info.shape[1:]) if info.shape else ()
+        return out.view(dtype).reshape(shape)
 
     def close(self) -> None:
-        self._handles.clear()
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
 
 
 # ---------------------------------------------------------------------------------------------------------------
