@@ -287,18 +287,48 @@ def test_import_checkpoint_export_reproduces_the_source_and_export_import_export
     assert directory_bytes(second) == directory_bytes(first)
 
 
-def test_export_loads_in_transformers_with_our_logits(llama_dir, tmp_path):
+@pytest.mark.parametrize("tie", [False, True])
+def test_export_loads_in_transformers_with_our_logits(tie, llama_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    run = checkpointed_run(tmp_path / "run", llama_dir)
+    src = make_llama_dir(tmp_path / "tied", shard_size=None, tie=True) if tie else llama_dir
+    run = checkpointed_run(tmp_path / "run", src)
     out = tmp_path / "export"
     export_run(run, out, dtype="float32")
+    assert ("lm_head.weight" in all_tensors(out)) is not tie  # a tied head is the embedding, stored once
     hf = AutoModelForCausalLM.from_pretrained(out).eval()
-    model, family, args = our_model(llama_dir)
-    import_weights(model, llama_dir, family, args)
+    model, family, args = our_model(src)
+    import_weights(model, src, family, args)
     tokens = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         torch.testing.assert_close(hf(tokens).logits, model(tokens), rtol=1e-5, atol=1e-5)
+
+
+def test_export_carries_the_runs_tokenizer_files_and_its_end_of_text_id(llama_dir, tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok_dir = tmp_path / "tok"
+    tok_dir.mkdir()
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel()
+    tokenizer.train_from_iterator(["def f(x): return x"] * 20, trainers.BpeTrainer(
+        vocab_size=64, special_tokens=["<|endoftext|>", "<unk>"]))
+    tokenizer.save(str(tok_dir / "tokenizer.json"))
+    (tok_dir / "tokenizer_config.json").write_text('{"eos_token": "<|endoftext|>"}')
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "manifest.json").write_text(json.dumps({"tokenizer": {
+        "kind": "huggingface", "path": str(tok_dir / "tokenizer.json"), "eos_id": 0}}))
+    run = checkpointed_run(tmp_path / "run", llama_dir)
+    config = yaml.safe_load((run / RUN_CONFIG).read_text())
+    config["data"].update(name="tokenized", path=str(corpus), tokenizer=None)
+    (run / RUN_CONFIG).write_text(yaml.safe_dump(config))
+    out = tmp_path / "export"
+    export_run(run, out)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (out / name).read_bytes() == (tok_dir / name).read_bytes()
+    assert json.loads((out / "generation_config.json").read_text()) == {"eos_token_id": 0}
+    assert not (out / "special_tokens_map.json").exists()
 
 
 def test_export_refusals_name_what_to_change_and_write_nothing(llama_dir, tmp_path, capsys):
