@@ -15,32 +15,39 @@ from omegaconf import DictConfig
 
 from orchestration.config import ConfigError
 from orchestration.driver.cli import CONFIG_ERROR_EXIT, config_composed, configure_logging, run_hydra_main
-from orchestration.validation import load_job_config
+from orchestration.validation import resolve_job
+
+DOES_NOT_FIT_EXIT = 3  # a plan that does not fit the cluster's memory, dry run or launch
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> None:
     config_composed()
     configure_logging()
+    from orchestration.driver.machine import detect_machine
+
     try:
-        job = load_job_config(cfg)
+        # What the machine has decides the settings left null: GPUs and their memory, then the data shape.
+        job, machine_notes = resolve_job(cfg, detect_machine(cfg.cluster), enforce_machine=not cfg.dry_run)
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr, flush=True)
         sys.exit(CONFIG_ERROR_EXIT)
 
     from orchestration.driver.plan import build_job_plan, print_plan
 
-    plan = build_job_plan(job)
+    plan = build_job_plan(job, machine_notes)
     if job.dry_run:
         print_plan(plan)
         print("PLAN " + json.dumps(plan), flush=True)
+        if not plan["fits"]:
+            sys.exit(DOES_NOT_FIT_EXIT)  # the plan's reasons say which term does not fit and what to change
         return
     if not plan["fits"]:
         print_plan(plan)
         print("error: the model does not fit the cluster (nothing was allocated):", file=sys.stderr)
         for reason in plan["reasons"]:
             print(f"  - {reason}", file=sys.stderr)
-        sys.exit(3)
+        sys.exit(DOES_NOT_FIT_EXIT)
 
     from orchestration.driver.ray_job import run_job
 

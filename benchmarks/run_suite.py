@@ -178,6 +178,16 @@ SUITES: dict[str, tuple[Benchmark, ...]] = {
                                             ("bf16", "launcher=ray", *RAY_ONE_GPU, "precision=bf16")),
               timeout_s=420, extra=("checkpoint.every_steps=0",)),
     ),
+    # The mission command as a new user types it on one GPU: launch.py through Ray with no cluster, data or train
+    # flags (the machine and the model decide the shape), bf16 against fp8, then the same pair at seq 128. No W&B
+    # (not in the GPU image) and no checkpoints (a 4-layer MoE-width save is ~30 GB; the disk holds two).
+    "mission": (
+        _loop("mission_moe", ("model=deepseek_moe16b", "+model.overrides.n_layers=4"), 120,
+              (("bf16", "launcher=ray", "precision=bf16"), ("fp8", "launcher=ray", "precision=fp8"),
+               ("bf16_seq128", "launcher=ray", "precision=bf16", "data.seq_len=128"),
+               ("fp8_seq128", "launcher=ray", "precision=fp8", "data.seq_len=128")),
+              timeout_s=590, common=("logging.wandb=false", "checkpoint.every_steps=0")),
+    ),
     "ray_faults": (
         _loop("ray_crash", MOE_LOOP + ("+model.overrides.n_layers=2",), 16,
               (("crash", "launcher=ray", *RAY_ONE_GPU, "faults=crash", "faults.rank=0", "faults.step=11"),),

@@ -90,6 +90,11 @@ def is_fp8_grouped(module: nn.Module) -> bool:
     return hasattr(module, _FP8_OP)
 
 
+def is_grouped_experts(module: nn.Module) -> bool:
+    """A module of routed experts with a grouped GEMM (what convert_to_fp8 converts besides linears)."""
+    return _is_grouped(module)
+
+
 def _is_grouped(module: nn.Module) -> bool:
     return callable(getattr(module, "grouped_mm", None)) and not isinstance(module, nn.Linear)
 

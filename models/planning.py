@@ -222,8 +222,23 @@ class ModelPlan:
                     f"(now {self.shard_degree}, sharding={self.sharding})"
                 )
         else:
-            reasons.append("activations alone exceed the memory: lower micro_batch or seq_len")
+            reasons.append(self._what_leaves_no_room(usable))
         return reasons
+
+    def _what_leaves_no_room(self, usable: float) -> str:
+        """The term that leaves no memory for the sharded states, named by size (sharding more cannot help it)."""
+        acts, bufs = self.bytes_per_worker.activations, self.bytes_per_worker.fsdp_buffers
+        if acts >= usable:
+            return (f"activations alone ({acts / GIB:.2f} GiB for micro-batch {self.micro_batch} x seq "
+                    f"{self.seq_len}) exceed the usable memory: lower micro_batch or seq_len, or turn on "
+                    "activation checkpointing")
+        if bufs >= usable:
+            return (f"FSDP's gathered buffers alone ({bufs / GIB:.2f} GiB: the root and the largest blocks "
+                    "unsharded) exceed the usable memory: more workers cannot help; use GPUs with more memory")
+        state = self.bytes_per_worker.params + self.bytes_per_worker.grads + self.bytes_per_worker.optimizer
+        return (f"activations ({acts / GIB:.2f} GiB) plus FSDP's gathered buffers ({bufs / GIB:.2f} GiB) leave no room "
+                f"in {usable / GIB:.2f} GiB for the parameter, gradient and optimizer states ({state / GIB:.2f} GiB "
+                f"at {self.shard_degree} shard(s)): lower micro_batch or seq_len, or turn on activation checkpointing")
 
     def to_dict(self, memory_bytes_per_worker: int | None = None, reserve_fraction: float = 0.1) -> dict[str, Any]:
         """Plain JSON types. With memory_bytes_per_worker it adds `fits` and `reasons`."""

@@ -34,6 +34,10 @@ class ModelFlavor:
     # is a divergence the monitors then (rightly) act on: 3e-3, right for the debug flavors, made an 8B-width run
     # jump from loss 8.5 to 31.6 in bf16 and trip FP8's amax-growth detector (an H200 run of the product loop).
     peak_lr: float = 3e-3
+    # Tokens each GPU trains on per optimizer step when train.global_batch_size is left null on GPUs: 16k keeps an
+    # H100 busy at the 4-layer widths of the benchmarks (the FP8 GEMMs win at that size, not at 16 x 128 tokens)
+    # without the multi-million-token global batches of the papers, which take minutes per step on a few GPUs.
+    tokens_per_gpu_step: int = 16384
 
     @property
     def is_moe(self) -> bool:

@@ -161,12 +161,16 @@ class PrecisionConfig:
 class ClusterConfig:
     name: str = "local"
     address: str | None = None  # None: embedded local cluster; "auto" or "ray://host:10001" joins one
-    min_workers: int = 2
-    max_workers: int = 2
-    device: Device = Device.cpu
+    # The four fields below left null are decided by the machine (orchestration/machine_defaults.py): on the embedded
+    # cluster from the GPUs this machine has, on a joined cluster from Ray's node resources. GPUs -> one worker per
+    # GPU with the device's memory; none -> the 2-worker CPU demo. A value set here always wins.
+    min_workers: int | None = None
+    max_workers: int | None = None
+    # auto: cuda or rocm when the machine has GPUs of that vendor, else cpu.
+    device: Device = Device.auto
     cpus_per_worker: float = 1.0
-    gpus_per_worker: float = 0.0
-    memory_per_worker_gb: float = 8.0  # accelerator (or host) memory per worker, for the dry-run fits check
+    gpus_per_worker: float | None = None  # null: 1 on cuda/rocm, 0 on cpu
+    memory_per_worker_gb: float | None = None  # accelerator (or host) memory per worker, for the memory plan
     storage_path: str | None = None  # None: <repo>/runs; else an absolute path or s3:// gs:// abfss:// URI
     env_preset: str = "none"
     env_vars: dict[str, str] = field(default_factory=dict)
@@ -194,7 +198,9 @@ class DataConfig:
     # "python_stdlib": the bytes of this interpreter's standard library sources (present on every machine);
     # otherwise an absolute path to a directory or a file of text.
     source: str = "python_stdlib"
-    seq_len: int = 128
+    # Tokens per sequence. null: the model's published context length (its RoPE range, max_seq_len) on GPUs, 128 on
+    # CPU (orchestration/machine_defaults.py).
+    seq_len: int | None = None
     seed: int = 1234
     # Files whose name matches this glob are read from a directory source; the first max_files (sorted) are the
     # training data, the files after them the held-out data of train.eval_every.
@@ -215,8 +221,12 @@ class DataConfig:
 @dataclass
 class TrainConfig:
     steps: int = 120
-    global_batch_size: int = 16  # sequences per optimizer step, constant across world sizes
-    micro_batch_size: int = 4  # sequences per worker per forward; grad accumulation fills the rest
+    # Sequences per optimizer step, constant across world sizes. null: on GPUs the model flavor's tokens per GPU
+    # step (models/registry.py) times cluster.max_workers, in sequences of data.seq_len; on CPU 16.
+    global_batch_size: int | None = None
+    # Sequences per worker per forward; gradient accumulation fills the rest. null: on GPUs the largest that the
+    # memory plan fits at cluster.min_workers; on CPU 4.
+    micro_batch_size: int | None = None
     lr: float | None = None  # None (null): the model flavor's peak_lr (published where known; models/registry.py)
     # Set when the config is loaded, not by users: "model" when lr was null and took the flavor's peak_lr (a resume
     # then keeps the saved run's lr, orchestration.driver.start_checks.check_start), "config" when lr was given.

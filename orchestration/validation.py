@@ -25,10 +25,53 @@ from orchestration.config import (
     ConfigError,
     JobConfig,
 )
+from orchestration.machine_defaults import NO_GPU, Machine, resolve_machine_defaults
 
 
 def load_job_config(cfg: DictConfig | dict) -> JobConfig:
-    """Merge a composed config onto the schema (unknown keys and wrong types fail) and validate values."""
+    """Merge a composed config onto the schema (unknown keys and wrong types fail), decide the machine-dependent
+    defaults for a machine without GPUs, and validate values (resolve_job: for the machine the job runs on)."""
+    return resolve_job(cfg, NO_GPU)[0]
+
+
+def resolve_job(cfg: DictConfig | dict, machine: Machine, *,
+                enforce_machine: bool = False) -> tuple[JobConfig, list[str]]:
+    """load_job_config for `machine`: the settings left null follow it (orchestration/machine_defaults.py).
+    enforce_machine (a launch, not a dry run, which may plan GPUs elsewhere): on the embedded cluster, a job that
+    asks for GPUs this machine lacks is refused. Returns the job and the notes saying what was decided."""
+    job = merge_job_config(cfg)
+    requested = (job.cluster.device, job.cluster.min_workers, job.cluster.max_workers, job.cluster.gpus_per_worker)
+    notes = resolve_machine_defaults(job, machine)
+    if enforce_machine and job.cluster.address is None and not os.environ.get("RAY_ADDRESS"):
+        check_machine_has(job, machine, requested)
+    validate(job)
+    return job, notes
+
+
+def check_machine_has(job: JobConfig, machine: Machine, requested: tuple) -> None:
+    """The embedded cluster runs on this machine alone: refuse GPUs it does not have, naming the key."""
+    c = job.cluster
+    if c.device not in ("cuda", "rocm"):
+        return
+    device_key_set = requested[0] != "auto"
+    if not machine.has_gpus:
+        raise ConfigError(f"cluster.device: {c.device} asked for, but this machine has no GPU ({machine.source}) - "
+                          "leave cluster.device unset (auto) for the CPU demo, join a GPU cluster with "
+                          "cluster.address, or plan only with dry_run=true")
+    if machine.gpu_vendor != c.device and device_key_set:
+        raise ConfigError(f"cluster.device: {c.device} asked for, but this machine's GPUs are {machine.gpu_vendor} "
+                          f"({machine.gpu_name}) - set cluster.device={machine.gpu_vendor} or leave it unset")
+    need = c.max_workers * (c.gpus_per_worker or 0)
+    if need > machine.gpu_count:
+        key = "cluster.max_workers" if requested[2] is not None or requested[1] is None else "cluster.min_workers"
+        raise ConfigError(f"{key}: {c.max_workers} workers x {c.gpus_per_worker:g} GPU need {need:g} GPUs, this "
+                          f"machine has {machine.gpu_count} ({machine.gpu_name}) - set cluster.min_workers and "
+                          f"cluster.max_workers to at most {int(machine.gpu_count // max(c.gpus_per_worker, 1))}, "
+                          "or join a larger cluster with cluster.address")
+
+
+def merge_job_config(cfg: DictConfig | dict) -> JobConfig:
+    """The composed config on the typed schema: unknown keys and wrong types fail, naming the key."""
     schema = OmegaConf.structured(JobConfig)
     try:
         # As plain data: Hydra adds `+group.key=...` to its composed (schema-typed) config under open_dict, so
@@ -42,7 +85,6 @@ def load_job_config(cfg: DictConfig | dict) -> JobConfig:
         raise ConfigError(f"invalid config at '{key}': {what}. "
                           f"See `python launch.py --help` for the groups and their options.") from None
     assert isinstance(job, JobConfig)
-    validate(job)
     return job
 
 
@@ -50,11 +92,13 @@ def resolve_defaults(job: JobConfig) -> None:
     """Settings whose default depends on others: train.lr=null takes the model flavor's peak_lr (by flavor name;
     model.overrides do not change it). Resolved when the config is loaded (validate calls this), so config.yaml,
     W&B and the workers all see the number. precision.fsdp_param_dtype=auto takes precision.compute_dtype.
+    Settings the machine decides and that are still null (a config built in code) take the CPU demo's values.
     Idempotent."""
     from models.registry import MODEL_FLAVORS
     from orchestration.interop.config_check import resolve_from_hf
 
     resolve_from_hf(job)  # model=from_hf: a preset with config.json's architecture, before anything reads the model
+    resolve_machine_defaults(job, NO_GPU)
     if job.train.lr is None and job.model.name in MODEL_FLAVORS:  # an unknown model fails in validate
         job.train.lr = MODEL_FLAVORS[job.model.name].peak_lr
         job.train.lr_source = "model"
@@ -130,6 +174,15 @@ def validate(job: JobConfig) -> None:
 
     d = job.data
     _require(d.seq_len >= 8, "data.seq_len", f"must be >= 8, got {d.seq_len}")
+    from models.registry import resolve_flavor
+
+    try:
+        rope_range = resolve_flavor(job.model.name, dict(job.model.overrides)).args.max_seq_len
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"model.overrides: {exc}") from None
+    _require(d.seq_len <= rope_range, "data.seq_len",
+             f"{d.seq_len} is beyond {job.model.name}'s RoPE range (max_seq_len={rope_range}) - lower data.seq_len "
+             f"to <= {rope_range}, or raise +model.overrides.max_seq_len")
     if d.source != "python_stdlib":
         _require(os.path.isabs(d.source) and os.path.exists(d.source), "data.source",
                  f"'{d.source}' must be 'python_stdlib' or an absolute path to an existing file or directory")

@@ -187,7 +187,8 @@ def test_env_preset_of_the_other_vendor_is_refused_for_an_explicit_device():
 
     for path in sorted((REPO / "conf" / "cluster").glob("*.yaml")):  # the shipped cluster configs pair them right
         cluster = yaml.safe_load(path.read_text())
-        check_preset_device(cluster["env_preset"], cluster["device"])
+        # A key a preset leaves out takes the schema's default (env_preset none, device auto).
+        check_preset_device(cluster.get("env_preset", "none"), cluster.get("device", "auto"))
 
 
 def test_fp8_experts_setting_and_gpus_without_an_fp8_grouped_gemm():
@@ -386,3 +387,19 @@ def test_a_resume_without_train_lr_keeps_the_saved_runs_lr(tmp_path):
     fresh = job()
     open_run_dir(fresh, "another")
     assert fresh.train.lr == 3e-4
+
+
+def test_no_yaml_option_repeats_a_dataclass_default():
+    """Each default lives once, in orchestration/config.py: a conf/ option holds its name and what differs."""
+    import yaml
+
+    from orchestration.config import JobConfig, to_dict
+
+    defaults = to_dict(JobConfig())
+    repeated = []
+    for path in sorted((REPO / "conf").glob("*/*.yaml")):
+        values = yaml.safe_load(path.read_text()) or {}
+        group = defaults[path.parent.name]
+        repeated += [f"{path.relative_to(REPO)}: {key}" for key, value in values.items()
+                     if key != "name" and key in group and group[key] == value]
+    assert repeated == []

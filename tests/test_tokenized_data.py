@@ -329,3 +329,27 @@ def test_byte_stream_holds_out_the_files_after_max_files(tmp_path):
     assert torch.equal(targets, torch.from_numpy(expected[17:49].reshape(2, 16)))
     one_file = from_dict({"data": {"source": str(src / "f0.py"), "seq_len": 16}})
     assert build_datasets(one_file)[1] is None
+
+
+def test_a_validation_split_smaller_than_eval_sequences_is_used_whole_and_said_once(corpus, caplog):
+    """A small corpus's held-out split (fewer sequences than data.eval_sequences) is evaluated whole, not refused;
+    the config records how many, and one warning says so. An empty split is still refused."""
+    import logging
+
+    from orchestration.config import ConfigError
+    from orchestration.data.select import resolve_data
+    from orchestration.validation import from_dict
+
+    capacity = TokenizedDataset(corpus, seq_len=64, seed=0).validation_capacity()
+    job = from_dict({"data": {"name": "tokenized", "path": str(corpus), "tokenizer": None, "seq_len": 64,
+                              "eval_sequences": capacity + 50}})
+    with caplog.at_level(logging.WARNING, logger="orchestration.data.select"):
+        resolve_data(job)
+    assert job.data.eval_sequences == capacity
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and f"evaluating on all {capacity}" in warnings[0]
+    too_long = from_dict({"data": {"name": "tokenized", "path": str(corpus), "tokenizer": None,
+                                   "seq_len": 64 * (capacity + 2), "eval_sequences": 4},
+                          "model": {"overrides": {"max_seq_len": 64 * (capacity + 2)}}})
+    with pytest.raises(ConfigError, match="holds no sequence"):
+        resolve_data(too_long)

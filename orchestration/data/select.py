@@ -10,6 +10,7 @@ room for every id. `build_datasets` is the worker side: the training samples and
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from typing import Any
 from orchestration.config import DATA_KINDS, ConfigError, JobConfig
 from orchestration.data.byte_stream import VOCAB_SIZE as BYTE_VOCAB_SIZE
 
+log = logging.getLogger(__name__)
 
 def _fail(key: str, message: str) -> None:
     raise ConfigError(f"{key}: {message}")
@@ -69,9 +71,14 @@ def resolve_data(job: JobConfig) -> None:
     fit_model_vocab(job, int(manifest["vocab_size"]), f"the tokenizer of data.path={root}")
     val_sequences = max(0, (manifest["splits"]["val"]["tokens"] - 1) // d.seq_len)
     if job.train.eval_every > 0 and val_sequences < d.eval_sequences:
-        _fail("data.eval_sequences", f"{d.eval_sequences} validation sequences of data.seq_len={d.seq_len} tokens, but "
-              f"the validation split of {root} holds {val_sequences}: lower data.eval_sequences, prepare the corpus "
-              "with a larger --val-fraction, or set train.eval_every=0")
+        if val_sequences == 0:
+            _fail("data.eval_sequences", f"the validation split of {root} holds no sequence of data.seq_len={d.seq_len} "
+                  "tokens: prepare the corpus with a larger --val-fraction, lower data.seq_len, or set "
+                  "train.eval_every=0")
+        # A small held-out split is still worth evaluating on: all of it, said once here (config.yaml records it).
+        log.warning("data.eval_sequences=%d: the validation split of %s holds %d sequences of %d tokens; evaluating "
+                    "on all %d", d.eval_sequences, root, val_sequences, d.seq_len, val_sequences)
+        d.eval_sequences = val_sequences
 
 
 def fit_model_vocab(job: JobConfig, vocab_size: int, what: str, fill: bool = True) -> None:

@@ -8,12 +8,15 @@ from __future__ import annotations
 from typing import Any
 
 from orchestration.config import JobConfig
+from orchestration.machine_defaults import is_gpu_job
 from orchestration.training.elastic import plan_batch
 
 GIB = 1024**3
 
 
-def build_job_plan(job: JobConfig) -> dict[str, Any]:
+def build_job_plan(job: JobConfig, machine_notes: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
+    """The plan of a resolved job; machine_notes: what the machine decided (orchestration/machine_defaults.py),
+    printed first."""
     from models.planning import plan_model
     from models.registry import resolve_flavor
     from orchestration.driver.ray_job import ray_plan
@@ -36,9 +39,14 @@ def build_job_plan(job: JobConfig) -> dict[str, Any]:
     reasons = [f"{job.model.name} at world size {world} ({sharding}, micro-batch {batch.micro_batch_size} x seq "
                f"{job.data.seq_len}) on cluster '{c.name}' ({c.memory_per_worker_gb:.1f} GiB per worker): "
                + mp["reasons"][0], *mp["reasons"][1:]]
+    workers_needed = None
     if not fits:
-        reasons.append(_suggestion(job))
+        workers_needed = smallest_fitting_workers(job, batch.micro_batch_size)
+        reasons.append(_suggestion(job, workers_needed))
     run_name = job.run_name or f"{job.model.name}-{job.precision.name}-<timestamp>"
+    from orchestration.training.model_setup import fp8_kept_in_bf16
+
+    kept_bf16, fp8_eligible = fp8_kept_in_bf16(job, on_gpu=is_gpu_job(job))
     return {
         "model": job.model.name,
         "precision": job.precision.name,
@@ -57,6 +65,9 @@ def build_job_plan(job: JobConfig) -> dict[str, Any]:
         "checkpoint_bytes": checkpoint_bytes(job),
         "fits": fits,
         "reasons": reasons,
+        "workers_needed": workers_needed,
+        "fp8_layers": {"eligible": fp8_eligible, "converted": fp8_eligible - len(kept_bf16), "kept_bf16": kept_bf16},
+        "machine": list(machine_notes),
         "scaling": scaling_plan(job) if c.fabric != "none" else None,
         "model_plan": mp,
         "ray": ray_plan(job, run_name, resolve_run_root(job)).to_dict(),
@@ -134,23 +145,71 @@ def print_scaling(scaling_plan_: dict[str, Any]) -> None:
         print(f"{row['world_size']:4d}  " + "  ".join(f"{c:>34s}" for c in cells))
 
 
-def _suggestion(job: JobConfig) -> str:
+def smallest_fitting_workers(job: JobConfig, micro_batch: int, limit: int = 1 << 16) -> int | None:
+    """The fewest FSDP workers of this cluster's memory that fit the model at this micro-batch (memory per worker
+    only falls as workers are added: doubling, then bisection), or None when even `limit` do not."""
+    from models.planning import plan_model
+    from models.registry import build_model, resolve_flavor
+
+    flavor = resolve_flavor(job.model.name, dict(job.model.overrides))
+    model = build_model(flavor, device="meta")
+    memory = int(job.cluster.memory_per_worker_gb * GIB)
+
+    def fits(world: int) -> bool:
+        return plan_model(flavor, world_size=world, seq_len=job.data.seq_len, micro_batch=micro_batch,
+                          sharding="fsdp" if world > 1 else "replicate",
+                          activation_checkpointing=job.model.activation_checkpointing, param_dtype_bytes=4,
+                          model=model).fits(memory)
+
+    high = 1
+    while not fits(high):
+        if high >= limit:
+            return None
+        high *= 2
+    low = high // 2  # does not fit (or 0)
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (low, mid) if fits(mid) else (mid, high)
+    return high
+
+
+def _suggestion(job: JobConfig, workers_needed: int | None) -> str:
     options = []
+    gpu = is_gpu_job(job)
+    if workers_needed is not None and workers_needed > job.cluster.min_workers:
+        unit = f"GPUs of {job.cluster.memory_per_worker_gb:g} GiB" if gpu else \
+            f"workers of {job.cluster.memory_per_worker_gb:g} GiB"
+        options.append(f"{job.model.name} needs >= {workers_needed} {unit} (FSDP; this cluster has "
+                       f"{job.cluster.max_workers}): join a cluster that large (cluster.address, docs/deploy.md)")
     if job.model.name.startswith(("llama3", "deepseek")):
-        options.append("model=debug_moe or model=debug_dense for this machine")
+        if gpu:
+            options.append("for a smoke test on this machine, fewer layers: +model.overrides.n_layers=4")
+        else:
+            options.append("model=debug_moe or model=debug_dense for this machine")
     if not job.model.activation_checkpointing:
         options.append("model.activation_checkpointing=true")
     options.append("more workers (cluster.min_workers) to shard parameters and optimizer states further")
-    if job.cluster.device == "cpu":
+    if not gpu:
         options.append("GPU workers, e.g. cluster=aws_h200 (141 GB each)")
     return "suggestion: " + "; ".join(options)
 
 
 def print_plan(plan: dict[str, Any]) -> None:
+    for note in plan.get("machine", ()):
+        print(note)
     print(f"model {plan['model']}  precision {plan['precision']}  params {plan['total_params'] / 1e9:.3f}B total, "
           f"{plan['active_params'] / 1e9:.3f}B active")
     print(f"workers {plan['world_size_min']}..{plan['world_size_max']}  global batch {plan['global_batch_tokens']:,} "
           f"tokens  micro-batch {plan['micro_batch_size']} x grad-accum {plan['grad_accum']}")
+    layers = plan.get("fp8_layers") or {}
+    if layers.get("eligible"):
+        kept = layers["kept_bf16"]
+        line = f"fp8: {layers['converted']} of {layers['eligible']} layers"
+        if kept:
+            sizes = sorted(set(kept.values()))
+            line += (f"; {len(kept)} stay bf16, too small for FP8 to pay at micro-batch x seq_len tokens "
+                     f"({'; '.join(sizes)})")
+        print(line)
     breakdown = plan["bytes_breakdown"]
     if isinstance(breakdown, dict):
         parts = "  ".join(f"{k} {v / GIB:.2f}" for k, v in breakdown.items() if isinstance(v, (int, float)))

@@ -17,7 +17,20 @@ import time
 
 from orchestration.config import REPO_ROOT, ConfigError, to_dict
 from orchestration.driver.cli import COMPOSITION_ERRORS, CONFIG_ERROR_EXIT, composition_error_line, configure_logging
-from orchestration.validation import load_job_config
+from orchestration.machine_defaults import NO_GPU, Machine
+from orchestration.validation import resolve_job
+
+
+def this_process_gpus(world: int) -> Machine:
+    """The GPUs torchrun gave this job, as this worker process sees them (it will use one of them anyway)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return NO_GPU
+    p = torch.cuda.get_device_properties(0)
+    vendor = "rocm" if torch.version.hip else "cuda"
+    return Machine(gpu_vendor=vendor, gpu_count=world, gpu_memory_gb=round(p.total_memory / 1024**3, 1),
+                   gpu_name=p.name, source=f"torchrun: {world} x {p.name}")
 
 
 def main(argv: list[str]) -> int:
@@ -34,7 +47,7 @@ def main(argv: list[str]) -> int:
     # torchrun fixes the world size: the elastic range is this one size.
     cfg.cluster.min_workers = cfg.cluster.max_workers = world
     try:
-        job = load_job_config(cfg)
+        job, _ = resolve_job(cfg, this_process_gpus(world))
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return CONFIG_ERROR_EXIT

@@ -29,7 +29,7 @@ from orchestration.training.distributed import init_distributed
 from orchestration.training.elastic import BatchPlan, count_in_ranges, merge_ranges, plan_batch
 from orchestration.training.faults import FaultInjector
 from orchestration.training.gc_policy import ManagedGc
-from orchestration.training.model_setup import build_training_model, import_hf_weights
+from orchestration.training.model_setup import build_training_model, fp8_kept_in_bf16, import_hf_weights
 from orchestration.training.optimizer import lr_at, make_optimizer, set_learning_rate
 from orchestration.training.profiling import PROFILE_DIR, LoopProfiler
 from orchestration.training.step import MicroBatch, StepModel, compute_loss, train_step
@@ -57,7 +57,9 @@ class Trainer:
         self.dataset, self.validation = build_datasets(job)
         self.eval_sequences = self.check_validation_set()
         torch.manual_seed(job.train.seed)
-        self.model, self.recipe = build_training_model(job, self.world_size, self.device, self.dataset.vocab_size)
+        self.fp8_kept_bf16, self.fp8_eligible = fp8_kept_in_bf16(job, on_gpu=self.device.type == "cuda")
+        self.model, self.recipe = build_training_model(job, self.world_size, self.device, self.dataset.vocab_size,
+                                                       keep_bf16=frozenset(self.fp8_kept_bf16))
         self.compiled = compile_enabled(job, self.device)  # the loss follows the blocks
         self.cuda_graphs = self.compiled and job.model.compile_mode == "reduce-overhead" and self.device.type == "cuda"
         self.optimizer = make_optimizer(job, self.device, self.model.parameters())
@@ -124,6 +126,11 @@ class Trainer:
                    recipe=self.recipe, adamw=type(self.optimizer).__name__)
         if self.eval_unavailable:
             self.event("eval_unavailable", reason=self.eval_unavailable)
+        if self.fp8_eligible:
+            self.event("fp8_layers", converted=self.fp8_eligible - len(self.fp8_kept_bf16),
+                       eligible=self.fp8_eligible, kept_bf16=self.fp8_kept_bf16)
+        if self.eval_reduced:
+            self.event("eval_reduced", reason=self.eval_reduced, eval_sequences=self.eval_sequences)
         self.checkpoints.begin(resumed)
 
     def check_same_corpus_on_every_rank(self) -> None:
@@ -255,6 +262,7 @@ class Trainer:
         an error naming what to change."""
         job = self.job
         self.eval_unavailable: str | None = None  # why evaluation is off though train.eval_every asks for it
+        self.eval_reduced: str | None = None  # why it runs on fewer sequences than data.eval_sequences
         if job.train.eval_every == 0:
             return 0
         if self.validation is None:
@@ -263,10 +271,16 @@ class Trainer:
                                      "files, or set train.eval_every=0")
             return 0
         capacity = self.validation.validation_capacity()
+        if capacity == 0:
+            raise ValueError(f"the held-out data holds no sequence of data.seq_len={job.data.seq_len} tokens: point "
+                             "data.source at a directory with more files, lower data.seq_len, or set "
+                             "train.eval_every=0")
         if capacity < job.data.eval_sequences:
-            raise ValueError(f"the held-out data holds {capacity} sequences of data.seq_len={job.data.seq_len} tokens, "
-                             f"fewer than data.eval_sequences={job.data.eval_sequences}: lower data.eval_sequences, "
-                             "prepare the corpus with a larger --val-fraction, or set train.eval_every=0")
+            # A small held-out set is still worth evaluating on: all of it, said once (an event, rank 0's log).
+            self.eval_reduced = (f"the held-out data holds {capacity} sequences of data.seq_len={job.data.seq_len} "
+                                 f"tokens, fewer than data.eval_sequences={job.data.eval_sequences}: evaluating on "
+                                 f"all {capacity}")
+            return capacity
         return job.data.eval_sequences
 
     def maybe_evaluate(self) -> dict[str, Any]:

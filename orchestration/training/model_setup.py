@@ -19,8 +19,10 @@ from orchestration.training.distributed import (
 
 
 def build_training_model(job: JobConfig, world_size: int, device: torch.device,
-                         data_vocab_size: int = BYTE_VOCAB_SIZE):
-    """Model -> FP8 conversion -> FSDP2 -> materialize. Returns (model, fp8_recipe or None)."""
+                         data_vocab_size: int = BYTE_VOCAB_SIZE, keep_bf16: frozenset[str] = frozenset()):
+    """Model -> FP8 conversion -> FSDP2 -> materialize. Returns (model, fp8_recipe or None).
+
+    keep_bf16: layers (by name) left in bf16 although FP8 could convert them (fp8_kept_in_bf16: too small to pay)."""
     from models.registry import build_model
 
     # Built on meta, converted and sharded there, then materialized and initialised on the device one unit at a
@@ -35,6 +37,12 @@ def build_training_model(job: JobConfig, world_size: int, device: torch.device,
         recipe = job.precision.recipe if job.precision.recipe != "auto" else fp8.recommended_recipe(device)
         module_filter = fp8.convert.make_module_filter(output_head=job.precision.fp8_output_head,
                                                        experts=job.precision.fp8_experts)
+        if keep_bf16:
+            eligible = module_filter
+
+            def module_filter(name: str, module: torch.nn.Module) -> bool:
+                return eligible(name, module) and name not in keep_bf16
+
         fp8.convert_to_fp8(model, recipe, module_filter=module_filter)
         if not fp8.precision_state(model)["modules"]:
             # An "fp8" run with nothing in fp8 would fail later, at the first shadow check or RetryFP8.
@@ -67,6 +75,49 @@ def import_hf_weights(model: torch.nn.Module, job: JobConfig) -> dict:
 
     flavor = resolve_flavor(job.model.name, dict(job.model.overrides))
     return import_weights(model, job.model.init_from, flavor.family, flavor.args)
+
+
+def fp8_kept_in_bf16(job: JobConfig, on_gpu: bool) -> tuple[dict[str, str], int]:
+    """Which layers FP8 would convert but stay in bf16 because their GEMMs are too small to pay at the job's
+    micro-batch x seq_len tokens (fp8.size_rule), by name with their sizes; and how many layers FP8 could convert.
+    Only on GPUs (on CPU FP8 is emulated for correctness, not speed: everything eligible converts). The configured
+    micro-batch, not a world size's, decides: the same layers run FP8 at every world size of an elastic run."""
+    import fp8
+    from models.registry import build_model
+
+    if job.precision.name != "fp8":
+        return {}, 0
+    model = build_model(job.model.name, device="meta", overrides=dict(job.model.overrides))
+    module_filter = fp8.convert.make_module_filter(output_head=job.precision.fp8_output_head,
+                                                   experts=job.precision.fp8_experts)
+    eligible = sum(1 for name, m in model.named_modules() if name and module_filter(name, m)
+                   and (type(m) is torch.nn.Linear or fp8.convert.is_grouped_experts(m)))
+    if not on_gpu:
+        return {}, eligible
+    return fp8_too_small(model, module_filter, job.train.micro_batch_size * job.data.seq_len), eligible
+
+
+def fp8_too_small(model: torch.nn.Module, module_filter, tokens_per_forward: int) -> dict[str, str]:
+    """The layers `module_filter` would convert whose GEMMs are too small at tokens_per_forward for FP8 to pay
+    (fp8.size_rule), by name, each with its size: they stay in bf16."""
+    from fp8.convert import is_grouped_experts
+    from fp8.size_rule import expert_group_pays, linear_pays
+
+    small = {}
+    for name, module in model.named_modules():
+        if not name or not module_filter(name, module):
+            continue
+        if type(module) is torch.nn.Linear:
+            if not linear_pays(tokens_per_forward, module.in_features, module.out_features):
+                small[name] = f"linear {module.in_features}->{module.out_features}"
+        elif is_grouped_experts(module):
+            parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
+            args = parent.args  # the MoE layer's: routing (top-k of E) and the expert sizes
+            if not expert_group_pays(tokens_per_forward, args.n_activated_experts, args.n_routed_experts, args.dim,
+                                     args.moe_inter_dim):
+                small[name] = (f"experts {args.n_routed_experts} x {args.dim}->{args.moe_inter_dim}, "
+                               f"top-{args.n_activated_experts}")
+    return small
 
 
 def require_vocab_covers_data(model: torch.nn.Module, model_name: str, data_vocab_size: int) -> None:
