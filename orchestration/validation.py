@@ -40,6 +40,9 @@ def resolve_job(cfg: DictConfig | dict, machine: Machine, *,
     enforce_machine (a launch, not a dry run, which may plan GPUs elsewhere): on the embedded cluster, a job that
     asks for GPUs this machine lacks is refused. Returns the job and the notes saying what was decided."""
     job = merge_job_config(cfg)
+    from orchestration.interop.config_check import resolve_from_hf
+
+    resolve_from_hf(job)  # model=from_hf names a preset before the machine's defaults read the model
     requested = (job.cluster.device, job.cluster.min_workers, job.cluster.max_workers, job.cluster.gpus_per_worker)
     notes = resolve_machine_defaults(job, machine)
     if enforce_machine and job.cluster.address is None and not os.environ.get("RAY_ADDRESS"):
