@@ -23,12 +23,13 @@ import yaml
 from orchestration.checkpoint.directory import STEP_DIR_RE, CheckpointError, CheckpointInfo, verify_checkpoint
 from orchestration.config import ConfigError, JobConfig
 from orchestration.interop.export_hf import DEFAULT_MAX_SHARD_BYTES, export_checkpoint
-from orchestration.interop.files import TOKENIZER_FILES
+from orchestration.interop.files import GENERATION_CONFIG_FILE, TOKENIZER_FILES
 from orchestration.interop.layout import LayoutError
 from orchestration.observability.events import CONFIG_FILE
 
 EXPORT_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 USAGE_ERROR_EXIT = 2
+SPECIAL_TOKEN_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
 class ExportError(ValueError):
@@ -93,6 +94,23 @@ def tokenizer_files(job: JobConfig) -> tuple[list[Path], dict[str, Any]]:
     return files, generation
 
 
+def source_metadata(job: JobConfig) -> tuple[dict[str, Any], dict[str, Any]]:
+    """For a run started from a Hugging Face checkpoint (model.init_from): the special token ids of its config.json
+    (without them transformers falls back to its class defaults, e.g. Llama's 1 and 2) and its
+    generation_config.json. Nothing when the run started from random weights or the directory is gone."""
+    if not job.model.init_from:
+        return {}, {}
+    root = Path(job.model.init_from)
+    try:
+        config = json.loads((root / "config.json").read_text(encoding="utf-8"))
+        generation_path = root / GENERATION_CONFIG_FILE
+        generation = json.loads(generation_path.read_text(encoding="utf-8")) if generation_path.is_file() else {}
+    except (OSError, ValueError):
+        return {}, {}
+    tokens = {key: config[key] for key in SPECIAL_TOKEN_KEYS if config.get(key) is not None}
+    return tokens, generation if isinstance(generation, dict) else {}
+
+
 def export_run(run_dir: str | Path, out: str | Path, step: str = "good", dtype: str = "bfloat16",
                max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> dict[str, Any]:
     """Export one checkpoint of a run; ExportError (nothing written) when something is not usable."""
@@ -106,10 +124,12 @@ def export_run(run_dir: str | Path, out: str | Path, step: str = "good", dtype: 
     job = run_job(run_dir)
     flavor = resolve_flavor(job.model.name, dict(job.model.overrides))
     info = select_checkpoint(run_dir, step)
-    files, generation = tokenizer_files(job)
+    files, tokenizer_generation = tokenizer_files(job)
+    special_tokens, generation = source_metadata(job)
+    generation = {**generation, **tokenizer_generation}  # the run's own tokenizer wins
     try:
         report = export_checkpoint(info.path / "dcp", flavor.family, flavor.args, out, EXPORT_DTYPES[dtype],
-                                   max_shard_bytes, files, generation)
+                                   max_shard_bytes, files, generation, special_tokens)
     except LayoutError as exc:
         raise ExportError(str(exc)) from None
     return {**report, "step": info.step, "checkpoint": str(info.path), "dtype": dtype}

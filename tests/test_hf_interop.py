@@ -53,7 +53,8 @@ def make_llama_dir(path: Path, shard_size: str | None = "60KB", tie: bool = Fals
         vocab_size=256, max_position_embeddings=128, rope_theta=500000.0, rms_norm_eps=1e-5,
         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                       "original_max_position_embeddings": 32},
-        initializer_range=0.2, tie_word_embeddings=tie, architectures=["LlamaForCausalLM"])
+        initializer_range=0.2, tie_word_embeddings=tie, architectures=["LlamaForCausalLM"],
+        bos_token_id=7, eos_token_id=9)  # not transformers' defaults (1, 2): an export that drops them shows
     model = LlamaForCausalLM(config)
     kwargs = {"max_shard_size": shard_size} if shard_size else {}
     model.save_pretrained(path, **kwargs)
@@ -296,6 +297,13 @@ def test_export_loads_in_transformers_with_our_logits(tie, llama_dir, tmp_path):
     out = tmp_path / "export"
     export_run(run, out, dtype="float32")
     assert ("lm_head.weight" in all_tensors(out)) is not tie  # a tied head is the embedding, stored once
+    # the source's special token ids and generation settings come along (transformers' defaults would differ)
+    source = json.loads((src / "config.json").read_text())
+    exported = json.loads((out / "config.json").read_text())
+    assert (exported["bos_token_id"], exported["eos_token_id"]) == (source["bos_token_id"], source["eos_token_id"]) \
+        == (7, 9)
+    assert json.loads((out / "generation_config.json").read_text()) == json.loads(
+        (src / "generation_config.json").read_text())
     hf = AutoModelForCausalLM.from_pretrained(out).eval()
     model, family, args = our_model(src)
     import_weights(model, src, family, args)
@@ -327,7 +335,9 @@ def test_export_carries_the_runs_tokenizer_files_and_its_end_of_text_id(llama_di
     export_run(run, out)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         assert (out / name).read_bytes() == (tok_dir / name).read_bytes()
-    assert json.loads((out / "generation_config.json").read_text()) == {"eos_token_id": 0}
+    # the source's generation settings, with the run's tokenizer's end of text
+    source = json.loads((llama_dir / "generation_config.json").read_text())
+    assert json.loads((out / "generation_config.json").read_text()) == {**source, "eos_token_id": 0}
     assert not (out / "special_tokens_map.json").exists()
 
 

@@ -50,10 +50,12 @@ def load_tensor(dcp_dir: Path, key: str, shape: tuple[int, ...], dtype: torch.dt
 
 def export_checkpoint(dcp_dir: str | Path, family: str, args: Any, out: str | Path, dtype: torch.dtype,
                       max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, extra_files: list[Path] | None = None,
-                      generation_config: dict[str, Any] | None = None) -> dict[str, Any]:
+                      generation_config: dict[str, Any] | None = None,
+                      config_extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """Write the model tensors of the DCP checkpoint `dcp_dir` (a model with `family` and `args`) to the directory
-    `out`, which must not exist yet: shards, index, config.json, generation_config.json and `extra_files` (copied).
-    Returns what was written. LayoutError when the checkpoint does not hold the model's tensors."""
+    `out`, which must not exist yet (or be empty): shards, index, config.json (plus `config_extra`, e.g. special token
+    ids), generation_config.json and `extra_files` (copied). Returns what was written. LayoutError when the checkpoint
+    does not hold the model's tensors."""
     t0 = time.perf_counter()
     dcp_dir, out = Path(dcp_dir), Path(out)
     exportable(family, args)
@@ -83,7 +85,7 @@ def export_checkpoint(dcp_dir: str | Path, family: str, args: Any, out: str | Pa
         weight_map = write_shards(tmp, entries, tensors(), max_shard_bytes)
         total = sum(torch.Size(shape).numel() * dt.itemsize for _, shape, dt in entries)
         write_json(tmp / INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": weight_map})
-        write_json(tmp / CONFIG_FILE, hf_config_from_args(family, args, dtype))
+        write_json(tmp / CONFIG_FILE, {**hf_config_from_args(family, args, dtype), **(config_extra or {})})
         write_json(tmp / GENERATION_CONFIG_FILE, generation_config or {})
         for path in extra_files or []:
             shutil.copyfile(path, tmp / path.name)

@@ -198,7 +198,7 @@ def exportable(family: str, args: Any) -> None:
 
 
 def hf_config_from_args(family: str, args: Any, dtype: torch.dtype) -> dict[str, Any]:
-    """The config.json of a model; keys in the order transformers writes them does not matter (sorted on write)."""
+    """The config.json of a model with `args`, its weights stored in `dtype`."""
     exportable(family, args)
     common = {
         "architectures": [ARCH_OF_FAMILY[family]],
