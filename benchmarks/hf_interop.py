@@ -1,6 +1,7 @@
 """Hugging Face import and export on CPU: time and peak host memory (RSS) at Llama3-8B width with a few layers.
 
     python -m benchmarks.hf_interop [--layers 4] [--workdir /tmp/hf_interop] [--out benchmarks/results/hf_interop_cpu.json]
+    python -m benchmarks.hf_interop --gpu-check --layers 2 --out benchmarks/results/hf_interop_gpu.json   # one GPU
 
 1. A Llama 3.1 8B-shaped checkpoint (bf16, --layers layers, random weights) is written as Hugging Face safetensors
    shards of at most 5 GB.
@@ -130,14 +131,74 @@ def compare(src: Path, out: Path) -> dict:
     return {"round_trip_exact": True, "compared_tensors": len(a_map)}
 
 
+def gpu_check(work: Path, layers: int) -> dict:
+    """On one GPU: a run of the product (the torchrun entry, FP8) started from an 8B-width source and exported at its
+    end, the export loaded by transformers on the GPU, its logits against our model on the run's last checkpoint
+    (both bf16 weights, bf16 compute: the figure is their difference, not a pass/fail)."""
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM
+
+    from models.llama3 import Llama3
+    from orchestration.checkpoint.manager import CheckpointManager
+
+    src, runs = work / "source", work / "runs"
+    results = {"layers": layers, **write_source(src, layers)}
+    steps = 4
+    cmd = [sys.executable, "-m", "orchestration.driver.torchrun", f"run_root={runs}", "run_name=gpu",
+           "model=from_hf", f"model.init_from={src}", "cluster.device=cuda", "precision=fp8", f"train.steps={steps}",
+           "train.warmup_steps=1", "data.seq_len=512", "train.global_batch_size=4", "train.micro_batch_size=4",
+           "train.eval_every=0", "checkpoint.every_steps=2", "checkpoint.export_hf=final", "logging.wandb=false"]
+    t0 = time.time()
+    subprocess.run(cmd, cwd=REPO, check=True)
+    results["run_s"] = round(time.time() - t0, 1)
+    events = [json.loads(line) for line in (runs / "gpu" / "events.jsonl").read_text().splitlines() if line]
+    imported = next(e for e in events if e["event"] == "weights_imported")
+    exported = next(e for e in events if e["event"] == "hf_exported")
+    results |= {"import_s": imported["seconds"], "export_s": exported["seconds"], "export": exported["path"]}
+    tokens = torch.randint(0, LLAMA_31_8B["vocab_size"], (2, 256), generator=torch.Generator().manual_seed(0))
+    inputs, targets = tokens[:, :-1].cuda(), tokens[:, 1:].cuda()
+    t0 = time.time()
+    hf = AutoModelForCausalLM.from_pretrained(exported["path"], dtype=torch.bfloat16).cuda().eval()
+    results["transformers_load_s"] = round(time.time() - t0, 1)
+    _, args = family_args(src)
+    with torch.device("meta"):
+        ours = Llama3(args)
+    ours.to_empty(device="cuda")
+    ours.init_root_weights()  # the RoPE tables; every weight comes from the checkpoint
+    manager = CheckpointManager(runs / "gpu" / "checkpoints", rank=0, world_size=1)
+    manager.load(manager.latest(), ours)
+    ours = ours.to(torch.bfloat16).eval()
+    with torch.no_grad():
+        a, b = hf(inputs).logits.float(), ours(inputs).float()
+        results |= {"gpu": torch.cuda.get_device_name(),
+                    "transformers_loss": round(F.cross_entropy(a.flatten(0, 1), targets.flatten()).item(), 5),
+                    "our_loss": round(F.cross_entropy(b.flatten(0, 1), targets.flatten()).item(), 5),
+                    "max_abs_logit_diff": round((a - b).abs().max().item(), 5),
+                    "logit_scale": round(a.abs().max().item(), 3)}
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--workdir", default="/tmp/hf_interop_bench")
     parser.add_argument("--out", default=str(REPO / "benchmarks/results/hf_interop_cpu.json"))
     parser.add_argument("--step", choices=["import", "export"], help=argparse.SUPPRESS)  # the child processes
+    parser.add_argument("--gpu-check", action="store_true",
+                        help="one GPU: a run from an imported checkpoint, its export loaded by transformers")
     ns = parser.parse_args()
     work = Path(ns.workdir)
+    if ns.gpu_check:
+        shutil.rmtree(work, ignore_errors=True)
+        t0 = time.time()
+        results = gpu_check(work, ns.layers)
+        print(json.dumps(results, indent=1), flush=True)
+        from benchmarks.common import write_result
+
+        command = "python -m benchmarks.hf_interop " + " ".join(sys.argv[1:])
+        write_result(ns.out, benchmark=Path(ns.out).stem, suite="hf_interop", command=command.strip(),
+                     suite_command=command.strip(), returncode=0, wall_s=time.time() - t0, results=results)
+        return
     src, dcp_dir, out = work / "source", work / "dcp", work / "export"
     if ns.step:
         torch.set_num_threads(2)
