@@ -125,6 +125,8 @@ def test_a_preset_differing_from_config_json_is_reported_by_field():
     ({"head_dim": 256}, "head_dim"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling"),
     ({"hidden_size": None}, "hidden_size"),
+    ({"rope_scaling": {"rope_type": "llama3"}}, "malformed value"),
+    ({"hidden_size": "big"}, "malformed value"),
 ])
 def test_unsupported_llama_configs_are_refused_naming_the_field(change, field):
     with pytest.raises(LayoutError, match=field):

@@ -19,6 +19,7 @@ from orchestration.interop.layout import (
     LayoutError,
     args_from_hf_config,
     args_of,
+    exportable,
     mismatched_fields,
     rows_from_hf,
     tensor_maps,
@@ -51,6 +52,7 @@ def check_checkpoint(root: str | Path, family: str, args: Any) -> HfCheckpoint:
     diff = mismatched_fields(family, args, theirs)
     if diff:
         raise ArchitectureMismatch(*diff[0])
+    exportable(family, args)  # settings the layout has no field for (DeepSeek-V3 routing) must be its fixed ones
     check_tensors(ckpt, tensor_maps(family, args), meta_shapes(family, args))
     return ckpt
 

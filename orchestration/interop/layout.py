@@ -97,6 +97,15 @@ def _common_checks(config: dict[str, Any]) -> None:
 
 def args_from_hf_config(config: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     """(family, our model arguments as a dict) from a config.json; LayoutError naming the field it cannot take."""
+    try:
+        return _args_from_hf_config(config)
+    except LayoutError:
+        raise
+    except (KeyError, TypeError, ValueError) as exc:  # a value of the wrong type, a rope_scaling without its keys
+        raise LayoutError(f"config.json has a malformed value ({type(exc).__name__}: {exc})") from None
+
+
+def _args_from_hf_config(config: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     family = family_of(config)
     _common_checks(config)
     theta, scaling = _rope(config)
@@ -169,7 +178,10 @@ LLAMA_SCALING_FIELDS = (("rope_low_freq_factor", "rope_scaling.low_freq_factor")
 def args_of(family: str, fields: dict[str, Any]) -> Llama3Args | DeepSeekMoEArgs:
     cls = Llama3Args if family == "llama3" else DeepSeekMoEArgs
     args = cls(**fields)
-    args.validate()
+    try:
+        args.validate()
+    except ValueError as exc:
+        raise LayoutError(f"config.json describes a model this code cannot build: {exc}") from None
     return args
 
 
