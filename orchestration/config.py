@@ -24,7 +24,8 @@ class Precision(StrEnum):
     fp8 = "fp8"
 
 
-class Recipe(StrEnum):
+class RecipeName(StrEnum):
+    """precision.recipe: a name of fp8.recipes (fp8.Recipe is the recipe itself), or auto."""
     auto = "auto"
     tensorwise = "tensorwise"
     rowwise = "rowwise"
@@ -83,7 +84,7 @@ class FaultKind(StrEnum):
 
 
 PRECISIONS = tuple(p.value for p in Precision)
-RECIPES = tuple(r.value for r in Recipe)
+RECIPES = tuple(r.value for r in RecipeName)
 DEVICES = tuple(d.value for d in Device)
 DTYPES = ("float32", "bfloat16")
 ENV_PRESET_NAMES = ("none", "nccl_h100", "nccl_h200", "rccl_mi300x", "rccl_mi350x")
@@ -132,7 +133,7 @@ class PrecisionConfig:
     name: Precision = Precision.fp8
     # auto = the recommended recipe for the device (fp8.recommended_recipe): tensorwise on NVIDIA (the fastest
     # measured: 1.38x bf16 for the dense step on the H200, rowwise 1.20x), rowwise_gw_hp on ROCm; ignored for bf16.
-    recipe: Recipe = Recipe.auto
+    recipe: RecipeName = RecipeName.auto
     # Convert the LM output head to FP8 too (fp8.convert.make_module_filter), its loss fused into it under the
     # tensorwise recipe (fp8/head.py). On in conf/precision/fp8.yaml (torchtitan leaves it off): on one H100 it took
     # the product loop from 1.26x to 1.33x bf16 (Llama3-8B width) and 1.04x to 1.15x (DeepSeek-MoE-16B width), and

@@ -40,15 +40,18 @@ def test_one_process_matches_clip_grad_norm():
 
 
 def _run_rank(rank: int, world: int, init_file: str, result_file: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     with rank_process_group("gloo", f"file://{init_file}", rank, world):
         ref = _model()
         sharded = copy.deepcopy(ref)
+        # A CPU mesh: fully_shard's default mesh is on the accelerator whenever one is visible (a GPU machine)
+        mesh = init_device_mesh("cpu", (world,))
         for layer in sharded:
             if isinstance(layer, nn.Linear):
-                fully_shard(layer)
-        fully_shard(sharded)
+                fully_shard(layer, mesh=mesh)
+        fully_shard(sharded, mesh=mesh)
         # Every rank the same batch: FSDP's averaged gradient is then the one-process gradient.
         _backward(ref)
         _backward(sharded)

@@ -100,6 +100,17 @@ def init_distributed(requested_device: str, timeout_s: float = 600.0) -> DistInf
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
+def shard_mesh(world_size: int):
+    """The 1-D device mesh FSDP2 shards over, on the device type the process group's backend serves. Without one,
+    fully_shard builds its mesh on the machine's accelerator whenever one is visible (torch 2.11-2.13
+    _init_default_mesh), whatever the backend: a gloo job on CPU on a GPU machine then moved its parameters to the
+    GPU and handed CUDA tensors to gloo (rank 0 died with SIGSEGV on an H100)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    return init_device_mesh(device_type, (world_size,))
+
+
 def parallelize(model: nn.Module, world_size: int, sharding: str, param_dtype: str, reduce_dtype: str,
                 activation_checkpointing: bool = False, fp8_all_gather: bool = False) -> nn.Module:
     """FSDP2: one fully_shard per transformer block, then the root. No-op on a single worker.
@@ -124,9 +135,10 @@ def parallelize(model: nn.Module, world_size: int, sharding: str, param_dtype: s
         wrapped = enable_fp8_all_gather(model)
         logger.info("FSDP2 all-gathers %d FP8 linear weights in fp8", len(wrapped))
     mp_policy = MixedPrecisionPolicy(param_dtype=_DTYPES[param_dtype], reduce_dtype=_DTYPES[reduce_dtype])
+    mesh = shard_mesh(world_size)
     for block in model.layers.values():
-        fully_shard(block, mp_policy=mp_policy)
-    fully_shard(model, mp_policy=mp_policy)
+        fully_shard(block, mesh=mesh, mp_policy=mp_policy)
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy)
     if fp8_all_gather:
         from fp8.fsdp_allgather import track_fsdp_params
 
