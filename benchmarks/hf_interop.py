@@ -1,7 +1,7 @@
 """Hugging Face import and export on CPU: time and peak host memory (RSS) at Llama3-8B width with a few layers.
 
     python -m benchmarks.hf_interop [--layers 4] [--workdir /tmp/hf_interop] [--out benchmarks/results/hf_interop_cpu.json]
-    python -m benchmarks.hf_interop --gpu-check --layers 2 --out benchmarks/results/hf_interop_gpu.json   # one GPU
+    python -m benchmarks.hf_interop --gpu-check --layers 1 --out benchmarks/results/hf_interop_gpu.json   # one GPU
 
 1. A Llama 3.1 8B-shaped checkpoint (bf16, --layers layers, random weights) is written as Hugging Face safetensors
    shards of at most 5 GB.
@@ -147,7 +147,9 @@ def gpu_check(work: Path, layers: int) -> dict:
     cmd = [sys.executable, "-m", "orchestration.driver.torchrun", f"run_root={runs}", "run_name=gpu",
            "model=from_hf", f"model.init_from={src}", "cluster.device=cuda", "precision=fp8", f"train.steps={steps}",
            "train.warmup_steps=1", "data.seq_len=512", "train.global_batch_size=4", "train.micro_batch_size=4",
-           "train.eval_every=0", "checkpoint.every_steps=2", "checkpoint.export_hf=final", "logging.wandb=false"]
+           "train.eval_every=0", "checkpoint.every_steps=2", "checkpoint.export_hf=final", "logging.wandb=false",
+           # a save of fp32 weights and AdamW is 12 bytes a parameter (15 GB at one layer): keep one on the 64 GB disk
+           "checkpoint.keep_last=1", "checkpoint.keep_good=1"]
     t0 = time.time()
     subprocess.run(cmd, cwd=REPO, check=True)
     results["run_s"] = round(time.time() - t0, 1)
