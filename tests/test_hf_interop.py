@@ -388,6 +388,7 @@ def _sharded_worker(rank: int, world: int, port: int, roots: list[str], out: str
             torch.save(report["bytes_read"], f"{out}/{i}_bytes_{rank}.pt")
 
 
+@pytest.mark.slow
 def test_fsdp2_ranks_read_only_their_rows_and_assemble_the_whole_model(llama_dir, deepseek_dir, tmp_path):
     roots = [str(llama_dir), str(deepseek_dir)]
     mp.spawn(_sharded_worker, args=(3, free_port(), roots, str(tmp_path)), nprocs=3, join=True)
@@ -465,6 +466,7 @@ def test_bad_checkpoint_directories_are_config_errors_naming_the_file_or_tensor(
     assert job.model.name == "deepseek_moe16b" and job.model.overrides["n_routed_experts"] == 4
 
 
+@pytest.mark.slow
 def test_launch_refuses_a_truncated_checkpoint_with_exit_2_before_ray(deepseek_dir, tmp_path, isolated_env):
     damaged = tmp_path / "damaged"
     damaged.mkdir()

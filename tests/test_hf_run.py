@@ -35,6 +35,7 @@ def exact_matmuls():
     torch.backends.cuda.matmul.allow_tf32 = False
 
 
+@pytest.mark.slow
 def test_run_from_imported_llama_trains_from_its_weights_and_exports_at_the_end(tmp_path, isolated_env):
     from transformers import AutoModelForCausalLM
 
