@@ -68,6 +68,11 @@ class FallbackScope(StrEnum):
     layers = "layers"
 
 
+class ExportHf(StrEnum):
+    none = "none"
+    final = "final"
+
+
 class FaultKind(StrEnum):
     none = "none"
     nan_grad = "nan_grad"
@@ -115,6 +120,12 @@ class ModelConfig:
     # DeepSeek-MoE-16B benchmark went from 136.9 to 124.3 ms, BENCHMARKS.md). One worker only: CUDA graphs of
     # FSDP2-sharded blocks (collectives in their hooks) are not supported here.
     compile_mode: str = "default"
+    # A Hugging Face checkpoint directory (config.json, model.safetensors or shards + model.safetensors.index.json) the
+    # run's weights start from instead of a random init: Llama 3 (LlamaForCausalLM) or DeepSeek-MoE (the
+    # deepseek-moe-16b layout), docs/interop.md. With a preset its config.json must describe the same architecture;
+    # model=from_hf takes the architecture from config.json. Read once, at the run's first start: a resume loads its
+    # checkpoint instead.
+    init_from: str | None = None
 
 
 @dataclass
@@ -265,6 +276,9 @@ class CheckpointConfig:
     # BENCHMARKS.md). Costs host RAM equal to the rank's checkpoint shard, kept between saves.
     # auto = always with cluster.device=cuda, else never; always; never. The step-0, post-rollback and final saves are always synchronous.
     async_save: AsyncSave = AsyncSave.auto
+    # "final": when the run completes, write its last checkpoint as a Hugging Face directory (safetensors, config.json,
+    # tokenizer files) in <run_dir>/hf/step_NNNNNN, as `python -m orchestration.export RUN_DIR --step latest` does.
+    export_hf: ExportHf = ExportHf.none
 
 
 @dataclass

@@ -40,6 +40,9 @@ def resolve_job(cfg: DictConfig | dict, machine: Machine, *,
     enforce_machine (a launch, not a dry run, which may plan GPUs elsewhere): on the embedded cluster, a job that
     asks for GPUs this machine lacks is refused. Returns the job and the notes saying what was decided."""
     job = merge_job_config(cfg)
+    from orchestration.interop.config_check import resolve_from_hf
+
+    resolve_from_hf(job)  # model=from_hf names a preset before the machine's defaults read the model
     requested = (job.cluster.device, job.cluster.min_workers, job.cluster.max_workers, job.cluster.gpus_per_worker)
     notes = resolve_machine_defaults(job, machine)
     notes += fp8_where_it_pays(job)
@@ -123,7 +126,9 @@ def resolve_defaults(job: JobConfig) -> None:
     Settings the machine decides and that are still null (a config built in code) take the CPU demo's values.
     Idempotent."""
     from models.registry import MODEL_FLAVORS
+    from orchestration.interop.config_check import resolve_from_hf
 
+    resolve_from_hf(job)  # model=from_hf: a preset with config.json's architecture, before anything reads the model
     resolve_machine_defaults(job, NO_GPU)
     if job.train.lr is None and job.model.name in MODEL_FLAVORS:  # an unknown model fails in validate
         job.train.lr = MODEL_FLAVORS[job.model.name].peak_lr
@@ -229,6 +234,9 @@ def validate(job: JobConfig) -> None:
     from orchestration.data.select import resolve_data  # reads a prepared corpus's manifest; sizes the vocabulary
 
     resolve_data(job)
+    from orchestration.interop.config_check import check_hf_settings
+
+    check_hf_settings(job)  # after resolve_data: it may size a debug model's vocabulary
 
     t = job.train
     _require(t.steps >= 1, "train.steps", f"must be >= 1, got {t.steps}")

@@ -225,6 +225,26 @@ def final_error(run_dir: RunDir) -> str | None:
     return json.loads(final.read_text()).get("error") if final.exists() else None
 
 
+def export_at_end(job: JobConfig, run_dir: RunDir, status: str) -> None:
+    """checkpoint.export_hf=final: a completed run's last checkpoint written as a Hugging Face directory in
+    <run_dir>/hf/step_NNNNNN, with an hf_exported event (or hf_export_failed: the run itself stays completed)."""
+    if job.checkpoint.export_hf != "final" or status != "completed":
+        return
+    from orchestration.checkpoint.directory import step_dir_name
+    from orchestration.export import export_run, select_checkpoint
+
+    try:
+        step = select_checkpoint(run_dir.path, "latest").step
+        report = export_run(run_dir.path, run_dir.path / "hf" / step_dir_name(step), step=str(step))
+    except Exception as exc:  # noqa: BLE001  # the run stays completed; its run_end and summary still get written
+        log.error("checkpoint.export_hf=final: the export failed: %s", exc)
+        run_dir.event("hf_export_failed", step=_last_step(run_dir.path), error=str(exc)[:2000])
+        return
+    print(f"Hugging Face export: {report['out']}", flush=True)
+    run_dir.event("hf_exported", step=report["step"], path=report["out"], dtype=report["dtype"],
+                  tensors=report["tensors"], shards=report["shards"], seconds=report["seconds"])
+
+
 def close_run_dir(run_dir: RunDir, status: str, t_start: float) -> dict[str, Any]:
     """The run_end event and summary.json, built from the run directory alone. On a full disk the summary is
     still returned (and printed by the caller), with a message instead of the file."""
@@ -329,6 +349,7 @@ def run_job(job: JobConfig) -> dict[str, Any]:
         log.error("Training failed: %s: %s", type(exc).__name__, exc)
     finally:
         progress.stop()
+        export_at_end(job, run_dir, status)
         summary = close_run_dir(run_dir, status, t_start)
         if started:
             ray.shutdown()

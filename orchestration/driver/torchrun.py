@@ -55,6 +55,7 @@ def main(argv: list[str]) -> int:
     from orchestration.driver.ray_job import (
         close_run_dir,
         default_run_name,
+        export_at_end,
         final_error,
         final_status,
         open_run_dir,
@@ -123,6 +124,7 @@ def main(argv: list[str]) -> int:
                 print(f"Worker group ended {status}; torchrun restarts it ({restarts_left} restart(s) left)",
                       file=sys.stderr, flush=True)
             else:
+                export_at_end(job, run_dir, status)
                 print_summary(close_run_dir(run_dir, status, t_start))
     if rank == 0:
         return 0 if status == "completed" else 1

@@ -29,7 +29,7 @@ from orchestration.training.distributed import init_distributed
 from orchestration.training.elastic import BatchPlan, count_in_ranges, merge_ranges, plan_batch
 from orchestration.training.faults import FaultInjector
 from orchestration.training.gc_policy import ManagedGc
-from orchestration.training.model_setup import build_training_model, fp8_kept_in_bf16
+from orchestration.training.model_setup import build_training_model, fp8_kept_in_bf16, import_hf_weights
 from orchestration.training.optimizer import lr_at, make_optimizer, set_learning_rate
 from orchestration.training.profiling import PROFILE_DIR, LoopProfiler
 from orchestration.training.step import MicroBatch, StepModel, compute_loss, train_step
@@ -117,6 +117,9 @@ class Trainer:
                                "cluster.storage_path to a shared path such as NFS)")
         self.check_same_corpus_on_every_rank()
         resumed = self.checkpoints.load_latest()
+        if resumed is None and self.job.model.init_from:
+            # A fresh start only: a resume (or a Ray restart) loads its checkpoint, whose step 0 holds these weights.
+            self.event("weights_imported", **import_hf_weights(self.model, self.job))
         self.event("worker_group_start", world_size=self.world_size, grad_accum=self.plan.grad_accum,
                    micro_batch_size=self.plan.micro_batch_size, backend=self.info.backend,
                    device=str(self.device), group_id=self.group_id, precision=self.state.precision,

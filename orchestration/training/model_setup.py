@@ -66,6 +66,17 @@ def build_training_model(job: JobConfig, world_size: int, device: torch.device,
     return model, recipe
 
 
+def import_hf_weights(model: torch.nn.Module, job: JobConfig) -> dict:
+    """Replace the model's initial weights by those of the Hugging Face checkpoint model.init_from (checked against
+    the model when the config was loaded), each rank reading the rows it holds. Returns the weights_imported event's
+    fields: the source's path and digests, tensors, bytes read on this rank, seconds."""
+    from models.registry import resolve_flavor
+    from orchestration.interop.import_hf import import_weights
+
+    flavor = resolve_flavor(job.model.name, dict(job.model.overrides))
+    return import_weights(model, job.model.init_from, flavor.family, flavor.args)
+
+
 def fp8_kept_in_bf16(job: JobConfig, on_gpu: bool) -> tuple[dict[str, str], int]:
     """Which layers FP8 would convert but stay in bf16 because their GEMMs are too small to pay at the job's
     micro-batch x seq_len tokens (fp8.size_rule), by name with their sizes; and how many layers FP8 could convert.
