@@ -1,7 +1,7 @@
 """Run a named benchmark suite and write one current JSON per benchmark to benchmarks/results/<name>.json.
 
     python3 benchmarks/run_suite.py dense|moe|kernels|loop|checkpoint|quality_dense|quality_moe|\
-        quality_moe_seeds|ray_dense|ray_faults|all [--only NAME ...] [--dry-run]
+        quality_moe_seeds|ray_dense|ray_faults|mission|all [--only NAME ...] [--dry-run]
     make bench-gpu SUITE=dense                       # the same through make (BENCH_ARGS passes more options)
 
 Each benchmark program runs in its own process, one after another on the same GPU (ratios are read inside one
@@ -228,8 +228,9 @@ SUITES: dict[str, tuple[Benchmark, ...]] = {
         Benchmark("pinned_staging", "pinned_staging.py", ("--gib", "13"), "pinned_staging.json", timeout_s=150),
     ),
 }
-SUITES["all"] = tuple(b for suite in ("kernels", "dense", "moe", "loop", "checkpoint", "quality_dense", "quality_moe",
-                                      "quality_moe_seeds", "ray_dense", "ray_faults") for b in SUITES[suite])
+SUITES["all"] = tuple(b for suite in ("kernels", "dense", "moe", "loop", "mission", "checkpoint", "quality_dense",
+                                      "quality_moe", "quality_moe_seeds", "ray_dense", "ray_faults")
+                      for b in SUITES[suite])
 # CPU check of the runner and two programs at tiny shapes (no GPU needed): the kernels in the Triton interpreter,
 # the MoE FFN on fp8.grouped's emulated path.
 SUITES["smoke"] = (
