@@ -132,7 +132,9 @@ def resolve_data_shape(job: JobConfig) -> list[str]:
     except (ValueError, TypeError):  # a bad override: validate reports it
         flavor = MODEL_FLAVORS[job.model.name]
     if d.seq_len is None:
-        d.seq_len = flavor.args.max_seq_len
+        # The preset's context (its pretraining length): an override that widens the RoPE range (a Hugging Face
+        # config of Llama 3.1 says 131072) does not make every sequence that long.
+        d.seq_len = min(flavor.args.max_seq_len, MODEL_FLAVORS[job.model.name].args.max_seq_len)
         notes.append(f"data.seq_len {d.seq_len}: {flavor.name}'s context length")
     if t.global_batch_size is None:
         per_gpu = max(1, flavor.tokens_per_gpu_step // d.seq_len)

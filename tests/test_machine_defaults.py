@@ -182,3 +182,9 @@ def test_a_joined_cluster_reads_rays_node_resources(tmp_path, monkeypatch):
         head.stdin.close()
         head.wait(timeout=120)
         shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def test_a_wider_rope_range_does_not_make_every_sequence_that_long():
+    """A Hugging Face Llama 3.1 config says max_seq_len 131072: the default sequence stays the preset's 8192."""
+    job, _ = resolve(H100, "model=llama3_8b", "+model.overrides.n_layers=2", "+model.overrides.max_seq_len=131072")
+    assert job.data.seq_len == 8192
