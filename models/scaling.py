@@ -238,6 +238,12 @@ class MeasuredStep:
     fp8_s: float
     optimizer_s: float  # of those seconds, the optimizer step (its kernels' time in the bf16 run's profile)
     source: str
+    # From each run's profile: the dense GEMMs' time (nn.Linear, the output head's included) and the loss kernels'
+    # (cross-entropy, the head's softmax), to tell the head's time from the blocks'.
+    bf16_gemm_s: float = 0.0
+    fp8_gemm_s: float = 0.0
+    bf16_loss_s: float = 0.0
+    fp8_loss_s: float = 0.0
 
 
 def accelerator_of(device_name: str) -> str:
@@ -255,9 +261,11 @@ def measured_step_from_result(result: dict, source: str) -> MeasuredStep:
     rows = {row["variant"]: row for row in config["rows"]}
     bf16, fp8 = rows[BF16_VARIANT], rows[FP8_VARIANT]
     device = result["results"]["env"]["device"]
+    b, f = bf16["profile_breakdown"], fp8["profile_breakdown"]
     return MeasuredStep(config["model"], dict(config["overrides"]), config["seq"], config["tokens_per_step"],
-                        accelerator_of(device), bf16["ms"] / 1e3, fp8["ms"] / 1e3,
-                        bf16["profile_breakdown"]["optimizer"]["ms"] / 1e3, f"{source} ({device})")
+                        accelerator_of(device), bf16["ms"] / 1e3, fp8["ms"] / 1e3, b["optimizer"]["ms"] / 1e3,
+                        f"{source} ({device})", b["gemm"]["ms"] / 1e3, f["gemm"]["ms"] / 1e3,
+                        b["cross_entropy_head"]["ms"] / 1e3, f["cross_entropy_head"]["ms"] / 1e3)
 
 
 def load_measured_steps(results_dir: Path = RESULTS_DIR) -> dict[str, MeasuredStep]:
@@ -277,19 +285,32 @@ MEASURED_STEPS: dict[str, MeasuredStep] = load_measured_steps()
 def workload_from_measurement(name: str, m: MeasuredStep, measured_flops_per_token: float, flops_per_token: float,
                               tokens_per_gpu: int, layers: int, params_total: float, params_root: float,
                               fp8_gather_fraction: float, recipe_fp8_speedup: float | None = None,
-                              head_flops_per_token: float = 0.0, recompute_fraction: float = 0.0) -> Workload:
-    """A Workload whose compute is the measured step's time per FLOP (optimizer left out) applied to this model's
-    FLOPs. recipe_fp8_speedup: the measured fp8 speedup unless given. The measured step (fewer layers, the output
-    head a larger share of it) is taken at one time per FLOP for blocks and head alike (docs/scaling.md checks this
-    against the measured profile)."""
-    per_flop = (m.bf16_s - m.optimizer_s) / (m.tokens * measured_flops_per_token)
-    fp8_speedup = (m.bf16_s - m.optimizer_s) / (m.fp8_s - m.optimizer_s)
+                              head_flops_per_token: float = 0.0, recompute_fraction: float = 0.0,
+                              measured_head_flops_per_token: float = 0.0,
+                              measured_head_gemm_share: float = 0.0) -> Workload:
+    """A Workload whose compute is the measured step's (optimizer left out) scaled to this model: the blocks at their
+    measured time per FLOP, the output head at its own. The measured step has fewer layers, so its head weighs far
+    more in it (a third of a 4-layer Llama3-8B's FLOPs, a twentieth of the 32-layer model's) and runs at another
+    speed, FP8 most of all; its time is the dense GEMMs' profiled time times the head's share of their FLOPs
+    (`measured_head_gemm_share`) plus the loss kernels'. Without measured_head_flops_per_token the whole step is
+    taken at one time per FLOP. recipe_fp8_speedup: the measured fp8 speedup unless given."""
+    def compute_s(step_s: float, gemm_s: float, loss_s: float) -> float:
+        head_s = (gemm_s * measured_head_gemm_share + loss_s) if measured_head_flops_per_token else 0.0
+        blocks_per_flop = (step_s - m.optimizer_s - head_s) / (m.tokens * (measured_flops_per_token
+                                                                            - measured_head_flops_per_token))
+        head = (head_s * tokens_per_gpu * head_flops_per_token / (m.tokens * measured_head_flops_per_token)
+                if measured_head_flops_per_token else 0.0)
+        blocks_flops = flops_per_token - (head_flops_per_token if measured_head_flops_per_token else 0.0)
+        return blocks_per_flop * tokens_per_gpu * blocks_flops + head
+
+    bf16 = compute_s(m.bf16_s, m.bf16_gemm_s, m.bf16_loss_s)
+    fp8 = compute_s(m.fp8_s, m.fp8_gemm_s, m.fp8_loss_s)
     optimizer = m.optimizer_s * params_total / max(params_total, 1.0)
     return Workload(name=name, accelerator=m.accelerator, tokens_per_gpu=tokens_per_gpu,
                     flops_per_token=flops_per_token, layers=layers,
                     params_per_layer=(params_total - params_root) / layers, params_root=params_root,
-                    fp8_gather_fraction=fp8_gather_fraction, compute_s=per_flop * tokens_per_gpu * flops_per_token,
-                    fp8_compute_speedup=recipe_fp8_speedup or fp8_speedup, optimizer_s=optimizer,
+                    fp8_gather_fraction=fp8_gather_fraction, compute_s=bf16,
+                    fp8_compute_speedup=recipe_fp8_speedup or bf16 / fp8, optimizer_s=optimizer,
                     head_flops_per_token=head_flops_per_token, recompute_fraction=recompute_fraction)
 
 
