@@ -5,8 +5,8 @@ Pure functions of numbers (no torch, nothing of orchestration): the planner (orc
 benchmark result files in benchmarks/results/), and `scaling_curve` predicts every world size for a `Fabric` preset.
 
 The model, per training step of one GPU (FSDP2, one unit per transformer block, resharded after forward):
-- compute: the measured single-GPU step time per model FLOP, times this workload's FLOPs; the optimizer step,
-  sharded, shrinks as 1/N. Activation checkpointing runs `recompute_fraction` of each block's forward again in
+- compute: the measured single-GPU step scaled to this workload, its blocks by their time per model FLOP and its
+  output head apart (`workload_from_measurement`); the optimizer step, sharded, shrinks as 1/N. Activation checkpointing runs `recompute_fraction` of each block's forward again in
   backward (1 for whole-block checkpointing: +1/3 of the blocks' compute);
 - communication: each block's parameters are all-gathered twice (forward, and again for backward) and its gradients
   reduce-scattered once; the root's (embedding, head, final norm) once each. A collective of B bytes (the unsharded
@@ -71,16 +71,16 @@ class Fabric:
 # through aws-ofi-nccl; MI300X's Infinity Fabric (7 links of 64 GB/s a direction) ~300 in rccl-tests. Across nodes
 # the node's NICs work together (the ring model above), so an 8x H100 node with 8 NDR NICs reaches about 8 x 45 =
 # 360 GB/s of bus bandwidth: published multi-node nccl-tests on H100 SXM with NDR InfiniBand report 400-450 GB/s of
-# all_reduce bus bandwidth (Saturn Cloud's cluster validation guide), which a per-GPU NIC bottleneck (45) could not.
-# Latencies are NCCL's own cost model (src/graph/tuning.cc, ring, Simple protocol, which large FSDP collectives use):
-# 8.4 us base, 3.4 us a step over NVLink, 14 us a step over the network. RoCE and EFA keep the ratio to InfiniBand this
-# model had assumed (7/5 and 10/5), no published figure being at hand.
+# all_reduce bus bandwidth (saturncloud.io/blog/crusoe-nccl-cluster-validation), which a per-GPU NIC bottleneck (45)
+# could not. Latencies are NCCL's own cost model (src/graph/tuning.cc, ring, Simple protocol, which large FSDP
+# collectives use): 8.4 us base, 3.4 us a step over NVLink, 14 us a step over the network. Assumed, no published
+# per-step figure at hand: a RoCE step 1.4x and an EFA step 2x an InfiniBand one, 3 us a step over Infinity Fabric.
 FABRICS: dict[str, Fabric] = {f.name: f for f in (
     Fabric("nvlink_ib400", "8x H100 per node, NVLink 4 + InfiniBand NDR 400G per GPU", "h100", 8, 360.0, 45.0, 3.4,
            14.0),
     Fabric("nvlink_roce400", "8x H100 per node, NVLink 4 + RoCE 400G per GPU", "h100", 8, 360.0, 40.0, 3.4, 19.6),
     Fabric("aws_efa", "AWS p5: 8x H100 per node, NVLink 4 + EFA 3200 Gb/s per node", "h100", 8, 360.0, 30.0, 3.4, 28.0),
-    Fabric("mi300x_roce400", "8x MI300X per node, Infinity Fabric + RoCE 400G per GPU", "mi300x", 8, 300.0, 40.0, 3.4,
+    Fabric("mi300x_roce400", "8x MI300X per node, Infinity Fabric + RoCE 400G per GPU", "mi300x", 8, 300.0, 40.0, 3.0,
            19.6),
 )}
 
