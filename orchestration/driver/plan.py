@@ -103,9 +103,16 @@ def scaling_workload(job: JobConfig):
     # precision.recipe=auto is fp8.recommended_recipe of the GPUs the fabric preset has (rowwise_gw_hp on AMD)
     amd = job.cluster.device == "rocm" or scaling.FABRICS[job.cluster.fabric].accelerator.startswith("mi")
     recipe = job.precision.recipe if job.precision.recipe != "auto" else ("rowwise_gw_hp" if amd else "tensorwise")
+    # model.activation_checkpointing wraps each whole block: its forward runs again in backward. The profile's dense
+    # GEMMs are the nn.Linear ones (routed experts run grouped GEMMs).
+    dense = sum(m.weight.numel() for m in m_model.modules() if type(m) is nn.Linear)
     w = scaling.workload_from_measurement(
         job.model.name, measured, flops_per_token(m_model, measured.seq_len), flops_per_token(model, job.data.seq_len),
-        tokens, len(model.layers), counts.total, root, linear / layer_params if recipe == "tensorwise" else 0.0)
+        tokens, len(model.layers), counts.total, root, linear / layer_params if recipe == "tensorwise" else 0.0,
+        head_flops_per_token=6 * model.output.weight.numel(),
+        recompute_fraction=1.0 if job.model.activation_checkpointing else 0.0,
+        measured_head_flops_per_token=6 * m_model.output.weight.numel(),
+        measured_head_gemm_share=m_model.output.weight.numel() / dense)
     return w, recipe, measured
 
 
