@@ -274,8 +274,17 @@ def fit_until_done_or_stopped(trainer: Any, run_dir: RunDir, grace_s: float = 30
 
 
 def run_job(job: JobConfig) -> dict[str, Any]:
-    """The whole job on Ray; returns summary.json's content. Ctrl-C stops workers and the embedded cluster."""
+    """The whole job on Ray; returns summary.json's content. Ctrl-C stops workers and the embedded cluster. The run's
+    lease (driver/run_lock.py) is held from before the start checks to after the summary: a second start of a run
+    that is running is refused (RunLocked, a ConfigError: exit 2) before it reads or writes anything of the run."""
+    from orchestration.driver.run_lock import hold_run_lock
+
     run_name = job.run_name or default_run_name(job)
+    with hold_run_lock(resolve_run_root(job) / run_name):
+        return run_job_holding_lock(job, run_name)
+
+
+def run_job_holding_lock(job: JobConfig, run_name: str) -> dict[str, Any]:
     plan = ray_plan(job, run_name, resolve_run_root(job))
     t_start = time.time()
     run_dir = open_run_dir(job, run_name, ray=plan.to_dict())
