@@ -17,6 +17,7 @@ from orchestration.driver.start_checks import check_disk_space, check_start, che
 from orchestration.observability.events import (
     FINAL_STATE_FILE,
     METRICS_FILE,
+    PREEMPT_FILE,
     STOP_FILE,
     SUMMARY_FILE,
     RunDir,
@@ -207,6 +208,7 @@ def open_run_dir(job: JobConfig, run_name: str, **start_fields: Any) -> RunDir:
     # aborted start look completed.
     (run_dir.path / FINAL_STATE_FILE).unlink(missing_ok=True)
     (run_dir.path / STOP_FILE).unlink(missing_ok=True)  # a Ctrl-C of an earlier start asked that one to stop
+    (run_dir.path / PREEMPT_FILE).unlink(missing_ok=True)  # and a SIGTERM
     run_dir.event("run_start", step=0, run_name=run_name, model=job.model.name, precision=job.precision.name,
                   **start_fields)
     print(f"Run directory: {run_dir.path}", flush=True)
@@ -257,6 +259,7 @@ def fit_until_done_or_stopped(trainer: Any, run_dir: RunDir, grace_s: float = 30
     thread = threading.Thread(target=fit, name="ray-train-fit", daemon=True)
     thread.start()
     interrupted, deadline = False, None
+    restore_sigterm = forward_sigterm(run_dir)
     while thread.is_alive():
         try:
             thread.join(0.2)
@@ -268,9 +271,33 @@ def fit_until_done_or_stopped(trainer: Any, run_dir: RunDir, grace_s: float = 30
             print("Interrupted: the workers stop at their next step (Ctrl-C again to stop them now).", flush=True)
         if deadline is not None and time.time() > deadline:
             break
+    restore_sigterm()
     if errors and not interrupted:
         raise errors[0]
     return interrupted
+
+
+def forward_sigterm(run_dir: RunDir) -> Any:
+    """SIGTERM to the driver (Kubernetes, Slurm, a spot reclaim) asks the workers, through PREEMPT_FILE, to save a
+    checkpoint at their next step boundary and stop; the driver then waits for them as for any end of fit (Ray's own
+    handler had it exit at once, 134, with nothing saved). A second SIGTERM ends the driver at once. Main thread
+    only (signal handlers belong to it). Returns the function that puts the previous handler back."""
+    import signal
+
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def on_sigterm(signum: int, frame: Any) -> None:
+        if (run_dir.path / PREEMPT_FILE).exists():
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+        (run_dir.path / PREEMPT_FILE).touch()
+        print("SIGTERM: the workers save a checkpoint at their next step, then stop (SIGTERM again to stop now).",
+              flush=True)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    return lambda: signal.signal(signal.SIGTERM, previous)
 
 
 def run_job(job: JobConfig) -> dict[str, Any]:
