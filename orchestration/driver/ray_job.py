@@ -171,6 +171,10 @@ def start_ray(job: JobConfig, plan: RayPlan) -> bool:
     os.environ.update(env)
     runtime_env = dict(job.cluster.runtime_env)
     runtime_env.setdefault("env_vars", {}).update(env)
+    if not plan.address:
+        # One machine: gloo's and NCCL's bootstrap sockets on loopback too (the store: keep_store_on_loopback).
+        for key in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+            runtime_env["env_vars"].setdefault(key, os.environ.get(key, "lo"))
     # Ray imports the setup hook below before it puts the driver's directory on a worker's path: without the repository
     # on PYTHONPATH, every worker died with "No module named 'orchestration'" on a GPU machine where the project is
     # run from its checkout rather than pip-installed.
