@@ -319,6 +319,11 @@ def run_job_holding_lock(job: JobConfig, run_name: str) -> dict[str, Any]:
     plan = ray_plan(job, run_name, resolve_run_root(job))
     t_start = time.time()
     run_dir = open_run_dir(job, run_name, ray=plan.to_dict())
+    from orchestration.driver.leftovers import end_leftovers, forget_ray_processes, record_ray_processes
+
+    ended = end_leftovers(run_dir.path)  # a dead start's cluster (driver/leftovers.py); this start holds the lease
+    if ended:
+        run_dir.event("ray_leftovers_ended", step=0, pids=[p["pid"] for p in ended])
 
     # Ray reads RAY_AUTH_MODE when it is imported: the driver's settings reach the environment first.
     os.environ.update(driver_env(job))
@@ -334,6 +339,8 @@ def run_job_holding_lock(job: JobConfig, run_name: str) -> dict[str, Any]:
     try:
         try:
             started = start_ray(job, plan)
+            if started:
+                record_ray_processes(run_dir.path)
         except ConnectionError as exc:
             raise RuntimeError(f"cannot reach the Ray cluster at cluster.address={plan.address!r} ({exc}); start "
                                "it (ray start --head) or set cluster.address=null for an embedded local cluster") \
@@ -372,6 +379,7 @@ def run_job_holding_lock(job: JobConfig, run_name: str) -> dict[str, Any]:
         summary = close_run_dir(run_dir, status, t_start)
         if started:
             ray.shutdown()
+            forget_ray_processes(run_dir.path)
     print_summary(summary)
     print(f"Run directory: {run_dir.path}", flush=True)
     return summary

@@ -67,7 +67,8 @@ class Holder:
                 f"{max(0.0, now - self.heartbeat):.0f} s ago)")
 
 
-def _read_text(path: str) -> str | None:
+def read_proc_text(path: str) -> str | None:
+    """A small file's text (/proc entries), None when it cannot be read."""
     try:
         with open(path) as f:
             return f.read()
@@ -77,7 +78,7 @@ def _read_text(path: str) -> str | None:
 
 def process_start_ticks(pid: int) -> str | None:
     """Field 22 of /proc/<pid>/stat (start time in ticks since boot); None without /proc or when it does not run."""
-    stat = _read_text(f"/proc/{pid}/stat")
+    stat = read_proc_text(f"/proc/{pid}/stat")
     if stat is None:
         return None
     fields = stat[stat.rfind(")") + 2:].split()  # after the command name, which may hold spaces
@@ -85,7 +86,7 @@ def process_start_ticks(pid: int) -> str | None:
 
 
 def process_state(pid: int) -> str | None:
-    stat = _read_text(f"/proc/{pid}/stat")
+    stat = read_proc_text(f"/proc/{pid}/stat")
     return stat[stat.rfind(")") + 2:].split()[0] if stat else None
 
 
@@ -98,7 +99,7 @@ def pid_namespace() -> int | None:
 
 def this_host() -> dict:
     """The identity fields of a Holder for this process."""
-    boot = _read_text("/proc/sys/kernel/random/boot_id")
+    boot = read_proc_text("/proc/sys/kernel/random/boot_id")
     return {"host": socket.gethostname(), "pid": os.getpid(), "pid_start": process_start_ticks(os.getpid()),
             "boot_id": boot.strip() if boot else None, "pid_namespace": pid_namespace()}
 
