@@ -1,8 +1,8 @@
 """Processes of an embedded Ray cluster whose driver died (SIGKILL, OOM killer): ended by the next start of the run.
 
 A driver that started its own cluster records the cluster's processes (its descendants: GCS, raylet, the dashboard
-and runtime-env agents, workers) in the run directory, RAY_PROCESSES_FILE, with each pid's start time; a normal end
-removes the file. Left behind, the dashboard and runtime-env agents outlived a SIGKILLed driver by 35 s and more,
+and runtime-env agents, workers) in the run directory, RAY_PROCESSES_FILE, with each pid's start time, and keeps the
+record current while the job runs; a normal end removes the file. Left behind, the dashboard and runtime-env agents outlived a SIGKILLed driver by 35 s and more,
 holding ports and memory. The next start of the same run (it holds the run's lease, driver/run_lock.py, so the
 dead driver is not running) ends those still running: by pid, and only a pid that still runs the program it ran
 then (same start time on the same boot: a reused pid is left alone), never by a name pattern.
@@ -44,7 +44,7 @@ def record_ray_processes(run_path: Path) -> int:
     """Write the driver's descendants (the embedded cluster it just started) to RAY_PROCESSES_FILE; their count."""
     here = this_host()
     processes = [{"pid": pid, "start": process_start_ticks(pid),
-                  "cmd": (read_proc_text(f"/proc/{pid}/cmdline") or "").replace("\0", " ")[:120]}
+                  "cmd": (read_proc_text(f"/proc/{pid}/cmdline") or "").replace("\0", " ")[:300]}
                  for pid in descendants(os.getpid())]
     record = {"host": here["host"], "boot_id": here["boot_id"], "pid_namespace": here["pid_namespace"],
               "driver_pid": os.getpid(), "processes": [p for p in processes if p["start"] is not None]}
@@ -54,8 +54,35 @@ def record_ray_processes(run_path: Path) -> int:
     return len(record["processes"])
 
 
-def forget_ray_processes(run_path: Path) -> None:
-    (run_path / RAY_PROCESSES_FILE).unlink(missing_ok=True)
+class RayProcessRecord:
+    """Keeps RAY_PROCESSES_FILE current while the job runs: the raylet starts its agents and the Train workers after
+    ray.init returns, so the record is rewritten every every_s seconds (a /proc scan) until stop() removes it."""
+
+    def __init__(self, run_path: Path, every_s: float = 5.0):
+        import threading
+
+        self.run_path = run_path
+        self.every_s = every_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="ray-process-record", daemon=True)
+
+    def start(self) -> RayProcessRecord:
+        record_ray_processes(self.run_path)
+        self._thread.start()
+        return self
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.every_s):
+            try:
+                record_ray_processes(self.run_path)
+            except OSError as exc:  # a full disk must not end the run; the record only ages
+                log.warning("cannot update %s: %s", self.run_path / RAY_PROCESSES_FILE, exc)
+
+    def stop(self) -> None:
+        """After the cluster was shut down: nothing is left to end."""
+        self._stop.set()
+        self._thread.join(timeout=5)
+        (self.run_path / RAY_PROCESSES_FILE).unlink(missing_ok=True)
 
 
 def end_leftovers(run_path: Path, grace_s: float = 3.0) -> list[dict]:

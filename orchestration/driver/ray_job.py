@@ -319,7 +319,7 @@ def run_job_holding_lock(job: JobConfig, run_name: str) -> dict[str, Any]:
     plan = ray_plan(job, run_name, resolve_run_root(job))
     t_start = time.time()
     run_dir = open_run_dir(job, run_name, ray=plan.to_dict())
-    from orchestration.driver.leftovers import end_leftovers, forget_ray_processes, record_ray_processes
+    from orchestration.driver.leftovers import RayProcessRecord, end_leftovers
 
     ended = end_leftovers(run_dir.path)  # a dead start's cluster (driver/leftovers.py); this start holds the lease
     if ended:
@@ -336,11 +336,12 @@ def run_job_holding_lock(job: JobConfig, run_name: str) -> dict[str, Any]:
     progress = ProgressPrinter(run_dir.path, job.logging.progress_every_s, job.train.steps)
     status = "failed"
     started = False
+    ray_processes = None
     try:
         try:
             started = start_ray(job, plan)
             if started:
-                record_ray_processes(run_dir.path)
+                ray_processes = RayProcessRecord(run_dir.path).start()
         except ConnectionError as exc:
             raise RuntimeError(f"cannot reach the Ray cluster at cluster.address={plan.address!r} ({exc}); start "
                                "it (ray start --head) or set cluster.address=null for an embedded local cluster") \
@@ -379,7 +380,8 @@ def run_job_holding_lock(job: JobConfig, run_name: str) -> dict[str, Any]:
         summary = close_run_dir(run_dir, status, t_start)
         if started:
             ray.shutdown()
-            forget_ray_processes(run_dir.path)
+        if ray_processes is not None:
+            ray_processes.stop()
     print_summary(summary)
     print(f"Run directory: {run_dir.path}", flush=True)
     return summary
