@@ -10,7 +10,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from orchestration.divergence.agreement import RANK_MASK, DivergenceGuard, agree, decode_keys, encode_keys
+from orchestration.divergence.agreement import (
+    RANK_MASK,
+    DivergenceGuard,
+    StopRequest,
+    agree,
+    decode_keys,
+    encode_keys,
+)
 from orchestration.divergence.monitor import AgreedVerdict
 from tests.spawned import free_port, rank_process_group
 
@@ -79,6 +86,16 @@ def _worker(rank: int, world: int, port: int, out_dir: str, backend: str = "gloo
         log = []
         # A stand-in for the gated optimizer step (optim.ChunkedAdamW): a device counter that advances by the gate.
         updates = torch.zeros((), device=device)
+        # A SIGTERM seen by rank 1 alone at step 30 rides in the same collective: count the collectives.
+        stop = StopRequest()
+        collectives = []
+        real_all_reduce = dist.all_reduce
+
+        def counted_all_reduce(*args, **kwargs):
+            collectives.append(1)
+            return real_all_reduce(*args, **kwargs)
+
+        dist.all_reduce = counted_all_reduce
 
         def gated_update(gate):
             updates.add_(gate)
@@ -91,16 +108,19 @@ def _worker(rank: int, world: int, port: int, out_dir: str, backend: str = "gloo
             if rank == 1 and step == 40:
                 loss = 30.0
             grad_norm = 1.0 + 0.1 * rank
+            stop.local = rank == 1 and step == 30
             decision, report = guard.check(step, torch.tensor(loss, device=device),
-                                           torch.tensor(grad_norm, device=device), gated_update=gated_update)
+                                           torch.tensor(grad_norm, device=device), gated_update=gated_update,
+                                           stop=stop)
             assert guard.update_applied == decision.applies_update
-            log.append({"step": step, "kind": decision.kind, "applies": decision.applies_update,
+            log.append({"step": step, "kind": decision.kind, "applies": decision.applies_update, "stop": stop.agreed,
                         "updates": updates.item(),
                         "evidence": [[f.rank, f.detector, f.value, f.threshold] for f in decision.evidence],
                         "loss": report.stats["loss"], "grad_norm": report.stats["grad_norm"]})
         # Raw agree(): per-slot max and its rank over 2 ranks, with a tie in the last slot.
         agreed = agree(torch.tensor([float(rank), -float(rank), 3.0 if rank else 5.0, 1.0], device=device))
-        result = {"log": log, "agreed": [list(agreed.values), list(agreed.ranks), agreed.world_size],
+        dist.all_reduce = real_all_reduce
+        result = {"log": log, "collectives": len(collectives), "agreed": [list(agreed.values), list(agreed.ranks), agreed.world_size],
                   "policy": guard.policy.state_dict(), "monitor": guard.monitor.state_dict()}
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump(result, f)
@@ -116,6 +136,9 @@ def test_two_ranks_agree_when_only_rank1_sees_the_fault(tmp_path, backend):
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world))
     # Same decisions, same evidence, same agreed numbers, same state on both ranks: nobody branches alone.
     assert r0["log"] == r1["log"]
+    # Rank 1's stop request reached both ranks at its step, in the step's one all-reduce (50 steps + the raw agree).
+    assert [e["step"] for e in r0["log"] if e["stop"]] == [30]
+    assert r0["collectives"] == r1["collectives"] == 51
     assert r0["policy"] == r1["policy"] and r0["monitor"] == r1["monitor"]
     decisions = {e["step"]: e for e in r0["log"] if e["kind"] != "proceed"}
     assert sorted(decisions) == [25, 40]

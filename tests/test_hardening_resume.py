@@ -7,6 +7,7 @@ One real run (torchrun launcher, one process, no Ray: ~15 s) saves steps 0, 5 an
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import subprocess
@@ -95,10 +96,11 @@ def test_every_checkpoint_damaged_is_refused_before_ray_starts(run_copy, isolate
     assert _snapshot(run_copy / RUN) == before
 
 
-def test_every_checkpoint_corrupt_is_refused_by_the_workers_and_resume_false_starts_over(run_copy, isolated_env):
-    """A flipped byte in a shard of each checkpoint (sizes intact, so only the digests tell): the workers refuse
-    before training, once (no retry), and write no new checkpoint; checkpoint.resume=false then starts the run over
-    in the same directory, and the corrupt checkpoints never count for retention."""
+def test_every_checkpoint_corrupt_is_refused_at_start_and_resume_false_starts_over(run_copy, isolated_env):
+    """A flipped byte in a shard of each checkpoint (sizes intact, so only the digests tell): the start checks hash
+    the checkpoints and refuse before training and before any file of the run changes (the completed run's summary
+    stays); checkpoint.resume=false then starts the run over in the same directory, and the corrupt checkpoints
+    never count for retention."""
     checkpoints = run_copy / RUN / "checkpoints"
     for step_dir in checkpoints.iterdir():
         shard = _shards(step_dir)[0]
@@ -114,7 +116,7 @@ def test_every_checkpoint_corrupt_is_refused_by_the_workers_and_resume_false_sta
     assert "checkpoint.resume=false" in out and "run_name" in out
     assert {p.name: _snapshot(p) for p in checkpoints.iterdir()} == before  # nothing saved over them
     summary = json.loads((run_copy / RUN / "summary.json").read_text())
-    assert summary["status"] == "failed"
+    assert summary["status"] == "completed" and summary["final_step"] == 10  # the saved run's record, untouched
 
     # Starting over: steps 0 and 5 replace the corrupt ones of the same name; the corrupt step 10 stays (never read,
     # never counted: keep_last=1 must keep the new step 5, not the corrupt step 10).
@@ -170,3 +172,58 @@ def test_fp8_fallback_counts_its_skipped_step(tmp_path, isolated_env):
     assert summary["skipped_ranges"] == [[30 * 16, 31 * 16]], summary["skipped_ranges"]
     assert summary["skipped_steps"] == 1
     assert any(line.split() == ["skipped", "steps", "1"] for line in proc.stdout.splitlines()), proc.stdout[-2000:]
+
+
+def _digests(run_dir: Path) -> dict[str, str]:
+    return {str(p.relative_to(run_dir)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(run_dir.rglob("*")) if p.is_file()}
+
+
+def test_every_refused_start_changes_no_file_of_the_run(run_copy, isolated_env, tmp_path):
+    """Each way a start of a completed run is refused - changed settings, a token shard that changed, checkpoints
+    whose digests fail (sizes intact), a run another start holds - exits 2 and leaves every file of the run
+    directory byte for byte as it was (summary.json and final_state.json of the completed run included)."""
+    from tests.test_run_lock import hold
+
+    run_dir = run_copy / RUN
+    base = [f"run_root={run_copy}", f"run_name={RUN}", *SETTINGS]
+    before = _digests(run_dir)
+    assert {"summary.json", "final_state.json", "config.yaml", "events.jsonl"} <= before.keys()
+
+    def refused(*overrides: str, says: str) -> None:
+        proc = launch(isolated_env, *base, *overrides, timeout=120)
+        assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+        assert says in proc.stderr, proc.stderr[-2000:]
+        assert "Ray dashboard" not in proc.stdout
+        assert _digests(run_dir) == before, f"refused start ({says}) changed the run directory"
+
+    refused("model=debug_moe", says="model.name (saved 'debug_dense', now 'debug_moe')")
+
+    corpus = tmp_path / "corpus"
+    stdlib = Path(json.__file__).parent.parent
+    prep = subprocess.run([sys.executable, "-m", "orchestration.data.prepare", "--input", str(stdlib / "json"),
+                           str(stdlib / "email"), "--tokenizer", "bytes", "--out", str(corpus),
+                           "--val-fraction", "0.1", "--workers", "1"], cwd=REPO, capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert prep.returncode == 0, prep.stderr
+    shard = corpus / "train_00000.bin"
+    data = bytearray(shard.read_bytes())
+    data[100:200] = bytes(100)
+    shard.write_bytes(bytes(data))
+    refused("data=tokenized", f"data.path={corpus}", says=f"shard {shard} has sha256 ")
+
+    for step_dir in (run_dir / "checkpoints").iterdir():
+        dcp_shard = _shards(step_dir)[0]
+        flipped = bytearray(dcp_shard.read_bytes())
+        flipped[len(flipped) // 2] ^= 0xFF
+        dcp_shard.write_bytes(bytes(flipped))
+    before = _digests(run_dir)
+    refused("train.steps=20", says="every checkpoint in")
+
+    holder = hold(run_dir, heartbeat_s=600.0)  # no heartbeat rewrites its run.lock during the check
+    try:
+        before = _digests(run_dir)  # with the holder's run.lock
+        refused("checkpoint.resume=false", says="is being written by another start")
+    finally:
+        holder.kill()
+        holder.wait(timeout=10)

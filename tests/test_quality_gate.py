@@ -14,12 +14,25 @@ from orchestration.observability.quality_gate import GATE_PLOT, compare, eval_cu
 from orchestration.report import main as report_main
 
 
-def write_run(path: Path, evals: dict[int, float], extra_steps: tuple[int, ...] = ()) -> Path:
+def write_run(path: Path, evals: dict[int, float], extra_steps: tuple[int, ...] = (), precision: str | None = None,
+              events: tuple[dict, ...] = (), **settings: object) -> Path:
+    """A run directory as the worker writes it: metrics.jsonl, and config.yaml (precision, the GATE_KEYS) and
+    events.jsonl; precision defaults to the directory's name."""
+    import yaml
+
     path.mkdir(parents=True)
     records = [{"step": s, "loss": 3.0, "eval_loss": v, "eval_s": 0.1} for s, v in evals.items()]
     records += [{"step": s, "loss": 3.0} for s in extra_steps]  # steps logged without an eval
     records.sort(key=lambda r: r["step"])
     (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    config = {"model": {"name": "debug_dense", "overrides": {}}, "precision": {"name": precision or path.name},
+              "data": {"name": "stdlib", "seq_len": 64, "seed": 1234}, "train": {"seed": 0, "global_batch_size": 8}}
+    for key, value in settings.items():
+        section, field = key.split("__")
+        config[section][field] = value
+    (path / "config.yaml").write_text(yaml.safe_dump(config))
+    all_events = [{"time": 0.0, "event": "run_start", "step": 0}, *events]
+    (path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in all_events))
     return path
 
 
@@ -75,3 +88,44 @@ def test_run_gate_refuses_a_negative_limit(tmp_path):
     bf16 = write_run(tmp_path / "a", {10: 4.0})
     with pytest.raises(ValueError, match="--max-rel-gap must be >= 0"):
         run_gate(bf16, bf16, -0.1)
+
+
+def fallback(step: int, scope: object = "model", to: str = "bf16") -> dict:
+    return {"time": float(step), "event": "precision_changed", "step": step, "from": "fp8" if to == "bf16" else "bf16",
+            "to": to, "scope": scope}
+
+
+def test_gate_refuses_a_swapped_pair_a_fallen_back_run_and_another_job(tmp_path, capsys):
+    """Exit 2 naming what is wrong, before any verdict: the FP8 run given as the baseline; an FP8 run that fell
+    back to BF16 (whole model, or some layers) before a compared step; another model or data seed. --allow-mismatch
+    compares anyway and prints the differences; a fallback after the last compared step, undone by a retry before
+    the compared steps, does not count."""
+    bf16 = write_run(tmp_path / "bf16", {10: 4.0, 20: 3.0})
+    fp8 = write_run(tmp_path / "fp8", {10: 4.01, 20: 3.02})
+    assert report_main(["--gate", str(fp8), str(bf16)]) == 2
+    err = capsys.readouterr().err
+    assert "BF16_RUN trained in fp8, not bf16, at 2 of the 2 compared steps (first: step 10)" in err, err
+    assert "FP8_RUN trained in bf16, not fp8, at 2 of the 2 compared steps" in err and "--allow-mismatch" in err
+
+    fell_back = write_run(tmp_path / "fell_back", {10: 4.01, 20: 3.0}, precision="fp8", events=(fallback(15),))
+    assert report_main(["--gate", str(bf16), str(fell_back)]) == 2
+    assert "FP8_RUN trained in bf16, not fp8, at 1 of the 2 compared steps (first: step 20)" in capsys.readouterr().err
+    layers = write_run(tmp_path / "layers", {10: 4.01, 20: 3.0}, precision="fp8",
+                       events=(fallback(10, ["layers.0"]), fallback(12, ["layers.0", "layers.1"])))
+    assert report_main(["--gate", str(bf16), str(layers)]) == 2
+    assert "FP8_RUN trained in fp8 with 1 layers in bf16, not fp8, at 2 of the 2" in capsys.readouterr().err
+    assert report_main(["--gate", str(bf16), str(layers), "--allow-mismatch"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("mismatch (allowed): FP8_RUN trained in fp8 with 1 layers in bf16") and "PASS" in out
+
+    recovered = write_run(tmp_path / "recovered", {10: 4.01, 20: 3.02}, precision="fp8",
+                          events=(fallback(3), fallback(8, to="fp8"), fallback(25)))
+    assert report_main(["--gate", str(bf16), str(recovered)]) == 0
+    capsys.readouterr()
+
+    other = write_run(tmp_path / "other", {10: 4.01, 20: 3.02}, precision="fp8", model__name="debug_moe",
+                      data__seed=5)
+    assert report_main(["--gate", str(bf16), str(other)]) == 2
+    err = capsys.readouterr().err
+    assert "model.name differs (BF16_RUN 'debug_dense', FP8_RUN 'debug_moe')" in err
+    assert "data.seed differs (BF16_RUN 1234, FP8_RUN 5)" in err

@@ -19,6 +19,7 @@ import torch
 
 from orchestration.data import prepare as prepare_mod
 from orchestration.data.prepare import in_validation, token_dtype
+from orchestration.data.shard_digest import VERIFIED_FILE
 from orchestration.data.shards import CorpusError, TokenizedDataset, load_manifest, sample_location, window_start
 from orchestration.data.tokenizer import ByteTokenizer, TokenizerError, load_tokenizer, padded_vocab_size
 from orchestration.data.train_tokenizer import EOS_TOKEN
@@ -40,7 +41,9 @@ def prepare_cli(*args: str) -> subprocess.CompletedProcess:
 
 
 def tree_bytes(root: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+    """The corpus's bytes; not its verified-shards marker, which records this machine's file identities."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file() and p.name != VERIFIED_FILE}
 
 
 @pytest.fixture(scope="module")

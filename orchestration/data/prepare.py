@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from orchestration.data.shard_digest import record_verified
 from orchestration.data.sources import (
     DEFAULT_EXCLUDE,
     DEFAULT_INCLUDE,
@@ -337,7 +338,10 @@ def prepare(args: argparse.Namespace) -> dict[str, Any]:
         "skipped_sources": [{"path": m["path"], "reason": m["skipped"]} for m in metas if m["skipped"]],
         "empty_documents": sum(m["empty"] for m in metas),
     }
-    _write_atomic(manifest_path, json.dumps(manifest, indent=1, sort_keys=True).encode() + b"\n")
+    manifest_bytes = json.dumps(manifest, indent=1, sort_keys=True).encode() + b"\n"
+    _write_atomic(manifest_path, manifest_bytes)
+    # The digests were computed from the bytes written: the first training start need not hash them again.
+    record_verified(out, manifest, hashlib.sha256(manifest_bytes).hexdigest())
     shutil.rmtree(parts_dir)
     elapsed = time.monotonic() - progress.t0
     LOG.info("wrote %s: %s train tokens (%d documents, %d shards), %s validation tokens (%d documents); "

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from orchestration.data.prepare import FORMAT, FORMAT_VERSION, MANIFEST_FILE, SPLITS
+from orchestration.data.shard_digest import ShardDigestError, verify_shards
 
 
 class CorpusError(ValueError):
@@ -126,6 +127,10 @@ class TokenizedDataset:
         self.root = root
         self.manifest = load_manifest(root)
         self.digest = manifest_digest(root)
+        try:  # before any token is read (shard_digest.py: once per shard, re-hashed when its file changed)
+            self.verification = verify_shards(root, self.manifest, self.digest)
+        except ShardDigestError as exc:
+            raise CorpusError(str(exc)) from None
         self.identity = corpus_identity(self.manifest, self.digest)
         self.vocab_size = int(self.manifest["vocab_size"])
         self.seq_len, self.seed = seq_len, seed

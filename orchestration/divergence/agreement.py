@@ -82,19 +82,32 @@ class AgreementOnDevice:
     ranks_D: torch.Tensor  # int64
     world_size: int
 
-    def start_read(self, gate: torch.Tensor | None = None) -> PendingAgreement:
-        """Start the one host read (of the values, their ranks and an optional 0-d update gate), without waiting."""
-        return PendingAgreement(self, gate)
+    def start_read(self, gate: torch.Tensor | None = None, extra_D: torch.Tensor | None = None) -> PendingAgreement:
+        """Start the one host read (of the values, their ranks, an optional 0-d update gate and optional extra agreed
+        values), without waiting."""
+        return PendingAgreement(self, gate, extra_D)
+
+
+@dataclass
+class StopRequest:
+    """A request to save a checkpoint and stop (SIGTERM), carried by the step's one agreement as an extra slot:
+    set `local` on any rank before the step; after its agreement, `agreed` is True on every rank when any asked."""
+
+    local: bool = False
+    agreed: bool = False
 
 
 class PendingAgreement:
     """The agreed verdict on its way to the host: a non-blocking copy into pinned memory, so that work queued
     after it (the gated optimizer step) does not delay `result()`, which waits for that copy alone."""
 
-    def __init__(self, agreement: AgreementOnDevice, gate: torch.Tensor | None):
+    def __init__(self, agreement: AgreementOnDevice, gate: torch.Tensor | None, extra_D: torch.Tensor | None = None):
         parts = [agreement.values_D.to(torch.float64), agreement.ranks_D.to(torch.float64)]
         if gate is not None:
             parts.append(gate.detach().reshape(1).to(torch.float64))
+        if extra_D is not None:
+            parts.append(extra_D.to(torch.float64))
+        self.extra: tuple[float, ...] = ()  # the extra values, once result() has read them
         # One copy for all of it: float32 values are exact in float64, ranks < 2**20 and the 0/1 gate too.
         packed = torch.cat(parts)
         self._n = agreement.values_D.numel()
@@ -115,6 +128,7 @@ class PendingAgreement:
             self._done.synchronize()
         flat = self._host.tolist()
         n = self._n
+        self.extra = tuple(flat[2 * n + self._has_gate:])
         agreed = AgreedVerdict(values=tuple(flat[:n]), ranks=tuple(int(r) for r in flat[n:2 * n]),
                                world_size=self._world)
         return agreed, (flat[2 * n] if self._has_gate else None)
@@ -125,9 +139,16 @@ def agree(verdict_D: torch.Tensor, group: dist.ProcessGroup | None = None) -> Ag
     return agree_on_device(verdict_D, group).start_read().result()[0]
 
 
+def agree_stop_alone(stop: StopRequest, device: torch.device, group: dist.ProcessGroup | None = None) -> None:
+    """The stop request's agreement for a step without the divergence check (monitor.enabled=false): the only
+    collective such a step has for it."""
+    stop.agreed = agree(torch.tensor([float(stop.local)], device=device), group).values[0] > 0
+
+
 def agree_and_decide(monitor: StepMonitor, policy: DivergencePolicy, verdict_D: torch.Tensor, step: int,
                      group: dist.ProcessGroup | None = None,
-                     gated_update: Callable[[torch.Tensor], bool] | None = None) -> tuple[Decision, MonitorReport, bool]:
+                     gated_update: Callable[[torch.Tensor], bool] | None = None,
+                     stop: StopRequest | None = None) -> tuple[Decision, MonitorReport, bool]:
     """Agreement -> evaluation -> policy for one step: (decision, report, whether the update was applied here).
 
     gated_update(gate): optional; launches the step's update so that it takes effect only where the 0-d device
@@ -139,14 +160,23 @@ def agree_and_decide(monitor: StepMonitor, policy: DivergencePolicy, verdict_D: 
     before the host read and the read does not wait for it, so the GPU runs the optimizer while the host evaluates
     (without it the GPU idled from the read until the host had decided and launched the optimizer: ~1.4 ms a step
     in the MoE host profile, BENCHMARKS.md). A gate that disagrees with the decision is a bug: RuntimeError.
+
+    stop: optional; its request rides in the same all-reduce as one more slot (MAX: any rank asking stops all) and
+    comes back in the same host read, so a SIGTERM costs no collective of its own.
     """
-    on_device = agree_on_device(verdict_D, group)
+    n = verdict_D.numel()
+    if stop is not None:
+        verdict_D = torch.cat([verdict_D, verdict_D.new_tensor([float(stop.local)], dtype=verdict_D.dtype)])
+    full = agree_on_device(verdict_D, group)
+    on_device = AgreementOnDevice(full.values_D[:n], full.ranks_D[:n], full.world_size) if stop is not None else full
     gate = None
     if gated_update is not None and not policy.stopped:
         gate = monitor.update_gate(on_device.values_D, consider_fp8=policy.acts_on_fp8_findings)
-    pending = on_device.start_read(gate)
+    pending = on_device.start_read(gate, full.values_D[n:] if stop is not None else None)
     launched = gate is not None and gated_update(gate)
     agreed, gate_value = pending.result()
+    if stop is not None:
+        stop.agreed = pending.extra[0] > 0
     report = monitor.evaluate(agreed, step)
     decision = policy.decide(report, step)
     # Checked whether or not the optimizer could take the gate (the router's update always does).
@@ -179,9 +209,11 @@ class DivergenceGuard:
         shadow: tuple[torch.Tensor, torch.Tensor] | None = None,
         layer_health: Mapping[str, torch.Tensor] | None = None,
         gated_update: Callable[[torch.Tensor], bool] | None = None,
+        stop: StopRequest | None = None,
     ) -> tuple[Decision, MonitorReport]:
-        """gated_update: see agree_and_decide; `self.update_applied` says whether it applied this step's update."""
+        """gated_update, stop: see agree_and_decide; `self.update_applied` says whether it applied this step's
+        update."""
         verdict_D = self.monitor.local_verdict(loss, grad_norm, fp8_health, shadow, layer_health)
         decision, report, self.update_applied = agree_and_decide(self.monitor, self.policy, verdict_D, step,
-                                                                 self.group, gated_update)
+                                                                 self.group, gated_update, stop)
         return decision, report

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from orchestration.config import JobConfig, MonitorConfig
-from orchestration.divergence.agreement import agree_and_decide
+from orchestration.divergence.agreement import StopRequest, agree_and_decide, agree_stop_alone
 from orchestration.divergence.monitor import Finding, StepMonitor
 from orchestration.divergence.policy import Decision, DivergencePolicy, Proceed
 
@@ -66,13 +66,16 @@ class StepGuard:
     def check(self, model: torch.nn.Module, step: int, loss: torch.Tensor, grad_norm: torch.Tensor,
               gated_update: Callable[[torch.Tensor], bool] | None = None,
               shadow_losses: Callable[[], tuple[torch.Tensor, torch.Tensor] | None] | None = None,
-              ) -> tuple[Decision, bool]:
+              stop: StopRequest | None = None) -> tuple[Decision, bool]:
         """The agreed decision for `step` (identical on every rank) and whether `gated_update` applied the step's
         update. gated_update: see orchestration.divergence.agreement.agree_and_decide (the update launched before
         the host read, taking effect only if the decision will apply it); when it did not, the caller applies the
         update itself if the decision says so. shadow_losses: () -> (FP8 loss, BF16 loss) or None, called when
-        shadow_due(step), after the FP8 health is read (its forwards would overwrite the step's statistics)."""
+        shadow_due(step), after the FP8 health is read (its forwards would overwrite the step's statistics).
+        stop: a save-and-stop request agreed in the same collective (agreement.StopRequest)."""
         if not self.enabled:
+            if stop is not None:
+                agree_stop_alone(stop, loss.device)
             return Proceed(step), False
         t0 = time.perf_counter()
         health, layer_health = None, None
@@ -87,7 +90,7 @@ class StepGuard:
         shadow = shadow_losses() if shadow_losses is not None and self.shadow_due(step) else None
         verdict = self.monitor.local_verdict(loss, grad_norm, health, shadow, layer_health)
         decision, _, update_applied = agree_and_decide(self.monitor, self.policy, verdict, step,
-                                                       gated_update=gated_update)
+                                                       gated_update=gated_update, stop=stop)
         self.check_seconds += time.perf_counter() - t0
         if decision.evidence:
             self.last_bad_step = step

@@ -17,6 +17,7 @@ from orchestration.driver.start_checks import check_disk_space, check_start, che
 from orchestration.observability.events import (
     FINAL_STATE_FILE,
     METRICS_FILE,
+    PREEMPT_FILE,
     STOP_FILE,
     SUMMARY_FILE,
     RunDir,
@@ -170,6 +171,10 @@ def start_ray(job: JobConfig, plan: RayPlan) -> bool:
     os.environ.update(env)
     runtime_env = dict(job.cluster.runtime_env)
     runtime_env.setdefault("env_vars", {}).update(env)
+    if not plan.address:
+        # One machine: gloo's and NCCL's bootstrap sockets on loopback too (the store: keep_store_on_loopback).
+        for key in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+            runtime_env["env_vars"].setdefault(key, os.environ.get(key, "lo"))
     # Ray imports the setup hook below before it puts the driver's directory on a worker's path: without the repository
     # on PYTHONPATH, every worker died with "No module named 'orchestration'" on a GPU machine where the project is
     # run from its checkout rather than pip-installed.
@@ -207,6 +212,7 @@ def open_run_dir(job: JobConfig, run_name: str, **start_fields: Any) -> RunDir:
     # aborted start look completed.
     (run_dir.path / FINAL_STATE_FILE).unlink(missing_ok=True)
     (run_dir.path / STOP_FILE).unlink(missing_ok=True)  # a Ctrl-C of an earlier start asked that one to stop
+    (run_dir.path / PREEMPT_FILE).unlink(missing_ok=True)  # and a SIGTERM
     run_dir.event("run_start", step=0, run_name=run_name, model=job.model.name, precision=job.precision.name,
                   **start_fields)
     print(f"Run directory: {run_dir.path}", flush=True)
@@ -277,6 +283,7 @@ def fit_until_done_or_stopped(trainer: Any, run_dir: RunDir, grace_s: float = 30
     thread = threading.Thread(target=fit, name="ray-train-fit", daemon=True)
     thread.start()
     interrupted, deadline = False, None
+    restore_sigterm = forward_sigterm(run_dir)
     while thread.is_alive():
         try:
             thread.join(0.2)
@@ -288,17 +295,55 @@ def fit_until_done_or_stopped(trainer: Any, run_dir: RunDir, grace_s: float = 30
             print("Interrupted: the workers stop at their next step (Ctrl-C again to stop them now).", flush=True)
         if deadline is not None and time.time() > deadline:
             break
+    restore_sigterm()
     if errors and not interrupted:
         raise errors[0]
     return interrupted
 
 
+def forward_sigterm(run_dir: RunDir) -> Any:
+    """SIGTERM to the driver (Kubernetes, Slurm, a spot reclaim) asks the workers, through PREEMPT_FILE, to save a
+    checkpoint at their next step boundary and stop; the driver then waits for them as for any end of fit (Ray's own
+    handler had it exit at once, 134, with nothing saved). A second SIGTERM ends the driver at once. Main thread
+    only (signal handlers belong to it). Returns the function that puts the previous handler back."""
+    import signal
+
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def on_sigterm(signum: int, frame: Any) -> None:
+        if (run_dir.path / PREEMPT_FILE).exists():
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+        (run_dir.path / PREEMPT_FILE).touch()
+        print("SIGTERM: the workers save a checkpoint at their next step, then stop (SIGTERM again to stop now).",
+              flush=True)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    return lambda: signal.signal(signal.SIGTERM, previous)
+
+
 def run_job(job: JobConfig) -> dict[str, Any]:
-    """The whole job on Ray; returns summary.json's content. Ctrl-C stops workers and the embedded cluster."""
+    """The whole job on Ray; returns summary.json's content. Ctrl-C stops workers and the embedded cluster. The run's
+    lease (driver/run_lock.py) is held from before the start checks to after the summary: a second start of a run
+    that is running is refused (RunLocked, a ConfigError: exit 2) before it reads or writes anything of the run."""
+    from orchestration.driver.run_lock import hold_run_lock
+
     run_name = job.run_name or default_run_name(job)
+    with hold_run_lock(resolve_run_root(job) / run_name):
+        return run_job_holding_lock(job, run_name)
+
+
+def run_job_holding_lock(job: JobConfig, run_name: str) -> dict[str, Any]:
     plan = ray_plan(job, run_name, resolve_run_root(job))
     t_start = time.time()
     run_dir = open_run_dir(job, run_name, ray=plan.to_dict())
+    from orchestration.driver.leftovers import RayProcessRecord, end_leftovers
+
+    ended = end_leftovers(run_dir.path)  # a dead start's cluster (driver/leftovers.py); this start holds the lease
+    if ended:
+        run_dir.event("ray_leftovers_ended", step=0, pids=[p["pid"] for p in ended])
 
     # Ray reads RAY_AUTH_MODE when it is imported: the driver's settings reach the environment first.
     os.environ.update(driver_env(job))
@@ -311,9 +356,12 @@ def run_job(job: JobConfig) -> dict[str, Any]:
     progress = ProgressPrinter(run_dir.path, job.logging.progress_every_s, job.train.steps)
     status = "failed"
     started = False
+    ray_processes = None
     try:
         try:
             started = start_ray(job, plan)
+            if started:
+                ray_processes = RayProcessRecord(run_dir.path).start()
         except ConnectionError as exc:
             raise RuntimeError(f"cannot reach the Ray cluster at cluster.address={plan.address!r} ({exc}); start "
                                "it (ray start --head) or set cluster.address=null for an embedded local cluster") \
@@ -353,6 +401,8 @@ def run_job(job: JobConfig) -> dict[str, Any]:
         summary = close_run_dir(run_dir, status, t_start)
         if started:
             ray.shutdown()
+        if ray_processes is not None:
+            ray_processes.stop()
     print_summary(summary)
     print(f"Run directory: {run_dir.path}", flush=True)
     return summary

@@ -48,3 +48,6 @@ def quiet_ray_train_shutdown() -> None:
         logger = logging.getLogger(name)
         if not any(isinstance(f, DebugLevel) for f in logger.filters):
             logger.addFilter(DebugLevel(prefix))
+    from orchestration.training.distributed import keep_store_on_loopback
+
+    keep_store_on_loopback()  # not a log matter: this hook is the one code every worker runs before Ray's rendezvous

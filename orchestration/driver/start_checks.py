@@ -73,11 +73,21 @@ def check_start(job: JobConfig, run_name: str) -> None:
                           f"the newest, in {checkpoints}): starting over would mix two runs in one directory; "
                           "choose a new run_name, or drop checkpoint.resume=false to resume it (nothing was changed "
                           "on disk)")
-    if not usable:
-        damage = "; ".join(f"{name}: {reason}" for name, _, reason in listing)
+    # The checkpoint the workers will load is verified with its digests here too, newest first until one is sound:
+    # a resume the workers refused came after this driver had rewritten config.yaml and the run's events, and its
+    # summary.json (step 0, failed) replaced the completed run's. The cost: one more read of that checkpoint.
+    damaged = {name: reason for name, _, reason in listing if reason is not None}
+    for name, path in usable:
+        reason = checkpoint_damage(path)
+        if reason is None:
+            break
+        damaged[name] = reason
+    else:
+        damage = "; ".join(f"{name}: {damaged[name]}" for name, _, _ in listing)
         raise ConfigError(f"run '{run_name}' cannot resume: every checkpoint in {checkpoints} is damaged ({damage}). "
                           f"Start the run over in its directory with checkpoint.resume=false, or choose a new "
                           "run_name (nothing was changed on disk)")
+    usable = [(name, path) for name, path in usable if name not in damaged]
     saved_config = saved_job_config(run_name, run_path, usable[0][1])
     if saved_config is None:
         return  # a checkpoint from before the job config was saved in it, and no config.yaml: nothing to compare
@@ -114,8 +124,7 @@ def check_data_source(job: JobConfig) -> None:
 
 def list_checkpoints(checkpoints: Path) -> list[tuple[str, Path, str | None]]:
     """(name, path, what is wrong or None) of each finalized checkpoint, newest first. Checked without digests
-    (manifest, files present with their recorded sizes, readable): hashing a 32 GB checkpoint here would add tens
-    of seconds to every resume, and the workers verify the digests before they load."""
+    (manifest, files present with their recorded sizes, readable); check_start hashes only the one to resume from."""
     if not checkpoints.is_dir():
         return []
     from orchestration.checkpoint.directory import CheckpointError, verify_checkpoint
@@ -134,13 +143,18 @@ def list_checkpoints(checkpoints: Path) -> list[tuple[str, Path, str | None]]:
 
 def checkpoint_sound(path: Path) -> bool:
     """Whether a checkpoint verifies with its digests (reads it whole)."""
+    return checkpoint_damage(path) is None
+
+
+def checkpoint_damage(path: Path) -> str | None:
+    """What is wrong with a checkpoint, its digests checked (reads it whole); None when it is sound."""
     from orchestration.checkpoint.directory import CheckpointError, verify_checkpoint
 
     try:
         verify_checkpoint(path)
-    except CheckpointError:
-        return False
-    return True
+    except CheckpointError as exc:
+        return str(exc)
+    return None
 
 
 def saved_job_config(run_name: str, run_path: Path, checkpoint: Path) -> dict | None:

@@ -87,13 +87,22 @@ def main(argv: list[str]) -> int:
     run_path = resolve_run_root(job) / run_name
     # A torchrun restart of this launch: the first attempt opened the run directory (and passed the start checks).
     restarted = attempt > 0 and (run_path / CONFIG_FILE).is_file()
-    if rank == 0 and not restarted:
+    lock = None
+    if rank == 0:
+        from orchestration.driver.run_lock import RunLock
+
+        # The run's lease (driver/run_lock.py). A torchrun restart takes it over: the failed attempt's rank 0 has
+        # exited before torchrun starts the next one, and a holder whose pid is gone holds nothing.
         try:
-            run_dir = open_run_dir(job, run_name, launcher="torchrun", world_size=world)
+            lock = RunLock(run_path).acquire()
+            if not restarted:
+                run_dir = open_run_dir(job, run_name, launcher="torchrun", world_size=world)
         except ConfigError as exc:  # refused before the run directory changed
+            if lock is not None:
+                lock.release()
             print(f"config error: {exc}", file=sys.stderr)
             return CONFIG_ERROR_EXIT
-    else:
+    if rank != 0 or restarted:
         run_dir = RunDir(run_path)
     if rank == 0 and restarted:
         # A final state the failed attempt wrote is not this attempt's; the run's wall time counts from its start.
@@ -126,6 +135,8 @@ def main(argv: list[str]) -> int:
             else:
                 export_at_end(job, run_dir, status)
                 print_summary(close_run_dir(run_dir, status, t_start))
+            if lock is not None:
+                lock.release()
     if rank == 0:
         return 0 if status == "completed" else 1
     return 0

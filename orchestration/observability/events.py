@@ -22,6 +22,8 @@ CONFIG_FILE = "config.yaml"
 FINAL_STATE_FILE = "final_state.json"
 # Written by the driver at Ctrl-C: the workers stop at their next logged step (orchestration/driver/ray_job.py).
 STOP_FILE = "stop_requested"
+# Written by the driver at SIGTERM: the workers save a checkpoint at their next step boundary, then stop.
+PREEMPT_FILE = "preempt_requested"
 
 
 def _append_line(path: Path, record: dict[str, Any]) -> None:

@@ -7,6 +7,12 @@ re-ran; null, a non-finite evaluation, counts as NaN), the relative gap is (eval
 (FP8 better than BF16 passes) and every FP8 eval is finite. It prints a verdict table, draws both curves and the gap
 (quality_gate.png in the FP8 run directory, or --out), and the command exits 1 when the gate fails, 2 when the runs
 cannot be compared (no eval_loss, no common step): usable as a CI step.
+
+Before comparing, the gate checks its inputs (check_inputs): at every compared step the BF16 run trained in BF16
+and the FP8 run in FP8 as its events tell (config.yaml's precision, then each precision_changed event: a run that
+fell back to BF16, whole or some layers, before a compared step is not an FP8 run there), and both ran the same
+model, data, seeds and batch (GATE_KEYS of config.yaml). A swapped pair or such a run exits 2 naming what differs,
+unless --allow-mismatch (then the differences are printed above the table).
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from orchestration.observability.events import METRICS_FILE, read_jsonl
+from orchestration.observability.events import CONFIG_FILE, EVENTS_FILE, METRICS_FILE, read_jsonl
 
 GATE_PLOT = "quality_gate.png"
 
@@ -107,15 +113,101 @@ def plot_gate(result: GateResult, bf16_label: str, fp8_label: str, path: Path) -
     fig.savefig(path, dpi=100)
 
 
-def run_gate(bf16_run: Path, fp8_run: Path, max_rel_gap: float, out_dir: Path | None = None) -> tuple[GateResult, str,
-                                                                                                       Path]:
-    """Read both runs, compare, draw. Returns (result, verdict table, plot path); ValueError when not comparable."""
+# What two runs must share for their eval losses to measure FP8 against BF16 and nothing else: the model, the
+# training and held-out data, the seeds (initialisation, sample order) and the tokens per step.
+GATE_KEYS = ("model.name", "model.overrides", "data.name", "data.source", "data.glob", "data.max_files", "data.path",
+             "data.manifest_sha256", "data.seq_len", "data.seed", "data.eval_sequences", "train.seed",
+             "train.global_batch_size")
+
+
+class GateInputError(ValueError):
+    """The two runs are not a BF16 run and an FP8 run of the same job at the compared steps."""
+
+
+def read_config(run_dir: Path) -> dict:
+    import yaml
+
+    path = Path(run_dir) / CONFIG_FILE
+    try:
+        config = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise GateInputError(f"{run_dir}: cannot read {CONFIG_FILE} ({exc}), so what the run trained cannot be "
+                             "checked; pass --allow-mismatch to compare anyway") from None
+    return config if isinstance(config, dict) else {}
+
+
+def _lookup(tree: object, dotted: str) -> object:
+    for part in dotted.split("."):
+        if not isinstance(tree, dict):
+            return None
+        tree = tree.get(part)
+    return tree
+
+
+def precision_by_step(config: dict, events: list[dict], steps: list[int]) -> dict[int, str]:
+    """The precision a run trained in at each step (pure): 'fp8', 'bf16', or 'fp8 with N layers in bf16', from its
+    configured precision and its precision_changed events up to and including that step (a change decided at step s
+    is in force for s's update and the evaluation after it)."""
+    changes = sorted((int(e.get("step", 0)), i, e) for i, e in enumerate(events) if e.get("event") == "precision_changed")
+    out = {}
+    for step in steps:
+        whole, layers = str(_lookup(config, "precision.name")), set()
+        for at, _, e in changes:
+            if at > step:
+                break
+            to, scope = str(e.get("to")).lower(), e.get("scope", "model")
+            if to == "fp8":
+                whole, layers = "fp8", set()
+            elif scope == "model" or not isinstance(scope, list):
+                whole, layers = "bf16", set()
+            else:
+                layers = set(scope)
+        out[step] = f"fp8 with {len(layers)} layers in bf16" if whole == "fp8" and layers else whole
+    return out
+
+
+def check_inputs(bf16_config: dict, bf16_events: list[dict], fp8_config: dict, fp8_events: list[dict],
+                 steps: list[int]) -> list[str]:
+    """What makes the pair unfit for the gate at `steps` (pure; [] when fit)."""
+    problems = []
+    for label, want, config, events in (("BF16_RUN", "bf16", bf16_config, bf16_events),
+                                        ("FP8_RUN", "fp8", fp8_config, fp8_events)):
+        wrong = {s: p for s, p in precision_by_step(config, events, steps).items() if p != want}
+        if wrong:
+            first = min(wrong)
+            problems.append(f"{label} trained in {wrong[first]}, not {want}, at {len(wrong)} of the {len(steps)} "
+                            f"compared steps (first: step {first})")
+    for key in GATE_KEYS:
+        a, b = _lookup(bf16_config, key), _lookup(fp8_config, key)
+        if a != b:
+            problems.append(f"{key} differs (BF16_RUN {a!r}, FP8_RUN {b!r})")
+    return problems
+
+
+def run_gate(bf16_run: Path, fp8_run: Path, max_rel_gap: float, out_dir: Path | None = None,
+             allow_mismatch: bool = False) -> tuple[GateResult, str, Path]:
+    """Read both runs, check they are a BF16 and an FP8 run of one job (GateInputError otherwise, unless
+    allow_mismatch), compare, draw. Returns (result, verdict table, plot path); ValueError when not comparable."""
     if not max_rel_gap >= 0:
         raise ValueError(f"--max-rel-gap must be >= 0, got {max_rel_gap}")
     result = compare(eval_curve(bf16_run), eval_curve(fp8_run), max_rel_gap)
+    problems: list[str] = []
+    try:
+        problems = check_inputs(read_config(bf16_run), read_jsonl(Path(bf16_run) / EVENTS_FILE),
+                                read_config(fp8_run), read_jsonl(Path(fp8_run) / EVENTS_FILE),
+                                [r.step for r in result.rows])
+    except GateInputError as exc:
+        problems = [str(exc)]
+    if problems and not allow_mismatch:
+        raise GateInputError(f"the runs are not a BF16 and an FP8 run of the same job: {'; '.join(problems)}. Give "
+                             "the BF16 run first and an FP8 run that stayed in FP8, or pass --allow-mismatch to "
+                             "compare anyway")
     bf16_label, fp8_label = Path(bf16_run).name, Path(fp8_run).name
     out = Path(out_dir) if out_dir is not None else Path(fp8_run)
     out.mkdir(parents=True, exist_ok=True)
     plot_path = out / GATE_PLOT
     plot_gate(result, bf16_label, fp8_label, plot_path)
-    return result, verdict_table(result, bf16_label, fp8_label), plot_path
+    table = verdict_table(result, bf16_label, fp8_label)
+    if problems:
+        table = "\n".join(f"mismatch (allowed): {p}" for p in problems) + "\n" + table
+    return result, table, plot_path

@@ -262,6 +262,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="FP8 quality gate instead of the report: held-out eval loss of FP8_RUN against BF16_RUN at "
                              "matching steps; exit 1 when a gap exceeds --max-rel-gap (orchestration/observability/"
                              "quality_gate.py)")
+    parser.add_argument("--allow-mismatch", action="store_true",
+                        help="with --gate: compare even when the runs are not a BF16 and an FP8 run of the same job "
+                             "(swapped, an FP8 run that fell back to BF16 before a compared step, other model, data, "
+                             "seeds or batch); the differences are printed")
     parser.add_argument("--max-rel-gap", type=float, default=0.01,
                         help="largest (eval_fp8 - eval_bf16) / eval_bf16 the gate accepts (default 0.01)")
     parser.add_argument("--scaling", type=Path, metavar="PLAN",
@@ -273,7 +277,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.gate:
         if args.run_dirs:
             parser.error("--gate takes its two run directories itself; drop the other run directories")
-        return gate_main(args.gate[0], args.gate[1], args.max_rel_gap, args.out)
+        return gate_main(args.gate[0], args.gate[1], args.max_rel_gap, args.out, args.allow_mismatch)
     if not args.run_dirs:
         parser.error("give run directories to report on (or --gate BF16_RUN FP8_RUN)")
     first = args.run_dirs[0].resolve()
@@ -288,11 +292,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def gate_main(bf16_run: Path, fp8_run: Path, max_rel_gap: float, out: Path | None) -> int:
+def gate_main(bf16_run: Path, fp8_run: Path, max_rel_gap: float, out: Path | None, allow_mismatch: bool = False) -> int:
     from orchestration.observability.quality_gate import run_gate
 
     try:
-        result, table, plot = run_gate(bf16_run, fp8_run, max_rel_gap, out)
+        result, table, plot = run_gate(bf16_run, fp8_run, max_rel_gap, out, allow_mismatch)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

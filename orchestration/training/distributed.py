@@ -97,6 +97,50 @@ def init_distributed(requested_device: str, timeout_s: float = 600.0) -> DistInf
     return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device, backend=backend)
 
 
+def is_loopback_host(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def keep_store_on_loopback() -> None:
+    """Make rank 0's torch.distributed store listen on the loopback address it is reached at, when that address is
+    loopback (the embedded single-machine cluster: MASTER_ADDR 127.0.0.1). torch's env:// rendezvous starts the
+    store's server on every interface whatever MASTER_ADDR says, and it answers any client without authentication;
+    a socket bound to MASTER_ADDR and handed to the store (TCPStore's master_listen_fd) keeps it on loopback. Ray
+    Train creates the process group before the training function runs, so this wraps the function its env://
+    rendezvous calls (torch.distributed.rendezvous._create_c10d_store) in every worker process (Ray's
+    worker_process_setup_hook); any other case goes to torch's own. Idempotent."""
+    import importlib
+    import socket
+
+    # The module itself: `from torch.distributed import rendezvous` gives the function of that name.
+    rendezvous = importlib.import_module("torch.distributed.rendezvous")
+    original = getattr(rendezvous, "_create_c10d_store", None)
+    if original is None or getattr(original, "keeps_loopback", False):
+        return
+
+    def create_store(hostname, port, rank, world_size, timeout, use_libuv=True):
+        agent_store = getattr(rendezvous, "_torchelastic_use_agent_store", lambda: False)()
+        if rank != 0 or agent_store or not is_loopback_host(hostname):
+            return original(hostname, port, rank, world_size, timeout, use_libuv)
+        family = socket.AF_INET6 if ":" in hostname else socket.AF_INET
+        listener = socket.socket(family, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((hostname, port))
+        listener.listen(1024)
+        return dist.TCPStore(hostname, port, world_size, True, timeout, multi_tenant=True,
+                             master_listen_fd=listener.detach(), use_libuv=use_libuv)
+
+    create_store.keeps_loopback = True  # type: ignore[attr-defined]
+    rendezvous._create_c10d_store = create_store
+
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 

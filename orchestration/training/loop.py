@@ -19,9 +19,10 @@ import torch
 from fp8.linear import Float8Linear
 from optim import ChunkedAdamW
 from orchestration.data.select import build_datasets
+from orchestration.divergence.agreement import StopRequest
 from orchestration.divergence.guard import StepGuard
 from orchestration.divergence.policy import Decision
-from orchestration.observability.events import CONFIG_FILE, FINAL_STATE_FILE, STOP_FILE, RunDir
+from orchestration.observability.events import CONFIG_FILE, FINAL_STATE_FILE, PREEMPT_FILE, STOP_FILE, RunDir
 from orchestration.training.checkpointing import RunCheckpoints, RunFailed, TrainState
 from orchestration.training.compile import compile_enabled
 from orchestration.training.decisions import apply_decision, apply_eval_gap_decision, apply_policy_precision
@@ -75,6 +76,10 @@ class Trainer:
         if self.rank == 0:
             self.guard.start_loggers(job, self.run_dir.path, self.recipe)
         self.stop_requested = False  # agreed by all ranks at a logged step (the driver's Ctrl-C, STOP_FILE)
+        # Save and stop at the next step boundary (SIGTERM to this worker, or the driver's PREEMPT_FILE), agreed in the
+        # step's one collective (divergence/agreement.py).
+        self.preempt = StopRequest()
+        self.sigterm_received = False
         if job.faults.kind == "fp8_overflow":
             # Real numerics: an outlier enters the first FP8 layer, so the FP8 health statistics see it.
             target = next((m for m in self.model.modules() if isinstance(m, Float8Linear)), None)
@@ -184,7 +189,11 @@ class Trainer:
     def check(self, loss: torch.Tensor, grad_norm: torch.Tensor,
               gated_update: Callable[[torch.Tensor], bool]) -> tuple[Decision, bool]:
         """The step's divergence check (train_step's `check`): the guard's decision, identical on every rank."""
-        return self.guard.check(self.model, self.state.step, loss, grad_norm, gated_update, self.shadow_losses)
+        # Read as late as possible, just before the agreement: one stat a step on rank 0 for the driver's forwarded
+        # SIGTERM (any rank asking is enough).
+        self.preempt.local = self.sigterm_received or (self.rank == 0 and (self.run_dir.path / PREEMPT_FILE).exists())
+        return self.guard.check(self.model, self.state.step, loss, grad_norm, gated_update, self.shadow_losses,
+                                stop=self.preempt)
 
     def run(self) -> str:
         try:
@@ -194,7 +203,7 @@ class Trainer:
             self.profiler.abandon()
             raise
         self.profile_ended(self.profiler.stop())  # a loop that ended inside the window
-        if status == "completed" and self.job.checkpoint.every_steps:
+        if status in ("completed", "preempted") and self.job.checkpoint.every_steps:
             self.checkpoints.save()
         return status
 
@@ -242,6 +251,10 @@ class Trainer:
                 if self.stop_requested:
                     status = "interrupted"
                     break
+            if self.preempt.agreed:  # every rank saw it in this step's agreement: the step is whole, save it
+                self.event("preempted", sigterm_on_this_rank=self.sigterm_received)
+                status = "preempted"
+                break
             self.checkpoints.maybe_mark_good()
             every = job.checkpoint.every_steps
             if every and self.state.step % every == 0 and self.state.step < job.train.steps:
@@ -387,6 +400,7 @@ def train_loop(config: dict[str, Any]) -> None:
         os.environ.setdefault(key, str(value))
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     trainer = Trainer(config)
+    restore_sigterm = catch_sigterm(trainer)
     try:
         trainer.start()
         status = trainer.run()
@@ -397,6 +411,31 @@ def train_loop(config: dict[str, Any]) -> None:
     except BaseException:
         trainer.checkpoints.abandon()
         raise
+    finally:
+        restore_sigterm()
     trainer.finish(status)
+
+
+def catch_sigterm(trainer: Trainer) -> Callable[[], None]:
+    """SIGTERM (the notice Kubernetes, Slurm and spot reclaimers give; torchrun forwards its own to the workers) asks
+    for a checkpoint at the next step boundary, then a stop: the handler only sets a flag, which the next step's
+    agreement carries to every rank. A second SIGTERM ends the process at once. Handlers belong to the main thread:
+    under Ray Train the loop runs in another one, and the driver forwards its SIGTERM through PREEMPT_FILE. Returns
+    the function that puts the previous handler back."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def on_sigterm(signum: int, frame: Any) -> None:
+        if trainer.sigterm_received:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+        trainer.sigterm_received = True
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    return lambda: signal.signal(signal.SIGTERM, previous)
 
 
