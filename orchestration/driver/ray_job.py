@@ -175,7 +175,7 @@ def start_ray(job: JobConfig, plan: RayPlan) -> bool:
     # run from its checkout rather than pip-installed.
     runtime_env["env_vars"].setdefault(
         "PYTHONPATH", os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p))
-    runtime_env.setdefault("worker_process_setup_hook", "orchestration.driver.ray_logs.quiet_ray_train_shutdown")
+    runtime_env.setdefault("worker_process_setup_hook", "orchestration.driver.ray_logs.prepare_worker_process")
     # The run's name in the Name column of the dashboard's Jobs page (a job submitted with its own metadata keeps it).
     job_config = RayJobConfig(metadata=job_metadata(plan.name))
     if plan.address:
