@@ -107,6 +107,21 @@ def test_tail_returns_complete_new_lines_once_and_follows_a_replaced_file(tmp_pa
     assert [(r["step"], r["time"]) for r in tail.read()] == [(2, 110.0)]
 
 
+def test_tail_keeps_lines_of_concurrent_writers_whose_times_are_out_of_order(tmp_path):
+    """Each worker appends its own copy of a decision: worker 1's line can land first with a later time."""
+    tail = RunDirTail(tmp_path / EVENTS_FILE, since_time=100.0)
+    lines = (("divergence_detected", 1, 200.5), ("divergence_detected", 0, 200.4), ("step_skipped", 1, 200.6),
+             ("step_skipped", 0, 200.45))
+    fields = {"step": 7, "rank": 0, "detector": "loss_spike", "value": 9.0, "threshold": 4.0, "reason": "loss_spike"}
+    (tmp_path / EVENTS_FILE).write_text("".join(
+        json.dumps({"time": t, "event": name, "worker_rank": rank, **fields}) + "\n" for name, rank, t in lines))
+    records = tail.read()
+    assert [(r["event"], r["worker_rank"]) for r in records] == [(n, rank) for n, rank, _ in lines]
+    console = ConsoleLines(total_steps=10, every_s=5)
+    assert [line for r in records if (line := console.event(r))] == [
+        "[event] step 7: update skipped (loss_spike 9 > 4 on rank 0)"]
+
+
 def test_duration():
     assert [duration(s) for s in (0, 59.4, 60, 245, 3599, 7380)] == ["0 s", "59 s", "1m00s", "4m05s", "59m59s",
                                                                      "2h03m"]

@@ -33,7 +33,7 @@ import pytest
 
 from orchestration.observability import dashboard as dash
 from orchestration.observability.events import read_jsonl
-from orchestration.observability.prometheus import Prometheus, service_discovery_file
+from orchestration.observability.prometheus import Prometheus, TargetFollower, run_session_dir
 from tests.conftest import REPO
 from tests.spawned import free_port
 
@@ -227,8 +227,17 @@ def test_fault_run_in_train_view_jobs_page_and_prometheus(tmp_path, job_env, no_
     rollback as they happen, and Prometheus holds its loss, eval loss, throughput, world size, precision, counters,
     checkpoint stall and FP8 saturation/underflow with the values the run wrote to metrics.jsonl and events.jsonl."""
     name = "dash-spike"
-    sd_file = service_discovery_file(Path(job_env["RAY_TMPDIR"]) / "ray")
-    with Prometheus(sd_file, tmp_path / "prometheus", port=free_port(), scrape_interval_s=1) as prom:
+    # What `make monitor RUN=dash-spike` does: the targets of the session the driver records in the run directory.
+    follower = TargetFollower(tmp_path / "targets.json", run_dir=tmp_path / name)
+    follower.sync()
+    following = threading.Event()
+
+    def follow() -> None:
+        while not following.wait(1):
+            follower.sync()
+
+    threading.Thread(target=follow, daemon=True).start()
+    with Prometheus(follower.out_file, tmp_path / "prometheus", port=free_port(), scrape_interval_s=1) as prom:
         prom.wait_ready()
         t_start = time.time()
         job = Job(tmp_path, job_env, name, "precision=fp8", "faults=loss_spike", "faults.rank=0", "faults.step=30",
@@ -276,6 +285,9 @@ def test_fault_run_in_train_view_jobs_page_and_prometheus(tmp_path, job_env, no_
         finally:
             job.kill()
         t_end = time.time()
+        following.set()
+        # The session the driver recorded is this job's own, under the test's RAY_TMPDIR.
+        assert run_session_dir(job.run_dir).parent == Path(job_env["RAY_TMPDIR"]) / "ray"
 
         metrics = read_jsonl(job.run_dir / "metrics.jsonl")
         events = read_jsonl(job.run_dir / "events.jsonl")
@@ -287,9 +299,11 @@ def test_fault_run_in_train_view_jobs_page_and_prometheus(tmp_path, job_env, no_
         skip = next(e for e in rank0 if e["event"] == "step_skipped")
         fallback = next(e for e in rank0 if e["event"] == "precision_changed" and e["to"] == "bf16")
         rollback = next(e for e in rank0 if e["event"] == "rollback")
+        decided = {e["step"]: e for e in rank0 if e["event"] == "policy_decision"}
         log = job.log()
         expected = [f"[event] step {skip['step']}: update skipped (loss_spike ",
-                    f"[event] step {fallback['step']}: FP8 -> BF16 for the whole model ",
+                    (f"[event] step {fallback['step']}: FP8 -> BF16 for the whole model until step "
+                     f"{decided[fallback['step']]['until_step']}, update dropped (loss_spike "),
                     f"[event] step {rollback['from_step']}: rolled back to step {rollback['to_step']} (loss_spike ",
                     f"; {rollback['skipped_samples']} samples skipped [{rollback['skipped_range'][0]}, "]
         at = [log.find(text) for text in expected]

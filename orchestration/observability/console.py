@@ -172,7 +172,8 @@ class ConsoleLines:
 class RunDirTail:
     """The complete lines appended to one JSONL file since the last read (a line still being written waits). A file
     replaced meanwhile (a resume rewrites metrics.jsonl without the steps it trains again) is read from its start,
-    past the records already returned."""
+    past the newest record already returned. Lines are not in time order across writers (every worker appends its
+    copy of an agreed decision): only the replaced file is filtered by time."""
 
     def __init__(self, path: Path, since_time: float):
         self.path = path
@@ -180,12 +181,15 @@ class RunDirTail:
         self.inode: int | None = None
         # records written before this start (a resumed run's earlier starts) are not news
         self.since_time = since_time
+        self.newest_time = since_time
 
     def read(self) -> list[dict[str, Any]]:
+        after = None
         try:
             with open(self.path, "rb") as f:
                 inode = os.fstat(f.fileno()).st_ino
                 if inode != self.inode:
+                    after = self.newest_time if self.inode is not None else None
                     self.inode, self.offset = inode, 0
                 f.seek(self.offset)
                 data = f.read()
@@ -199,7 +203,9 @@ class RunDirTail:
                 record = json.loads(line)
             except json.JSONDecodeError:
                 continue  # a line cut by a killed writer
-            if record.get("time", self.since_time) >= self.since_time:
-                records.append(record)
-                self.since_time = max(self.since_time, record.get("time", self.since_time))
+            t = record.get("time", self.since_time)
+            if t < self.since_time or (after is not None and t <= after):
+                continue
+            records.append(record)
+            self.newest_time = max(self.newest_time, t)
         return records
