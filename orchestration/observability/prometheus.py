@@ -42,16 +42,6 @@ DEFAULT_PORT = 9090
 DEFAULT_SCRAPE_INTERVAL_S = 5.0
 
 
-def ray_temp_dir() -> Path:
-    """Where a Ray cluster started on this machine without --temp-dir keeps its sessions ($RAY_TMPDIR/ray, /tmp/ray)."""
-    return Path(os.environ.get("RAY_TMPDIR", "/tmp")) / "ray"
-
-
-def service_discovery_file(temp_dir: Path | None = None) -> Path:
-    """The file-SD file that follows the newest Ray session under `temp_dir` (default `ray_temp_dir()`)."""
-    return (temp_dir or ray_temp_dir()) / SERVICE_DISCOVERY_FILE
-
-
 def prometheus_config(sd_file: Path, scrape_interval_s: float = DEFAULT_SCRAPE_INTERVAL_S) -> str:
     """prometheus.yml scraping the Ray metrics targets listed in `sd_file` (pure). JSON is valid YAML."""
     if scrape_interval_s <= 0:
@@ -72,8 +62,9 @@ def prometheus_config(sd_file: Path, scrape_interval_s: float = DEFAULT_SCRAPE_I
 def find_binary() -> str:
     path = shutil.which("prometheus")
     if path is None:
-        raise FileNotFoundError("no `prometheus` binary on PATH: install it (Debian/Ubuntu: apt-get install -y "
-                                "prometheus, which `make setup` does as root) or download it from prometheus.io")
+        raise FileNotFoundError("no `prometheus` binary on PATH: install it (Debian/Ubuntu: apt-get install "
+                                "--no-install-recommends prometheus, which `make monitor` does as root) or download it "
+                                "from prometheus.io")
     return path
 
 
