@@ -9,7 +9,8 @@ TORCH_PIN ?= torch==2.13.0
 
 .PHONY: setup system-tools train test lint clean monitor
 
-setup: $(STAMP) system-tools
+# The Python environment only: no system package is installed or changed by `make setup` or `make train`.
+setup: $(STAMP)
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -19,31 +20,35 @@ $(STAMP): pyproject.toml
 	@rm -f $(VENV)/.installed-*
 	@touch $(STAMP)
 
-# Programs the dashboard tests and `make monitor` run besides Python: Prometheus (scrapes Ray's metrics) and headless
-# Chromium (renders the Ray dashboard). Installed with apt-get when missing and run as root (CI); otherwise a message
-# says what to install.
+# Programs that `make monitor` and the dashboard tests (`make test`) run besides Python: Prometheus (scrapes Ray's
+# metrics) and headless Chromium (renders the Ray dashboard). Only those targets install them, only when missing,
+# and only as root with apt-get: --no-install-recommends, nothing upgraded but what the missing packages depend on,
+# which is listed before it happens. Elsewhere a message says what to install.
 SYSTEM_TOOLS := prometheus chromium
 
 system-tools:
 	@missing=""; for tool in $(SYSTEM_TOOLS); do command -v $$tool >/dev/null || missing="$$missing $$tool"; done; \
 	if [ -z "$$missing" ]; then exit 0; fi; \
 	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-		echo "installing$$missing with apt-get"; \
-		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq$$missing; \
+		echo "make $(MAKECMDGOALS) needs$$missing: apt-get install --no-install-recommends$$missing (system packages)"; \
+		apt-get update -qq || exit 1; \
+		upgrades=$$(apt-get install -s --no-install-recommends$$missing | awk '/^Inst .*\[/ {print $$2}' | xargs); \
+		if [ -n "$$upgrades" ]; then echo "apt-get also upgrades, as$$missing requires: $$upgrades"; fi; \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends$$missing; \
 	else \
-		echo "warning: missing$$missing (Debian/Ubuntu: sudo apt-get install -y$$missing); make monitor and" \
-			"tests/test_dashboard_*.py need them" >&2; \
+		echo "warning: missing$$missing (Debian/Ubuntu: sudo apt-get install --no-install-recommends$$missing);" \
+			"make monitor and tests/test_dashboard_*.py need them" >&2; \
 	fi
 
 train: setup
 	$(BIN)/python launch.py $(ARGS)
 
-# Prometheus on 127.0.0.1:9090 scraping the newest local Ray session's metrics targets, until Ctrl-C
-# (orchestration/observability/prometheus.py; MONITOR_ARGS="--port 9091 --data-dir /tmp/prom" and so on).
-monitor: setup
-	$(BIN)/python -m orchestration.observability.prometheus $(MONITOR_ARGS)
+# Prometheus on 127.0.0.1:9090 scraping one run's Ray cluster until Ctrl-C: RUN=<run name or directory>, by default
+# the newest run under runs/ (orchestration/observability/prometheus.py; MONITOR_ARGS="--port 9091" and so on).
+monitor: setup system-tools
+	$(BIN)/python -m orchestration.observability.prometheus $(if $(RUN),--run "$(RUN)") $(MONITOR_ARGS)
 
-test: setup
+test: setup system-tools
 	$(BIN)/python -m pytest -q -ra --durations=20 tests $(PYTEST_ARGS)
 
 lint: setup

@@ -3,6 +3,9 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
+import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -16,16 +19,83 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+# Every process this test session starts carries SESSION_MARK in its environment (children inherit it: launchers,
+# `ray start` nodes, Ray's raylet, GCS, dashboard and workers), and a job started through `isolated_env` also its
+# own TEST_MARK. Cleanup finds a test's processes by that mark, never by name: other users' Ray clusters on the
+# machine are not ours to stop.
+SESSION_MARK_ENV, TEST_MARK_ENV = "ELASTIC_FP8_TEST_SESSION", "ELASTIC_FP8_TEST"
+SESSION_MARK = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+os.environ[SESSION_MARK_ENV] = SESSION_MARK
+RAY_SERVICES = ("raylet", "gcs_server")
+
+
+def marked_processes(name: str, value: str) -> dict[int, str]:
+    """pid -> command line of every process whose environment has name=value (this process left out)."""
+    needle = f"{name}={value}".encode()
+    found = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            if needle not in Path(f"/proc/{entry}/environ").read_bytes().split(b"\0"):
+                continue
+            found[int(entry)] = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(
+                errors="replace").strip()
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+    return {pid: cmd for pid, cmd in found.items() if cmd}  # zombies have no command line
+
+
+def ray_services(processes: dict[int, str]) -> dict[int, str]:
+    return {pid: cmd for pid, cmd in processes.items()
+            if any(Path(cmd.split(" ", 1)[0]).name.startswith(s) for s in RAY_SERVICES)}
+
+
+def stop_marked(name: str, value: str, grace_s: float = 10.0) -> dict[int, str]:
+    """SIGTERM every process carrying the mark, SIGKILL what is left after grace_s. Returns what was found."""
+    found = marked_processes(name, value)
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in marked_processes(name, value):
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + grace_s
+        while marked_processes(name, value) and time.monotonic() < deadline:
+            time.sleep(0.2)
+    return found
+
+
+@pytest.fixture(scope="session", autouse=True)
+def stop_what_the_session_left():
+    """Backstop for module-scoped fixtures and in-process clusters: nothing this session started outlives it."""
+    yield
+    stop_marked(SESSION_MARK_ENV, SESSION_MARK, grace_s=5.0)
+
+
 @pytest.fixture
 def isolated_env(tmp_path):
-    """Environment for launching jobs: W&B, Ray and caches inside tmp_path, no auth tokens."""
+    """Environment for launching jobs: W&B, Ray's temp dir and caches private to the test; the test's processes
+    stopped when it ends, passed or failed.
+
+    Token authentication is off here (RAY_AUTH_MODE=disabled): the elastic tests join `ray start` nodes, which
+    need the head's token on every node; the tests of the default setting (token on: tests/test_dashboard_live.py,
+    tests/test_hardening_ray.py's Ctrl-C test) remove this key. RAY_TMPDIR is short because Ray's unix sockets live
+    under it and their paths must stay under 107 characters."""
+    ray_tmpdir = tempfile.mkdtemp(prefix="rt_", dir="/tmp")
+    mark = uuid.uuid4().hex
     env = dict(os.environ)
     env.update({
         "WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path / "wandb"), "WANDB_CACHE_DIR": str(tmp_path / "wandb_cache"),
         "WANDB_CONFIG_DIR": str(tmp_path / "wandb_config"), "WANDB_DATA_DIR": str(tmp_path / "wandb_data"),
         "RAY_AUTH_MODE": "disabled", "PYTHONUNBUFFERED": "1", "RAY_USAGE_STATS_ENABLED": "0",
+        "RAY_TMPDIR": ray_tmpdir, TEST_MARK_ENV: mark,
     })
-    return env
+    try:
+        yield env
+    finally:
+        stop_marked(TEST_MARK_ENV, mark)
+        shutil.rmtree(ray_tmpdir, ignore_errors=True)
 
 
 def launch(env: dict, *overrides: str, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -35,18 +105,32 @@ def launch(env: dict, *overrides: str, timeout: float = 600) -> subprocess.Compl
     return proc
 
 
-def ray_processes_left() -> list[str]:
-    out = subprocess.run(["pgrep", "-af", "raylet|gcs_server"], check=False, capture_output=True, text=True).stdout
-    return [line for line in out.splitlines() if line.strip()]
-
-
-@pytest.fixture(autouse=False)
-def no_ray_leftovers():
+@pytest.fixture
+def no_ray_leftovers(isolated_env):
+    """Fails the test when its Ray cluster is still up 30 s after it ended (raylet and GCS exit asynchronously
+    after ray.shutdown()); isolated_env then stops it either way."""
     yield
-    leftovers = ray_processes_left()
-    if leftovers:
-        subprocess.run([which_ray(), "stop", "--force"], check=False, capture_output=True)
-    assert not leftovers, f"Ray processes left behind: {leftovers}"
+    mark = isolated_env[TEST_MARK_ENV]
+    deadline = time.monotonic() + 30
+    while (left := ray_services(marked_processes(TEST_MARK_ENV, mark))) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not left, f"Ray processes left behind: {left}"
+
+
+@pytest.fixture
+def another_ray_instance_on_the_host():
+    """What Ray's address lookup sees on a host where another Ray cluster runs (another user's, another test's): a
+    second raylet process naming its GCS address. Ray finds local clusters by the raylet's executable name and its
+    --gcs-address argument; this process is a sleeping Python under that name, on a port nothing listens on."""
+    from tests.spawned import free_port
+
+    proc = subprocess.Popen(["raylet", "-c", "import time; time.sleep(3600)", f"--gcs-address=127.0.0.1:{free_port()}"],
+                            executable=sys.executable)
+    try:
+        yield
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
 
 
 def which_ray() -> str:

@@ -84,7 +84,8 @@ def test_tokenized_run_evaluates_resumes_exactly_and_refuses_another_corpus(corp
     assert [e["from_step"] for e in resumes] == [20] and resumes[0]["world_size"] == 2
 
     metrics = read_jsonl(run_dir / "metrics.jsonl")
-    assert [m["step"] for m in metrics] == [5, 10, 15, 20, 25, 30]  # every step logged once, none repeated
+    # every step logged once, none repeated: train.log_every, and the first step of each start
+    assert [m["step"] for m in metrics] == [1, 5, 10, 15, 20, 21, 25, 30]
     evals = evals_of(run_dir)
     assert sorted(evals) == [10, 20, 30]  # train.eval_every and the last step of each start
     assert all(m["eval_sequences"] == 16 and m["eval_s"] > 0 for m in metrics if "eval_loss" in m)

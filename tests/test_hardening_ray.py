@@ -129,7 +129,11 @@ def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: flo
 
 
 def test_disk_full_fails_once_with_its_cause_and_keeps_the_last_checkpoint(small_disk, isolated_env,
-                                                                           no_ray_leftovers):
+                                                                           no_ray_leftovers,
+                                                                           another_ray_instance_on_the_host):
+    """...and with another Ray cluster on the host: Ray Train's PlacementGroupCleaner then failed its controller
+    checks with "Found multiple active Ray instances" (a traceback in the console) until the workers were pointed
+    at their own cluster (orchestration/driver/ray_logs.py)."""
     run_dir = small_disk / "full"
     t0 = time.time()
     proc = launch(isolated_env, f"run_root={small_disk}", "run_name=full", *DENSE, "train.steps=40", timeout=400)

@@ -204,3 +204,39 @@ def test_profiled_runs_get_a_table_of_where_their_step_time_went(tmp_path):
     report.build_report([tmp_path / "bf16", tmp_path / "fp8"], tmp_path / "out")
     assert "| fp8 | 20-22 | 114.3 | 14.7 | 20.4 | 14.5 | 46.4 | 4.5 |" in (tmp_path / "out" / "report.md").read_text()
     assert "<th>fp8_cast_amax</th>" in (tmp_path / "out" / "report.html").read_text()
+
+
+def test_resolved_recipe_restarts_and_resumes_as_the_summary_counts_and_emulated_fp8_throughput(tmp_path):
+    """A CPU FP8 run (recipe auto, resolved by the workers to rowwise) stopped and started again: the report shows
+    the resolved recipe, 0 restarts and 1 resume as summary.json does, and says its tokens/s against BF16 measure
+    the emulation, not FP8."""
+    from orchestration.observability.events import summarize
+
+    bf16 = [_rec(s, 5.0 - 0.1 * s, 1000.0, 2, "bf16") for s in range(0, 11, 2)]
+    _write(tmp_path / "bf16", {"model": {"name": "debug_moe"}, "precision": {"name": "bf16", "recipe": "auto"}}, bf16,
+           [{"time": 0.0, "event": "run_start", "step": 0},
+            {"time": 1.0, "event": "worker_group_start", "step": 0, "world_size": 2, "device": "cpu",
+             "recipe": None}])
+    fp8 = [_rec(s, 5.0 - 0.1 * s, 3200.0, 2, "fp8") for s in range(0, 11, 2)]
+    events = [{"time": 0.0, "event": "run_start", "step": 0},
+              {"time": 1.0, "event": "worker_group_start", "step": 0, "world_size": 2, "device": "cpu",
+               "recipe": "rowwise"},
+              {"time": 2.0, "event": "run_end", "step": 4, "status": "interrupted"},
+              {"time": 3.0, "event": "run_start", "step": 0},
+              {"time": 4.0, "event": "worker_group_start", "step": 4, "world_size": 2, "device": "cpu",
+               "recipe": "rowwise"},
+              {"time": 4.0, "event": "resume", "step": 4, "from_step": 4, "world_size": 2, "origin": "new_start"}]
+    _write(tmp_path / "fp8", {"model": {"name": "debug_moe"}, "precision": {"name": "fp8", "recipe": "auto"}}, fp8,
+           events)
+    summary = summarize(tmp_path / "fp8", "completed")
+    runs = [report.load_run(tmp_path / name) for name in ("bf16", "fp8")]
+    series = [report.run_series(r) for r in runs]
+    stats = [report.run_stats(r, s) for r, s in zip(runs, series)]
+    assert stats[1]["recipe"] == "rowwise" and stats[0]["recipe"] is None
+    assert (stats[1]["restarts"], stats[1]["resumes"]) == (summary["restarts"], summary["resumes"]) == (0, 1)
+    assert stats[1]["fp8_emulated"] and not stats[0]["fp8_emulated"]
+    lines = report.comparison_lines(runs, series, stats)
+    assert lines[0].startswith("fp8 vs bf16: 3.200x the median tokens/s (FP8 emulated on CPU: not a measure of FP8 "
+                               "speed)"), lines
+    table = report.render_markdown(stats, lines)
+    assert "3,200 (emulated FP8)" in table and "1,000 (emulated" not in table

@@ -126,3 +126,30 @@ def test_padded_token_groups_give_the_unpadded_experts_output_and_gradients(coun
     torch.testing.assert_close(y_padded, y)
     for padded, reference in zip((x.grad, experts.w13.grad, experts.w2.grad), grads):
         torch.testing.assert_close(padded, reference)
+
+
+def test_fp8_health_gauges_read_without_autograd_warnings():
+    """The guard's FP8 saturation/underflow gauges after a real FP8 step: plain floats, read without torch's
+    "Converting a tensor with requires_grad=True to a scalar" warning (it reached every run's console)."""
+    import warnings
+
+    job = JobConfig(model=ModelConfig(name="debug_moe"), precision=PrecisionConfig(name="fp8"),
+                    train=TrainConfig(global_batch_size=BATCH, micro_batch_size=BATCH, sharding="none"),
+                    monitor=MonitorConfig())
+    job.data.seq_len = SEQ
+    validate(job)
+    device = torch.device("cpu")
+    torch.manual_seed(job.train.seed)
+    model, fp8_recipe = build_training_model(job, 1, device)
+    sm = StepModel(model, make_optimizer(job, device, model.parameters()), device, torch.bfloat16, False, False, 1,
+                   "none", job.train.grad_clip)
+    guard = StepGuard(job.monitor, model, fp8_run=fp8_recipe is not None)
+    tokens = torch.randint(0, model.args.vocab_size, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(0))
+    train_step(sm, [MicroBatch(tokens[:, :-1], tokens[:, 1:], 1.0, 1.0)], 0,
+               lambda loss, norm, gated: guard.check(model, 0, loss, norm, gated))
+    assert guard.last_fp8_health is not None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        gauges = guard.fp8_health_gauges()
+    assert set(gauges) == {"fp8_saturated_frac", "fp8_underflow_frac"}
+    assert all(type(v) is float and 0.0 <= v <= 1.0 for v in gauges.values()), gauges

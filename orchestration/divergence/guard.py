@@ -86,7 +86,9 @@ class StepGuard:
             if self.layer_names:
                 layer_health = {name: fp8.fp8_health(model.get_submodule(name))["saturated_frac"]
                                 for name in self.layer_names}
-        self.last_fp8_health = health
+        # Kept for the dashboards' gauges, read at log steps: without the autograd graph an MoE's expert statistics
+        # carry (float() of them warned on every run).
+        self.last_fp8_health = {k: v.detach() for k, v in health.items()} if health is not None else None
         shadow = shadow_losses() if shadow_losses is not None and self.shadow_due(step) else None
         verdict = self.monitor.local_verdict(loss, grad_norm, health, shadow, layer_health)
         decision, _, update_applied = agree_and_decide(self.monitor, self.policy, verdict, step,

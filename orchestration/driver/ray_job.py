@@ -8,13 +8,15 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from orchestration.config import REPO_ROOT, JobConfig, redact_secrets, to_dict
 from orchestration.driver.start_checks import check_disk_space, check_start, checkpoint_bytes, resolve_run_root
+from orchestration.observability.console import ConsoleLines, RunDirTail
 from orchestration.observability.events import (
+    EVENTS_FILE,
     FINAL_STATE_FILE,
     METRICS_FILE,
     PREEMPT_FILE,
@@ -24,6 +26,7 @@ from orchestration.observability.events import (
     read_jsonl,
     summarize,
 )
+from orchestration.observability.provenance import hydra_job, start_record
 
 log = logging.getLogger(__name__)
 
@@ -105,16 +108,19 @@ def ray_plan(job: JobConfig, run_name: str, run_root: Path) -> RayPlan:
 
 
 class ProgressPrinter:
-    """Tails metrics.jsonl and prints one line per interval: readable, never floods the log."""
+    """Tails the run directory while the workers write it and prints what a person watching cares about: a progress
+    line (the first when the first step ends, then one every `every_s`) and a line per event as it happens
+    (orchestration/observability/console.py says which)."""
 
-    def __init__(self, run_dir: Path, every_s: float, total_steps: int):
-        self.path = run_dir / METRICS_FILE
-        self.every_s = every_s
-        self.total_steps = total_steps
+    def __init__(self, run_dir: Path, every_s: float, total_steps: int, poll_s: float = 0.5):
+        # Records written before this start (a resumed run's previous starts) are not news: only newer ones.
+        since = time.time()
+        self.lines = ConsoleLines(total_steps, every_s)
+        self.events = RunDirTail(run_dir / EVENTS_FILE, since)
+        self.metrics = RunDirTail(run_dir / METRICS_FILE, since)
+        self.poll_s = poll_s
+        self._newest: dict[str, Any] | None = None
         self._stop = threading.Event()
-        self._last_step = -1
-        # Lines written before this start (a resumed run's previous start) are not news: print only newer ones.
-        self._since = time.time()
         self._thread = threading.Thread(target=self._loop, daemon=True)
 
     def start(self) -> None:
@@ -122,26 +128,31 @@ class ProgressPrinter:
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=2)
-        self._print_latest()
+        if self._thread.is_alive():  # not started when Ray failed to start
+            self._thread.join(timeout=2)
+        self._print_new()
+        last = self.lines.last(self._newest, time.time()) if self._newest else None
+        if last:
+            print(last, flush=True)
 
     def _loop(self) -> None:
-        while not self._stop.wait(self.every_s):
-            self._print_latest()
+        while not self._stop.wait(self.poll_s):
+            self._print_new()
 
-    def _print_latest(self) -> None:
-        records = [m for m in read_jsonl(self.path) if m.get("time", 0) >= self._since]
-        if not records or records[-1]["step"] == self._last_step:
-            return
-        m = records[-1]
-        self._last_step = m["step"]
-        loss = f"{m['loss']:.4f}" if m.get("loss") is not None else "nan"
-        evals = [r for r in records if r.get("eval_loss") is not None]
-        if evals:  # the latest held-out loss and its step
-            loss += f"  eval {evals[-1]['eval_loss']:.4f} @{evals[-1]['step']}"
-        print(f"[progress] step {m['step']:>6}/{self.total_steps}  loss {loss}  "
-              f"tok/s {m.get('tokens_per_s') or 0:,.0f}  world {m.get('world_size')}  "
-              f"precision {m.get('precision')}", flush=True)
+    def _print_new(self) -> None:
+        now = time.time()
+        # Both files in the order the run wrote them (an eval's fallback after the metrics line that shows it).
+        records = sorted([(e.get("time", now), 0, e) for e in self.events.read()]
+                         + [(m.get("time", now), 1, m) for m in self.metrics.read()], key=lambda r: r[:2])
+        lines: list[str] = []
+        for _, is_metrics, record in records:
+            if is_metrics:
+                lines += self.lines.metrics(record, now)
+                self._newest = record
+            elif (line := self.lines.event(record)) is not None:
+                lines.append(line)
+        if lines:
+            print("\n".join(lines), flush=True)
 
 
 def keep_embedded_cluster_on_loopback() -> None:
@@ -158,8 +169,24 @@ def keep_embedded_cluster_on_loopback() -> None:
         constants.ENABLE_RAY_CLUSTER = False
 
 
-def start_ray(job: JobConfig, plan: RayPlan) -> bool:
-    """Join plan.address, or start an embedded local cluster. Returns True when we started it (we stop it)."""
+EMBEDDED_START_ATTEMPTS = 2
+
+
+def stop_child_processes(timeout_s: float = 10.0) -> None:
+    import psutil  # Ray's own copy, on the path once ray is imported
+
+    children = psutil.Process().children(recursive=True)
+    for child in children:
+        try:
+            child.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(children, timeout=timeout_s)
+
+
+def start_ray(job: JobConfig, plan: RayPlan, run_dir: RunDir | None = None) -> bool:
+    """Join plan.address, or start an embedded local cluster. Returns True when we started it (we stop it). The
+    cluster's session directory goes into the run directory (a `ray_session` event): `make monitor` follows it."""
     if not plan.address:
         keep_embedded_cluster_on_loopback()
     import ray
@@ -180,7 +207,7 @@ def start_ray(job: JobConfig, plan: RayPlan) -> bool:
     # run from its checkout rather than pip-installed.
     runtime_env["env_vars"].setdefault(
         "PYTHONPATH", os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p))
-    runtime_env.setdefault("worker_process_setup_hook", "orchestration.driver.ray_logs.quiet_ray_train_shutdown")
+    runtime_env.setdefault("worker_process_setup_hook", "orchestration.driver.ray_logs.prepare_worker_process")
     # The run's name in the Name column of the dashboard's Jobs page (a job submitted with its own metadata keeps it).
     job_config = RayJobConfig(metadata=job_metadata(plan.name))
     if plan.address:
@@ -190,12 +217,33 @@ def start_ray(job: JobConfig, plan: RayPlan) -> bool:
         cpus = max(job.cluster.max_workers * job.cluster.cpus_per_worker + 1, os.cpu_count() or 1)
         # address="local": always a fresh cluster of our own, never a stray one found via /tmp/ray. The dashboard
         # reads RAY_PROMETHEUS_HOST / RAY_GRAFANA_HOST from this process's environment (docs/deploy.md).
-        ctx = ray.init(address="local", num_cpus=int(cpus), runtime_env=runtime_env, job_config=job_config,
-                       include_dashboard=True, dashboard_host="127.0.0.1", log_to_driver=True)
+        for attempt in range(1, EMBEDDED_START_ATTEMPTS + 1):
+            try:
+                ctx = ray.init(address="local", num_cpus=int(cpus), runtime_env=runtime_env, job_config=job_config,
+                               include_dashboard=True, dashboard_host="127.0.0.1", log_to_driver=True)
+                break
+            except Exception as exc:  # Ray raises a bare Exception for it
+                # Ray waits a fixed 30 s for its raylet to register with the GCS; on a machine loaded by other work
+                # the first start can miss it. A second start, after this one's processes are stopped, gets another
+                # 30 s.
+                if "timed out during startup" not in str(exc) or attempt == EMBEDDED_START_ATTEMPTS:
+                    raise
+                log.warning("Ray's local cluster did not start within Ray's 30 s (%s); starting it again", exc)
+                ray.shutdown()
+                stop_child_processes()  # the failed start's GCS and raylet: nothing else runs under the driver yet
         started = True
+    from orchestration.driver.ray_logs import filter_forwarded_output
+
+    filter_forwarded_output()
     url = getattr(ctx, "dashboard_url", None)
+    if run_dir is not None:
+        run_dir.event("ray_session", step=0, session_dir=ctx.address_info.get("session_dir"),
+                      dashboard_url=f"http://{url}" if url else None)
     if url:
-        print(f"Ray dashboard: http://{url}", flush=True)
+        from orchestration.observability.dashboard import ray_cli, token_location, watch_lines
+
+        token_auth = os.environ.get("RAY_AUTH_MODE") == "token"
+        print("\n".join(watch_lines(f"http://{url}", token_auth, ray_cli(), token_location())), flush=True)
     return started
 
 
@@ -214,7 +262,7 @@ def open_run_dir(job: JobConfig, run_name: str, **start_fields: Any) -> RunDir:
     (run_dir.path / STOP_FILE).unlink(missing_ok=True)  # a Ctrl-C of an earlier start asked that one to stop
     (run_dir.path / PREEMPT_FILE).unlink(missing_ok=True)  # and a SIGTERM
     run_dir.event("run_start", step=0, run_name=run_name, model=job.model.name, precision=job.precision.name,
-                  **start_fields)
+                  **start_record(REPO_ROOT), **start_fields)
     print(f"Run directory: {run_dir.path}", flush=True)
     return run_dir
 
@@ -324,12 +372,29 @@ def forward_sigterm(run_dir: RunDir) -> Any:
     return lambda: signal.signal(signal.SIGTERM, previous)
 
 
+_SWEEP_NAME: str | None = None
+
+
+def in_sweep_directory(job: JobConfig) -> JobConfig:
+    """One job of a multirun (`launch.py -m ...`, its jobs run one after another in this process): its run goes
+    under <run root>/sweep-<time the sweep's first job started>/, named <job number>_<run name or model-precision>,
+    so the sweep is one directory that `python -m orchestration.report` takes. Other jobs are returned as they are."""
+    global _SWEEP_NAME
+    sweep_job = hydra_job().get("sweep_job")
+    if sweep_job is None:
+        return job
+    _SWEEP_NAME = _SWEEP_NAME or f"sweep-{time.strftime('%Y%m%d-%H%M%S')}"
+    name = f"{sweep_job}_{job.run_name or f'{job.model.name}-{job.precision.name}'}"
+    return replace(job, run_root=str(resolve_run_root(job) / _SWEEP_NAME), run_name=name)
+
+
 def run_job(job: JobConfig) -> dict[str, Any]:
     """The whole job on Ray; returns summary.json's content. Ctrl-C stops workers and the embedded cluster. The run's
     lease (driver/run_lock.py) is held from before the start checks to after the summary: a second start of a run
     that is running is refused (RunLocked, a ConfigError: exit 2) before it reads or writes anything of the run."""
     from orchestration.driver.run_lock import hold_run_lock
 
+    job = in_sweep_directory(job)
     run_name = job.run_name or default_run_name(job)
     with hold_run_lock(resolve_run_root(job) / run_name):
         return run_job_holding_lock(job, run_name)
@@ -359,7 +424,7 @@ def run_job_holding_lock(job: JobConfig, run_name: str) -> dict[str, Any]:
     ray_processes = None
     try:
         try:
-            started = start_ray(job, plan)
+            started = start_ray(job, plan, run_dir)
             if started:
                 ray_processes = RayProcessRecord(run_dir.path).start()
         except ConnectionError as exc:

@@ -1,11 +1,17 @@
-"""Ray Train log records that reach the user's console at shutdown but report nothing wrong with the run.
+"""What reaches the user's console from Ray: our lines and Ray's real errors, not records that report nothing wrong.
 
-Installed in every process of the job (the TrainController actor included) as Ray's worker_process_setup_hook.
+Every process of a job on Ray (the TrainController actor, its PlacementGroupCleaner, Ray Train's state actor and the
+workers): `prepare_worker_process` is Ray's worker_process_setup_hook. It points Ray's State API at this cluster and
+keeps Ray's harmless records of these processes off the console. In the driver, `filter_forwarded_output` drops
+the forwarded lines that no setting in those processes can silence (a C++ core worker's log line).
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import re
+import warnings
 
 # At the end of a run the controller stops its PlacementGroupCleaner actor with a timeout, and on a loaded machine
 # the stop outlives it: Ray logs the GetTimeoutError with a ~30-line traceback, then the cleaner says its monitor
@@ -36,6 +42,67 @@ class DebugLevel(logging.Filter):
 # through a logger named by its file path (outside `ray.train`, so RunConfig's LoggingConfig does not reach it); the
 # console shows the job's own progress line instead.
 REPORT_LOGGER_MODULE = "ray.train.v2._internal.execution.context"
+
+
+def prepare_worker_process() -> None:
+    pin_state_api_to_this_cluster()
+    quiet_ray_train_shutdown()
+    # Ray Train's controller builds Ray Data's default ExecutionOptions, whose constructor warns about a parameter
+    # that Ray itself passes; nothing in this job uses Ray Data.
+    warnings.filterwarnings("ignore", message=r"`ExecutionOptions\.exclude_resources` is deprecated")
+
+
+# Lines of the job's processes that Ray forwards to the driver and that report nothing wrong with the run.
+FORWARDED_NOISE = (
+    # Ray Train's controller starts its PreemptionWatcher actor with arguments in the object store and restarts
+    # allowed; Ray's core worker logs at ERROR, on every run, that a restart would fail if those arguments were lost
+    # (https://github.com/ray-project/ray/issues/53727). Nothing here loses them; a real failure logs its own error.
+    re.compile(r"core_worker\.cc:\d+: Actor with class name: 'PreemptionWatcher' .* has constructor arguments in the "
+               r"object store and max_restarts > 0"),
+)
+
+
+def is_forwarded_noise(line: str) -> bool:
+    return any(pattern.search(line) for pattern in FORWARDED_NOISE)
+
+
+def filter_forwarded_output() -> bool:
+    """In the driver, after ray.init: the handler that prints the job's forwarded lines skips FORWARDED_NOISE.
+    Ray has no public hook for this; returns False (nothing filtered) where its dispatcher is not as expected."""
+    try:
+        from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+    except ImportError:
+        return False
+    handlers = getattr(dispatcher, "handlers", None)
+    if not isinstance(handlers, list):
+        return False
+
+    def filtered(handle):
+        def handle_kept(data: dict) -> None:
+            lines = [line for line in data.get("lines", []) if not is_forwarded_noise(line)]
+            if lines:
+                handle({**data, "lines": lines})
+
+        handle_kept.filters_noise = True
+        return handle_kept
+
+    replaced = False
+    for i, (name, handle) in enumerate(list(handlers)):
+        if name == "ray_print_logs" and not getattr(handle, "filters_noise", False):
+            handlers[i] = (name, filtered(handle))
+            replaced = True
+    return replaced or any(getattr(h, "filters_noise", False) for _, h in handlers)
+
+
+def pin_state_api_to_this_cluster() -> None:
+    """Ray Train's PlacementGroupCleaner and state actor ask the State API whether the controller is alive, with no
+    address: Ray then looks for a cluster on the machine and, with two clusters on one host (another user's, or
+    another job's), raises "Found multiple active Ray instances" in their monitor threads (a traceback in the
+    console per check; the cleaner's thread dies of it). RAY_ADDRESS, read first by that lookup, names the cluster
+    this process belongs to."""
+    import ray
+
+    os.environ["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
 
 
 def quiet_ray_train_shutdown() -> None:

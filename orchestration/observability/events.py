@@ -93,6 +93,22 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return records
 
 
+def restarts_and_resumes(events: list[dict[str, Any]]) -> tuple[int, int]:
+    """A worker group is a restart (Ray Train replaced a lost worker, or resized) unless it is the first one after a
+    driver's run_start; that first one resumes (a resume) when the run had checkpoints (pure)."""
+    restarts = resumes = 0
+    first_of_start, in_first_group = True, False
+    for e in events:
+        if e["event"] == "run_start":
+            first_of_start = True
+        elif e["event"] == "worker_group_start" and e.get("worker_rank", 0) == 0:
+            in_first_group, first_of_start = first_of_start, False
+            restarts += 0 if in_first_group else 1
+        elif e["event"] == "resume" and in_first_group:
+            resumes += 1
+    return restarts, resumes
+
+
 def summarize(run_dir: Path, status: str, wall_time_s: float | None = None) -> dict[str, Any]:
     """summary.json from the run directory alone, so it is right across restarts and resizes."""
     events = read_jsonl(run_dir / EVENTS_FILE)
@@ -106,18 +122,7 @@ def summarize(run_dir: Path, status: str, wall_time_s: float | None = None) -> d
         return sum(1 for e in events if e["event"] == name and e.get("worker_rank", 0) == 0)
 
     starts = [e for e in events if e["event"] == "worker_group_start"]
-    # A worker group is a restart (Ray Train replaced a lost worker, or resized) unless it is the first one after a
-    # driver's run_start; that first one resumes (a resume) when the run had checkpoints.
-    restarts = resumes = 0
-    first_of_start, in_first_group = True, False
-    for e in events:
-        if e["event"] == "run_start":
-            first_of_start = True
-        elif e["event"] == "worker_group_start" and e.get("worker_rank", 0) == 0:
-            in_first_group, first_of_start = first_of_start, False
-            restarts += 0 if in_first_group else 1
-        elif e["event"] == "resume" and in_first_group:
-            resumes += 1
+    restarts, resumes = restarts_and_resumes(events)
     losses = [m for m in metrics if m.get("loss") is not None]
     evals = [m for m in metrics if m.get("eval_loss") is not None]
     tput = [m["tokens_per_s"] for m in metrics if m.get("tokens_per_s")]

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from orchestration.observability.events import restarts_and_resumes
 from orchestration.observability.kernel_profile import KERNEL_CATEGORIES
 from orchestration.observability.report_plots import (
     plot_loss,
@@ -60,8 +61,12 @@ def run_stats(run: RunData, series: RunSeries) -> dict[str, Any]:
     evals = effective_curve(series.eval_steps, series.eval_loss)
     finite_tps = [t for t in series.tokens_per_s if math.isfinite(t)]
     precision = _config_field(run.config, "precision") or (series.precision[0] if series.precision else None)
-    recipe = _config_field(run.config, "precision", "recipe") if precision != "bf16" else None
+    groups = [e for e in run.events if e.get("event") == "worker_group_start" and e.get("worker_rank", 0) == 0]
+    # The recipe the workers resolved (config says "auto" for the device's recommended one), as W&B shows it.
+    resolved = next((e["recipe"] for e in reversed(groups) if e.get("recipe")), None)
+    recipe = (resolved or _config_field(run.config, "precision", "recipe")) if precision != "bf16" else None
     sizes = sorted(set(series.world_size)) or run.summary.get("world_sizes_seen") or []
+    restarts, resumes = restarts_and_resumes(run.events)
     return {
         "run": run.label,
         "model": _config_field(run.config, "model"),
@@ -74,7 +79,10 @@ def run_stats(run: RunData, series: RunSeries) -> dict[str, Any]:
         "median_tokens_per_s": statistics.median(finite_tps) if finite_tps else None,
         "mean_mfu": statistics.fmean(series.mfu) if series.mfu else None,
         "world_sizes": sizes,
-        "restarts": len(series.restart_steps),
+        "restarts": restarts,
+        "resumes": resumes,
+        # FP8 emulated on a CPU: its tokens/s measure the emulation, not FP8's speed
+        "fp8_emulated": precision == "fp8" and any(e.get("device") == "cpu" for e in groups),
         "fallbacks": len(series.fallback_steps),
         "rollbacks": len(series.rollbacks),
     }
@@ -96,7 +104,9 @@ def comparison_lines(runs: list[RunData], series: list[RunSeries], stats: list[d
         parts = []
         if base_stats["median_tokens_per_s"] and st["median_tokens_per_s"]:
             ratio = st["median_tokens_per_s"] / base_stats["median_tokens_per_s"]
-            parts.append(f"{ratio:.3f}x the median tokens/s")
+            emulated = st["fp8_emulated"] or base_stats["fp8_emulated"]
+            parts.append(f"{ratio:.3f}x the median tokens/s"
+                         + (" (FP8 emulated on CPU: not a measure of FP8 speed)" if emulated else ""))
         loss = effective_curve(s.loss_steps, s.loss)
         common = sorted(set(loss) & set(base_loss))
         if common:
@@ -137,7 +147,7 @@ _COLUMNS = [("run", "run"), ("model", "model"), ("precision", "precision"), ("re
             ("status", "status"), ("final_step", "steps"), ("final_loss", "final loss"),
             ("final_eval_loss", "final eval loss"),
             ("median_tokens_per_s", "median tokens/s"), ("mean_mfu", "mean MFU"), ("world_sizes", "world sizes"),
-            ("restarts", "restarts"), ("fallbacks", "fallbacks"), ("rollbacks", "rollbacks")]
+            ("restarts", "restarts"), ("resumes", "resumes"), ("fallbacks", "fallbacks"), ("rollbacks", "rollbacks")]
 
 
 def _fmt(key: str, value: Any) -> str:
@@ -173,8 +183,15 @@ def _html_table(table: list[list[str]]) -> str:
     return f"<table><tr>{head}</tr>{body}</table>"
 
 
+def _cell(key: str, st: dict[str, Any]) -> str:
+    text = _fmt(key, st.get(key))
+    if key == "median_tokens_per_s" and st.get("fp8_emulated") and st.get(key) is not None:
+        text += " (emulated FP8)"
+    return text
+
+
 def _stats_table(stats: list[dict[str, Any]]) -> list[list[str]]:
-    return [[title for _, title in _COLUMNS], *([_fmt(k, st.get(k)) for k, _ in _COLUMNS] for st in stats)]
+    return [[title for _, title in _COLUMNS], *([_cell(k, st) for k, _ in _COLUMNS] for st in stats)]
 
 
 def render_markdown(stats: list[dict[str, Any]], comparisons: list[str], profile: list[list[str]] = ()) -> str:

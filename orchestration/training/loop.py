@@ -211,6 +211,8 @@ class Trainer:
         job = self.job
         status = "completed"
         t_last_log, tokens_since_log = time.time(), 0
+        # The first step of a worker group is logged too: the driver's first progress line comes when it ends.
+        first_step = self.state.step + 1
         while self.state.step < job.train.steps:
             self.profile_ended(self.profiler.before_step(self.state.step))
             t0 = time.time()
@@ -240,7 +242,8 @@ class Trainer:
             self.scheduler.last_epoch = self.state.step
             tokens_since_log += self.tokens_per_step
             eval_fields = self.maybe_evaluate()
-            if eval_fields or self.state.step % job.train.log_every == 0 or self.state.step == job.train.steps:
+            if (eval_fields or self.state.step % job.train.log_every == 0
+                    or self.state.step in (first_step, job.train.steps)):
                 now = time.time()
                 # The eval's seconds are not training time: left out of tokens/s and of the step's time.
                 eval_s = eval_fields.get("eval_s", 0.0)
