@@ -45,6 +45,9 @@ REPORT_LOGGER_MODULE = "ray.train.v2._internal.execution.context"
 
 
 def prepare_worker_process() -> None:
+    from orchestration.training.distributed import keep_store_on_loopback
+
+    keep_store_on_loopback()  # not a log matter: this hook is the one code every worker runs before Ray's rendezvous
     pin_state_api_to_this_cluster()
     quiet_ray_train_shutdown()
     # Ray Train's controller builds Ray Data's default ExecutionOptions, whose constructor warns about a parameter
@@ -115,6 +118,3 @@ def quiet_ray_train_shutdown() -> None:
         logger = logging.getLogger(name)
         if not any(isinstance(f, DebugLevel) for f in logger.filters):
             logger.addFilter(DebugLevel(prefix))
-    from orchestration.training.distributed import keep_store_on_loopback
-
-    keep_store_on_loopback()  # not a log matter: this hook is the one code every worker runs before Ray's rendezvous
