@@ -116,9 +116,9 @@ class ModelConfig:
     # torch.compile every transformer block (it fuses the FP8 casts): None = on CUDA/ROCm devices, off on CPU.
     compile: bool | None = None
     # torch.compile mode of the blocks. "reduce-overhead" replays each block as a CUDA graph: it removes the host
-    # launch gaps of the FP8 MoE block (whose grouped GEMM ops run eager bodies: one H200 step of the
-    # DeepSeek-MoE-16B benchmark went from 136.9 to 124.3 ms, BENCHMARKS.md). One worker only: CUDA graphs of
-    # FSDP2-sharded blocks (collectives in their hooks) are not supported here.
+    # launch gaps of the FP8 MoE block, whose grouped GEMM ops run eager bodies (BENCHMARKS.md, "Tried, did not pay":
+    # why it is not the default). One worker only: CUDA graphs of FSDP2-sharded blocks (collectives in their hooks)
+    # are not supported here.
     compile_mode: str = "default"
     # A Hugging Face checkpoint directory (config.json, model.safetensors or shards + model.safetensors.index.json) the
     # run's weights start from instead of a random init: Llama 3 (LlamaForCausalLM) or DeepSeek-MoE (the
@@ -132,13 +132,12 @@ class ModelConfig:
 class PrecisionConfig:
     name: Precision = Precision.fp8
     # auto = the recommended recipe for the device (fp8.recommended_recipe): tensorwise on NVIDIA (the fastest
-    # measured: 1.38x bf16 for the dense step on the H200, rowwise 1.20x), rowwise_gw_hp on ROCm; ignored for bf16.
+    # measured, BENCHMARKS.md), rowwise_gw_hp on ROCm; ignored for bf16.
     recipe: RecipeName = RecipeName.auto
     # Convert the LM output head to FP8 too (fp8.convert.make_module_filter), its loss fused into it under the
-    # tensorwise recipe (fp8/head.py). On in conf/precision/fp8.yaml (torchtitan leaves it off): on one H100 it took
-    # the product loop from 1.26x to 1.33x bf16 (Llama3-8B width) and 1.04x to 1.15x (DeepSeek-MoE-16B width), and
-    # its held-out eval loss stayed within +0.34% of bf16's over 300 steps, inside bf16's own seed-to-seed spread
-    # (1.3%) and the 1% quality gate (BENCHMARKS.md, quality table). False here: bf16 runs have no FP8 head.
+    # tensorwise recipe (fp8/head.py). On in conf/precision/fp8.yaml (torchtitan leaves it off): it speeds up the
+    # product loop of both model families and its held-out eval loss stays inside bf16's own seed-to-seed spread and
+    # the quality gate (BENCHMARKS.md: the product loop and quality tables). False here: bf16 runs have no FP8 head.
     fp8_output_head: bool = False
     # Run the MoE routed experts' grouped GEMMs in FP8 (torch._scaled_grouped_mm). false keeps them bf16 while the
     # rest runs FP8: for GPUs or torch builds without an FP8 grouped GEMM (the worker refuses to emulate it there).
@@ -147,9 +146,8 @@ class PrecisionConfig:
     compute_dtype: str = "bfloat16"
     # FSDP2 MixedPrecisionPolicy: parameters gathered in this dtype (the float32 master weights stay sharded), gradients
     # reduced in reduce_dtype. auto = compute_dtype: under bf16 autocast every matmul casts its weight to bf16 anyway,
-    # so a float32 gather sends twice the bytes for the same operands (torchtitan gathers bf16). On CPU, debug_dense,
-    # 2 ranks, 200 steps, same seed: bf16 vs float32 gather, mean loss over steps 150-200 +0.01 %, largest difference
-    # 0.010 (docs/scaling.md).
+    # so a float32 gather sends twice the bytes for the same operands (torchtitan gathers bf16); the two gathers train
+    # to the same loss (docs/scaling.md).
     fsdp_param_dtype: str = "auto"
     fsdp_reduce_dtype: str = "float32"
     # FSDP2 all-gathers the tensorwise FP8 linears' weights in fp8 (fp8/fsdp_allgather.py): one byte per element, half
@@ -249,7 +247,7 @@ class TrainConfig:
     # generation collection every N steps on all ranks at once; 0 = Python's automatic GC.
     gc_every_steps: int = 50
     # The AdamW step: "triton" = optim.ChunkedAdamW (one Triton launch per step over every parameter, the gradient clip
-    # folded in: 2.6x torch's fused AdamW + clip pass for bf16 weights and 1.56x for fp32 on the H200, BENCHMARKS.md),
+    # folded in; faster than torch's fused AdamW + clip pass, BENCHMARKS.md),
     # "torch" = torch.optim.AdamW (fused on GPUs), "auto" = triton on NVIDIA GPUs, torch elsewhere
     # (ROCm: unverified, so torch). Same state dict either way: a checkpoint resumes under the other.
     adamw: AdamW = AdamW.auto
@@ -271,9 +269,9 @@ class CheckpointConfig:
     # false: refuse to start over a run that has checkpoints. Restarts within one start always resume.
     resume: bool = True
     report_to_ray: bool = True
-    # Periodic saves in the background: copy the state to pinned host memory (~1 s for 27 GB on the H200 host), then
-    # write, hash and finalize in a thread while training goes on (a synchronous save of that state took 25 s,
-    # BENCHMARKS.md). Costs host RAM equal to the rank's checkpoint shard, kept between saves.
+    # Periodic saves in the background: copy the state to pinned host memory, then write, hash and finalize in a
+    # thread while training goes on (the stall per save, either way: BENCHMARKS.md "Checkpoint stall"). Costs host
+    # RAM equal to the rank's checkpoint shard, kept between saves.
     # auto = always with cluster.device=cuda, else never; always; never. The step-0, post-rollback and final saves are always synchronous.
     async_save: AsyncSave = AsyncSave.auto
     # "final": when the run completes, write its last checkpoint as a Hugging Face directory (safetensors, config.json,

@@ -83,7 +83,7 @@ def ray_checkpoint_dir(checkpoint: CheckpointInfo | str | Path) -> str:
 
 
 # Digests of checkpoint files are computed over 64 MiB chunks in parallel threads (hashlib releases the GIL on large
-# buffers): one thread hashed a 23 GB checkpoint in tens of seconds on the H200 host (BENCHMARKS.md).
+# buffers): one thread takes tens of seconds for a checkpoint of tens of GB.
 DIGEST_CHUNK_BYTES = 64 << 20
 _READ_BYTES = 8 << 20
 

@@ -1,11 +1,11 @@
 """Page-locked host buffers for checkpoint staging, obtained without stopping training.
 
-Why not torch.empty(pin_memory=True): it goes through cudaHostAlloc, which on the H200 host took 5 s for 13 GiB and
-held a driver lock the whole time - a training loop beside it ran 2x slower, with single kernel launches blocked for
-1.1 s (benchmarks/pinned_staging.py, BENCHMARKS.md). Torch's caching host allocator also rounds each block
+Why not torch.empty(pin_memory=True): it goes through cudaHostAlloc, which is slow for checkpoint-sized buffers and
+holds a driver lock the whole time - a training loop beside it ran much slower, with single kernel launches blocked
+(benchmarks/pinned_staging.py, BENCHMARKS.md "Tried, did not pay"). Torch's caching host allocator also rounds each block
 up to a power of two. Here the buffers of one allocation batch are views into one ordinary pageable allocation (an
 "arena") whose pages are first faulted in by several threads, then page-locked with ONE cudaHostRegister
-for its exact, page-aligned size: 0.95 s for 13 GiB, 8% slower steps while it runs in a thread, the same 55 GB/s
+for its exact, page-aligned size: fast, barely slowing the steps while it runs in a thread, with pinned-speed
 device-to-host copies, and torch sees the views as pinned (non_blocking copies stay asynchronous). One registration
 per arena, not per tensor: small tensors share pages with their heap neighbours, and a page can be registered once.
 
@@ -88,7 +88,7 @@ def torch_pinned_empty(nbytes: int) -> torch.Tensor:
 
 def touch_pages(region: torch.Tensor, threads: int | None = None) -> None:
     """Zero a uint8 host tensor from several threads, faulting its pages in. Why threads of our own: torchrun and Ray
-    workers run with OMP_NUM_THREADS=1, where torch's fill faulted 13 GiB in on one core (~7 s on the H200 host)."""
+    workers run with OMP_NUM_THREADS=1, where torch's fill faults every page in on one core."""
     n = region.numel()
     threads = min(8, os.cpu_count() or 1) if threads is None else threads
     if threads <= 1 or n < (64 << 20):

@@ -219,8 +219,8 @@ class CheckpointManager:
         explicitly and raises its error, if any. Until then a crash loses only this save (its .tmp- directory).
 
         stage (default: background): copy GPU tensors into the pinned host buffers before writing, also for a
-        synchronous save. Why: DCP's own device-to-host copies go to pageable memory and made up most of a save on
-        the H200 (13 GB: write 9.3-9.9 s through DCP from the GPU, 1.2-1.7 s from the pinned copy).
+        synchronous save. Why: DCP's own device-to-host copies go to pageable memory and made up most of a save's
+        time on the GPU machines (BENCHMARKS.md "Checkpoint stall").
         """
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"step must be an int >= 0, got {step!r}")
@@ -276,8 +276,8 @@ class CheckpointManager:
     def resave_extra_state(self, info: CheckpointInfo, extra_state: dict) -> Path | None:
         """Collective: publish checkpoint `info` again as good, with `extra_state` and hard links to its other files
         (rank 0 writes). For a rollback, whose model, optimizer, scheduler and RNG are the ones just loaded from
-        `info`: writing them again took 9.2 s of the 13.1 s from a rollback decision to the next step (13 GB, one
-        H100, Ray). The manifest keeps the world size that wrote the tensors and RNG states; a load at another size
+        `info`: writing them again was most of a rollback's time from decision to next step (docs/reliability.md).
+        The manifest keeps the world size that wrote the tensors and RNG states; a load at another size
         reshards and derives the RNG, as for any checkpoint. Returns None, changing nothing, where the filesystem
         has no hard links: the caller saves the step in full then."""
         extra_json = _extra_json(extra_state)
@@ -321,7 +321,7 @@ class CheckpointManager:
         """Allocate the host buffers of staged saves for this state's tensors in a background thread (page-locked
         for GPU tensors), so that the next save finds them ready; that save waits if they are not. Local (no
         collective). Returns the number of buffers being prepared. For a resumed run, whose first save would
-        otherwise allocate them while training waits (1 s for 13 GiB by registration, 5-8 s by cudaHostAlloc)."""
+        otherwise allocate them while training waits (orchestration/checkpoint/host_memory.py: how, and its cost)."""
         self._join()
         specs = tensor_specs(model_and_optimizer_state(model, optimizer))
         self._staging.prepare(specs)

@@ -92,7 +92,7 @@ def stage_to_host(tree: dict, staging: HostStaging, prefix: str = "") -> dict:
 
 class ParallelFileSystemReader(dcp.FileSystemReader):
     """DCP's file reader with its files read in threads, one group of requests per file (DCP's reads them one file
-    after the other: 13 GB took 9-11 s on the H200 host, ~1.2 GB/s, most of a resume's downtime - BENCHMARKS.md).
+    after the other, most of a resume's downtime - BENCHMARKS.md "Restart and recovery times").
     Each file's requests go through the parent's own read_data, so the format handling stays DCP's;
     the files' requests write disjoint destinations. Safe with DefaultLoadPlanner (resolve_tensor only looks up and
     narrows, commit_tensor does nothing, load_bytes assigns into existing containers); a custom planner that keeps

@@ -72,8 +72,8 @@ def write_and_finalize(job: SaveJob, *, rank: int, world_size: int, checksum: st
     job.group. Events go to job.events (emitted by _finish on the caller's thread)."""
     tmp, final, step, group = job.tmp, job.final, job.step, job.group
     t_write = time.perf_counter()
-    # Several writer threads (each rank then writes that many files): one thread wrote ~0.5 GB/s from the H200 to
-    # tmpfs. DCP's single-process warning is filtered at import (warnings.catch_warnings is not
+    # Several writer threads (each rank then writes that many files): one thread could not fill the disk's bandwidth
+    # (BENCHMARKS.md "Checkpoint stall"). DCP's single-process warning is filtered at import (warnings.catch_warnings is not
     # thread-safe, and this runs in the save thread).
     dcp.save(job.tensors, storage_writer=dcp.FileSystemWriter(tmp / DCP_DIR, thread_count=io_threads()),
              process_group=group)

@@ -158,8 +158,8 @@ def agree_and_decide(monitor: StepMonitor, policy: DivergencePolicy, verdict_D: 
     the host has read them (StepMonitor.update_gate: the same thresholds, compared in the same float64, as
     evaluate()). It is launched
     before the host read and the read does not wait for it, so the GPU runs the optimizer while the host evaluates
-    (without it the GPU idled from the read until the host had decided and launched the optimizer: ~1.4 ms a step
-    in the MoE host profile, BENCHMARKS.md). A gate that disagrees with the decision is a bug: RuntimeError.
+    (without it the GPU idled from the read until the host had decided and launched the optimizer, in the MoE host
+    profile). A gate that disagrees with the decision is a bug: RuntimeError.
 
     stop: optional; its request rides in the same all-reduce as one more slot (MAX: any rank asking stops all) and
     comes back in the same host read, so a SIGTERM costs no collective of its own.

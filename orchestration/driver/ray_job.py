@@ -315,8 +315,8 @@ def close_run_dir(run_dir: RunDir, status: str, t_start: float) -> dict[str, Any
 
 def fit_until_done_or_stopped(trainer: Any, run_dir: RunDir, grace_s: float = 30.0) -> bool:
     """trainer.fit() in a thread, so that Ctrl-C reaches this driver and not Ray Train's handler (it registers one
-    only on the main thread, and aborts the workers wherever they are: a run went on ~18 steps and wrote two
-    checkpoints during a 15.7 s exit). The first Ctrl-C asks the workers to stop at their next logged step (they
+    only on the main thread, and aborts the workers wherever they are: a run went on training and wrote two
+    checkpoints during its exit). The first Ctrl-C asks the workers to stop at their next logged step (they
     look for STOP_FILE there, agree, and end their loop as "interrupted", an in-flight save finished); a second
     one, or grace_s without them stopping, returns at once and the caller stops the cluster. Returns whether the
     user interrupted; raises fit's error otherwise."""

@@ -109,9 +109,9 @@ def check_start(job: JobConfig, run_name: str) -> None:
 
 
 def check_data_source(job: JobConfig) -> None:
-    """Build the workers' datasets here once (0.24 s for the default corpus): a source without files or a corpus
+    """Build the workers' datasets here once (cheap for the default corpus): a source without files or a corpus
     that cannot be read fails now, with the message the workers would have given, not after Ray started and
-    retried the worker group four times (~50 s)."""
+    retried the worker group four times."""
     from orchestration.config import ConfigError
     from orchestration.data.select import build_datasets
 

@@ -169,8 +169,8 @@ class RunCheckpoints:
         t = self.trainer
         if resumed is None:
             if t.job.checkpoint.every_steps:
-                # In the background with async saves: written synchronously, it stood training still 11.9-13.5 s
-                # for 13 GB through Ray on an H100, a background periodic save 0.011 s.
+                # In the background with async saves: written synchronously it stood training still for the whole
+                # write (BENCHMARKS.md "Checkpoint stall").
                 self.save(good=True, background=self.async_saves)
             return
         previous = resumed.previous_events
@@ -331,8 +331,8 @@ class RunCheckpoints:
     def maybe_mark_good(self) -> None:
         """A checkpoint is good once monitor.good_after_steps steps after it passed the monitors
         (docs/run-directory.md). The clean steps are counted from the save, not from the end of its write: one still
-        being written in the background when they pass is marked good when it is finalized (a 13 GB save took 11 s
-        on an H100 while steps took 0.07 s: a loss spike during the write rolled back one checkpoint further)."""
+        being written in the background when they pass is marked good when it is finalized (a large save outlasts
+        many steps: counted from its end, a loss spike during the write rolled back one checkpoint further)."""
         t = self.trainer
         last_bad = t.guard.last_bad_step
         for step in sorted(self.manager.awaiting_good - self.earned_good):

@@ -32,9 +32,8 @@ def compile_blocks(model: torch.nn.Module, mode: str = "default") -> None:
     """torch.compile each transformer block (torchtitan's granularity: one graph per block, reused by all).
 
     Static shapes: the sequence length is fixed, and a graph that went dynamic after a shape change ran the fp8
-    step 5-20% slower on the H200 (BENCHMARKS.md). Inductor's defaults otherwise: turning its mix-order
-    reductions off (they fuse the RMSNorm backward with the next fp8 cast, a 1.75 ms kernel per Llama3-8B layer
-    in the profile) measured no faster for the whole step (198.3 vs 196.9 ms), so they stay on.
+    step slower. Inductor's defaults otherwise: turning its mix-order reductions off (they fuse the RMSNorm
+    backward with the next fp8 cast into one long kernel) measured no faster for the whole step, so they stay on.
     """
     # CUDA graphs replay the MoE grouped-GEMM ops' bodies without their Python, and a compiled body bumps dynamo's
     # generation counter, which graph trees read as a new iteration where no step is marked (the Trainer marks

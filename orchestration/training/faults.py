@@ -144,7 +144,7 @@ class FaultPlan:
         """fp8_scale_error: while `module` computes in FP8 (fp8_enabled) at a hit step, each output column of y times
         exp(magnitude * z), z ~ N(0, 1) drawn from a generator seeded with the step: a wrong dequantization scale per
         channel, the same in every forward of a step, another one at the next step (so training cannot learn it
-        away, as it did a constant x0.5: the FP8 eval then came out 2% better than BF16's)."""
+        away, as it did a constant x0.5: the FP8 eval then came out better than BF16's)."""
         if not (getattr(module, "fp8_enabled", False) and self._hits("fp8_scale_error", step, rank)):
             return y
         generator = torch.Generator().manual_seed(step)

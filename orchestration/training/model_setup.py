@@ -26,8 +26,8 @@ def build_training_model(job: JobConfig, world_size: int, device: torch.device,
     from models.registry import build_model
 
     # Built on meta, converted and sharded there, then materialized and initialised on the device one unit at a
-    # time (init_weights_by_unit): no full copy on the host (a 70B model is 280 GB in fp32; even 4 layers of the
-    # 8B model took ~35 s to initialise on one CPU thread), the same weights at every world size.
+    # time (init_weights_by_unit): no full copy on the host (a 70B model is 280 GB in fp32, and initialising even a
+    # few 8B-width layers on one CPU thread is slow), the same weights at every world size.
     model = build_model(job.model.name, device="meta", overrides=dict(job.model.overrides))
     require_vocab_covers_data(model, job.model.name, data_vocab_size)
     recipe = None

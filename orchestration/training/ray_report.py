@@ -5,8 +5,8 @@ Ray Train's default report (CheckpointUploadMode.SYNC) copies the reported direc
 checkpoint, written while training stands still. Our checkpoints already live in the run directory on a filesystem
 that the driver and every worker share (the loop refuses to start otherwise), and a resume reads them from there,
 never from Ray's copy. So with a local or shared storage path the report carries the step only: no copy, no disk
-for it (a 45 MB disk filled with Ray's copies, 20 of the 45 MB; the ~32 GB checkpoint of DeepSeek-MoE-16B filled a
-64 GiB GPU machine's disk), no stall for it (benchmarks/checkpoint_stall.py). A cloud storage path
+for it (Ray's copies filled the disk of a test and, with a DeepSeek-MoE-16B-width checkpoint, a GPU machine's
+disk), no stall for it (benchmarks/checkpoint_stall.py). A cloud storage path
 (cluster.storage_path=s3://...) is the one case where Ray's copy is worth its cost: it is the off-node copy, so
 there the directory is uploaded as before.
 """

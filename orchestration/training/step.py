@@ -15,7 +15,7 @@ Order inside a step, and why:
 4. the update, if the decision applies it and the gated launch did not: the clip scales after the decision, so a
    skipped step never scales the gradients it drops. optim.ChunkedAdamW (train.adamw) scales inside its one launch;
    with torch's AdamW the scaling pass at least keeps the GPU busy while the host runs AdamW's Python prologue (the
-   GPU waited 1.0-1.9 ms a step there in the MoE host profile, BENCHMARKS.md).
+   GPU otherwise waited there in the MoE host profile).
 """
 
 from __future__ import annotations
