@@ -51,26 +51,42 @@ def ray_services(processes: dict[int, str]) -> dict[int, str]:
             if any(Path(cmd.split(" ", 1)[0]).name.startswith(s) for s in RAY_SERVICES)}
 
 
-def stop_marked(name: str, value: str, grace_s: float = 10.0) -> dict[int, str]:
-    """SIGTERM every process carrying the mark, SIGKILL what is left after grace_s. Returns what was found."""
-    found = marked_processes(name, value)
+def parent_pid(pid: int) -> int | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat[stat.rfind(")") + 2:].split()[1])
+
+
+def stop_marked(name: str, value: str, grace_s: float = 10.0, spare_children_of: int | None = None) -> dict[int, str]:
+    """SIGTERM every process carrying the mark (but the direct children of `spare_children_of`), SIGKILL what is
+    left after grace_s. Returns what was found."""
+    def targets() -> dict[int, str]:
+        found = marked_processes(name, value)
+        return {pid: cmd for pid, cmd in found.items()
+                if spare_children_of is None or parent_pid(pid) != spare_children_of}
+
+    found = targets()
     for sig in (signal.SIGTERM, signal.SIGKILL):
-        for pid in marked_processes(name, value):
+        for pid in targets():
             try:
                 os.kill(pid, sig)
             except ProcessLookupError:
                 pass
         deadline = time.monotonic() + grace_s
-        while marked_processes(name, value) and time.monotonic() < deadline:
+        while targets() and time.monotonic() < deadline:
             time.sleep(0.2)
     return found
 
 
 @pytest.fixture(scope="session", autouse=True)
 def stop_what_the_session_left():
-    """Backstop for module-scoped fixtures and in-process clusters: nothing this session started outlives it."""
+    """Backstop for module-scoped fixtures: nothing a job started by this session leaves outlives it. This process's
+    own children are left to their owners' exit handlers (W&B's service, an in-process cluster's ray.shutdown);
+    what a launcher that died left behind is no longer its child."""
     yield
-    stop_marked(SESSION_MARK_ENV, SESSION_MARK, grace_s=5.0)
+    stop_marked(SESSION_MARK_ENV, SESSION_MARK, grace_s=5.0, spare_children_of=os.getpid())
 
 
 @pytest.fixture

@@ -2,6 +2,7 @@
 stopped, whatever their names, and a process without the mark is left alone (another user's Ray cluster)."""
 
 import os
+import shlex
 import subprocess
 import sys
 import uuid
@@ -37,6 +38,25 @@ def test_marked_processes_are_stopped_and_unmarked_ones_left_alone():
         for proc in (marked, detached, other):
             proc.kill()
             proc.wait(timeout=10)
+
+
+def test_the_session_backstop_spares_this_process_children_and_stops_orphans():
+    """An orphan (its launcher died: reparented away from this process) is stopped; a child this process still owns
+    (W&B's service, an in-process cluster) is left to its owner."""
+    mark = uuid.uuid4().hex
+    child = start(mark=mark)
+    launcher = subprocess.Popen(["bash", "-c", f"{shlex.join(SLEEP)} >/dev/null & echo $!"], env={**os.environ,
+                                TEST_MARK_ENV: mark}, stdout=subprocess.PIPE, text=True)
+    orphan = int(launcher.stdout.readline())
+    launcher.wait(timeout=30)  # the launcher is gone: its child is nobody's here
+    try:
+        stopped = stop_marked(TEST_MARK_ENV, mark, grace_s=1.0, spare_children_of=os.getpid())
+        assert orphan in stopped and child.pid not in stopped, stopped
+        assert child.poll() is None
+        assert orphan not in marked_processes(TEST_MARK_ENV, mark)
+    finally:
+        child.kill()
+        child.wait(timeout=10)
 
 
 def test_ray_services_are_told_by_their_executable():
