@@ -61,7 +61,18 @@ def load_all(path: Path) -> list[dict]:
 
 
 def cluster_conf(name: str) -> dict:
-    return load(CONF_CLUSTER / f"{name}.yaml")
+    """A cluster preset as a job gets it: its keys over the schema's defaults, the ones it leaves to the machine
+    decided for a machine without GPUs (what this one is; a GPU machine would fill them from its GPUs)."""
+    from omegaconf import OmegaConf
+
+    from orchestration.config import JobConfig, to_dict
+    from orchestration.machine_defaults import NO_GPU, resolve_cluster
+
+    job = JobConfig()
+    job.cluster = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ClusterConfig),
+                                                      load(CONF_CLUSTER / f"{name}.yaml")))
+    resolve_cluster(job, NO_GPU)
+    return to_dict(job)["cluster"]
 
 
 @pytest.fixture(scope="module")
@@ -83,12 +94,15 @@ def test_every_cluster_preset_is_covered():
 
 
 @pytest.mark.parametrize("path", CONF_FILES, ids=lambda p: p.stem)
-def test_cluster_conf_has_exactly_the_schema_keys(path):
+def test_cluster_conf_has_only_schema_keys_of_their_types(path):
+    """A preset holds what differs from the schema's defaults (orchestration/config.py); resolved, it has them all."""
     conf = load(path)
     assert set(CLUSTER_FIELDS) == {f.name for f in dataclasses.fields(ClusterConfig)}, "update CLUSTER_FIELDS"
-    assert set(conf) == set(CLUSTER_FIELDS)
+    assert set(conf) <= set(CLUSTER_FIELDS)
+    resolved = cluster_conf(path.stem)
+    assert set(resolved) == set(CLUSTER_FIELDS)
     for key, typ in CLUSTER_FIELDS.items():
-        assert isinstance(conf[key], typ), f"{path.name}: {key}={conf[key]!r} is not {typ}"
+        assert isinstance(resolved[key], typ), f"{path.name}: {key}={resolved[key]!r} is not {typ}"
     # and the structured schema itself accepts it (types, no unknown keys)
     from omegaconf import OmegaConf
 
@@ -98,7 +112,7 @@ def test_cluster_conf_has_exactly_the_schema_keys(path):
 
 @pytest.mark.parametrize("path", CONF_FILES, ids=lambda p: p.stem)
 def test_cluster_conf_values_are_sensible(path):
-    c = load(path)
+    c = cluster_conf(path.stem)
     assert 1 <= c["min_workers"] <= c["max_workers"]
     assert c["device"] in DEVICES
     if c["device"] in ("cuda", "rocm"):
@@ -116,7 +130,7 @@ def test_cluster_conf_values_are_sensible(path):
     assert set(ENV_PRESETS[c["env_preset"]]) <= set(env)
 
 
-@pytest.mark.parametrize("path", [p for p in CONF_FILES if (load(p)["storage_path"] or "").count("://")],
+@pytest.mark.parametrize("path", [p for p in CONF_FILES if (load(p).get("storage_path") or "").count("://")],
                          ids=lambda p: p.stem)
 def test_cloud_storage_uris_resolve_offline_through_pyarrow(path):
     # Ray Train hands storage_path to pyarrow.fs.FileSystem.from_uri. An s3:// URI without ?region= makes pyarrow
@@ -130,10 +144,13 @@ def test_cloud_storage_uris_resolve_offline_through_pyarrow(path):
     assert fs_path.endswith("elastic-fp8") and "?" not in fs_path
 
 
-def test_existing_cluster_joins_by_address_and_fits_a_cpu_loopback_cluster():
-    c = cluster_conf("existing")
-    assert c["address"] == "auto"  # $RAY_ADDRESS, else the cluster `ray start --head` started on this machine
-    assert c["device"] == "cpu" and c["min_workers"] < c["max_workers"] and c["cpus_per_worker"] <= 1
+def test_existing_cluster_joins_by_address_and_leaves_its_shape_to_the_clusters_resources():
+    raw = load(CONF_CLUSTER / "existing.yaml")
+    assert raw["address"] == "auto"  # $RAY_ADDRESS, else the cluster `ray start --head` started on this machine
+    # workers, device and memory come from Ray's node resources (orchestration/driver/machine.py)
+    assert not {"min_workers", "max_workers", "device", "gpus_per_worker", "memory_per_worker_gb"} & set(raw)
+    c = cluster_conf("existing")  # a cluster without GPUs: the CPU demo's 2 workers, 1 CPU each
+    assert (c["device"], c["min_workers"], c["max_workers"], c["cpus_per_worker"]) == ("cpu", 2, 2, 1.0)
 
 
 # ---------------------------------------------------------------- deploy/ray launcher YAMLs
