@@ -15,8 +15,8 @@ from benchmarks import run_suite
 from benchmarks.common import RESULT_KEYS, write_result
 
 REPO = Path(__file__).resolve().parent.parent
-GPU_SUITES = ("kernels", "dense", "moe", "loop", "checkpoint", "quality_dense", "quality_moe", "quality_moe_seeds",
-              "ray_dense", "ray_faults")
+GPU_SUITES = ("kernels", "dense", "moe", "loop", "mission", "checkpoint", "quality_dense", "quality_moe",
+              "quality_moe_seeds", "ray_dense", "ray_faults")
 
 
 def test_every_suite_runs_existing_programs_with_options_they_define():
@@ -57,7 +57,13 @@ def test_every_product_loop_run_of_the_gpu_suites_is_a_config_the_product_accept
     from hydra import compose, initialize_config_dir
 
     import orchestration.data.select
-    from orchestration.validation import load_job_config
+    from orchestration.machine_defaults import Machine
+    from orchestration.validation import resolve_job
+
+    # The one-GPU machine the suites run on, described (this one has none): a suite that leaves the cluster to the
+    # machine (the mission command) resolves as it does there.
+    one_gpu = Machine(gpu_vendor="cuda", gpu_count=1, gpu_memory_gb=79.1, gpu_name="NVIDIA H100 80GB HBM3",
+                      source="the GPU machine")
 
     # The quality suites read a corpus prepared on the GPU machine (docs/data.md), absent from a fresh clone: every
     # other setting is checked here, the corpus checks are tests/test_tokenized_data.py's.
@@ -68,7 +74,7 @@ def test_every_product_loop_run_of_the_gpu_suites_is_a_config_the_product_accept
     assert variants, benchmark.name
     for name, overrides in variants:
         with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-            job = load_job_config(compose(config_name="config", overrides=overrides))
+            job, _ = resolve_job(compose(config_name="config", overrides=overrides), one_gpu)
         assert job.cluster.device == "cuda" and job.cluster.max_workers == 1, (benchmark.name, name)
 
 
