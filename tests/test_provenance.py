@@ -50,10 +50,14 @@ def multirun_job():
 
 
 def test_multirun_jobs_share_a_sweep_directory_and_record_their_overrides(tmp_path, multirun_job):
+    from orchestration.validation import resolve_defaults
+
     run_dirs = []
     for num, precision in enumerate(("bf16", "fp8")):
         multirun_job(num, f"precision={precision}")
-        job = ray_job.in_sweep_directory(JobConfig(run_root=str(tmp_path)))
+        job = JobConfig(run_root=str(tmp_path))
+        resolve_defaults(job)  # what loading a config does: the machine-decided settings (no GPU here)
+        job = ray_job.in_sweep_directory(job)
         run_dirs.append(ray_job.open_run_dir(job, job.run_name).path)
     sweep = run_dirs[0].parent
     assert sweep.parent == tmp_path and sweep.name.startswith("sweep-") and run_dirs[1].parent == sweep
