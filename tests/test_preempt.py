@@ -56,15 +56,7 @@ def test_sigterm_to_the_driver_saves_at_the_next_step_and_the_next_start_loses_n
     root = tmp_path / "runs"
     run_dir = root / "term"
     proc = start(isolated_env, root, "term", *SETTINGS, "train.steps=100000")
-    try:
-        wait_for_step(run_dir, 4, proc)
-        step_at_signal = read_jsonl(run_dir / "metrics.jsonl")[-1]["step"]
-        t_signal = time.time()
-        proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            kill_tree(process_tree(proc.pid))
+    out, step_at_signal, t_signal = sigterm_after_step(proc, run_dir, 4, timeout=120)
     assert proc.returncode == 1, out[-3000:]  # not completed
     assert "SIGTERM: the workers save a checkpoint at their next step" in out, out[-3000:]
     stopped_at, save_s = check_preempted_run(run_dir, t_signal, step_at_signal)
@@ -74,6 +66,21 @@ def test_sigterm_to_the_driver_saves_at_the_next_step_and_the_next_start_loses_n
                   timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     check_resumed_without_loss(run_dir, stopped_at)
+
+
+def sigterm_after_step(proc: subprocess.Popen, run_dir: Path, step: int, timeout: float) -> tuple[str, int, float]:
+    """SIGTERM to the launcher once the run logged `step`; its output, the last logged step and the signal's time.
+    Whatever of the job is still running afterwards is killed."""
+    try:
+        wait_for_step(run_dir, step, proc)
+        step_at_signal = read_jsonl(run_dir / "metrics.jsonl")[-1]["step"]
+        t_signal = time.time()
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            kill_tree(process_tree(proc.pid))
+    return out, step_at_signal, t_signal
 
 
 def torchrun(run_root: Path, env: dict, *overrides: str, nproc: int = 2) -> subprocess.Popen:
@@ -89,15 +96,7 @@ def test_sigterm_to_torchrun_saves_at_the_next_step_and_the_next_start_loses_not
     root = tmp_path / "runs"
     run_dir = root / "term"
     proc = torchrun(root, isolated_env, "train.steps=100000")
-    try:
-        wait_for_step(run_dir, 4, proc)
-        step_at_signal = read_jsonl(run_dir / "metrics.jsonl")[-1]["step"]
-        t_signal = time.time()
-        proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            kill_tree(process_tree(proc.pid))
+    out, step_at_signal, t_signal = sigterm_after_step(proc, run_dir, 4, timeout=60)
     stopped_at, save_s = check_preempted_run(run_dir, t_signal, step_at_signal)
     print(f"torchrun: checkpoint of step {stopped_at} saved {save_s:.2f} s after SIGTERM (at step {step_at_signal})")
 
