@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fp8.compute_weight import compute_weight
 from models.decoder import Decoder, DecoderBlock, RMSNorm
 from models.llama3 import Attention, FeedForward, apply_rope, rope_frequencies
 
@@ -288,9 +289,12 @@ class GroupedExperts(nn.Module):
         return self.w13[:, self.hidden_dim :]
 
     def forward(self, x_RD: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
-        y13_RJ = self.grouped_mm(x_RD, self.w13.transpose(-2, -1), offs_E)
+        # The weights' compute copies where fp8.weight_copies attached them (cast once per weight change), else the
+        # master weights, which grouped_mm casts.
+        w13_EDJ = compute_weight(self, "w13", x_RD).transpose(-2, -1)
+        y13_RJ = self.grouped_mm(x_RD, w13_EDJ, offs_E)
         h_RI = F.silu(y13_RJ[:, : self.hidden_dim]) * y13_RJ[:, self.hidden_dim :]
-        return self.grouped_mm(h_RI, self.w2.transpose(-2, -1), offs_E)
+        return self.grouped_mm(h_RI, compute_weight(self, "w2", h_RI).transpose(-2, -1), offs_E)
 
     def init_weights(self, init_std: float, out_std: float) -> None:
         with torch.no_grad():
