@@ -145,16 +145,26 @@ class WeightCopies:
             if dst is not None:
                 dst.copy_(src)
 
-    def copy_bytes(self) -> int:
-        """Bytes the copies and fp8 operands hold."""
-        total = 0
-        for e in self.entries:
-            tensors = [e.copy]
-            if e.operands is not None:
-                tensors += [t for t in (e.operands.data, e.operands.scale, e.operands.data_t, e.operands.scale_t)
-                            if t is not None]
-            total += sum(t.numel() * t.element_size() for t in tensors)
-        return total
+
+
+def copy_bytes(model: nn.Module, dtype: torch.dtype = torch.bfloat16) -> int:
+    """Bytes attach_weight_copies(model, dtype) allocates, from shapes alone (a meta-device model works): what the
+    memory plan counts. Weights FSDP2 shards are not counted (they get no copy); on a meta-built model, which is
+    unsharded, the caller counts nothing when the run shards."""
+    total = 0
+    for module, name, kind in _weights(model):
+        w = getattr(module, name)
+        if not _plain(w) or w.dtype == dtype or not w.is_floating_point():
+            continue
+        total += w.numel() * dtype.itemsize
+        if kind == "linear":
+            n, k = w.shape
+            scales = 1 if module.recipe.granularity == "tensorwise" else n + k
+            total += 2 * w.numel() + 4 * scales
+        elif kind == "grouped":
+            e, n, _ = w.shape
+            total += 2 * w.numel() + 4 * e * n
+    return total
 
 
 def attach_weight_copies(model: nn.Module, dtype: torch.dtype = torch.bfloat16) -> WeightCopies | None:

@@ -58,6 +58,11 @@ def build_training_model(job: JobConfig, world_size: int, device: torch.device,
                         fp8_all_gather=fp8_all_gather_enabled(job, recipe))
     init_weights_by_unit(model, template, job.train.seed, device)
     broadcast_from_rank0_if_unsharded(model, world_size, job.train.sharding)
+    if job.precision.weight_copies:
+        from fp8.weight_copies import attach_weight_copies
+
+        # After the weights exist and before compile traces the layers that read the copies.
+        attach_weight_copies(model, getattr(torch, job.precision.compute_dtype))
     if device.type == "cuda":
         # gpu_mem_peak_gib reports the training's peak, not the transient full-size unit of the initialisation
         torch.cuda.reset_peak_memory_stats(device)
@@ -95,6 +100,25 @@ def fp8_kept_in_bf16(job: JobConfig, on_gpu: bool) -> tuple[dict[str, str], int]
     if not on_gpu:
         return {}, eligible
     return fp8_too_small(model, module_filter, job.train.micro_batch_size * job.data.seq_len), eligible
+
+
+def planned_weight_copy_bytes(job: JobConfig, keep_bf16: frozenset[str] | set[str] = frozenset()) -> int:
+    """Bytes per worker of the weights' compute copies (fp8.weight_copies) of an unsharded run of this job: the
+    model converted as build_training_model converts it (keep_bf16: fp8_kept_in_bf16's layers), on meta."""
+    import fp8
+    from fp8.weight_copies import copy_bytes
+    from models.registry import build_model
+
+    if not job.precision.weight_copies:
+        return 0
+    model = build_model(job.model.name, device="meta", overrides=dict(job.model.overrides))
+    if job.precision.name == "fp8":
+        eligible = fp8.convert.make_module_filter(output_head=job.precision.fp8_output_head,
+                                                  experts=job.precision.fp8_experts)
+        # The recipe only sizes the scales here (rowwise: a vector, tensorwise: one value): auto counts rowwise's.
+        recipe = "rowwise" if job.precision.recipe == "auto" else job.precision.recipe
+        fp8.convert_to_fp8(model, recipe, module_filter=lambda name, m: eligible(name, m) and name not in keep_bf16)
+    return copy_bytes(model, getattr(torch, job.precision.compute_dtype))
 
 
 def fp8_too_small(model: torch.nn.Module, module_filter, tokens_per_forward: int) -> dict[str, str]:
