@@ -132,9 +132,10 @@ class WeightCopies:
                 e.copy_version = e.copy._version
                 self.refreshes += 1
             elif e.copy._version != e.copy_version:
-                self._make_operands(e)
+                if e.operands is not None:
+                    self._make_operands(e)
+                    self.fp8_refreshes += 1
                 e.copy_version = e.copy._version
-                self.fp8_refreshes += 1
 
     @staticmethod
     def _make_operands(e: _Copy) -> None:
