@@ -113,7 +113,7 @@ def grouped_fp8_operands(w_EKN: torch.Tensor, fp8_dtype: torch.dtype) -> Fp8Oper
     if not _GROUPED:
         return None
     found = _GROUPED.get(_view_key(w_EKN))
-    if found is None or found.data.dtype != fp8_dtype:
+    if found is None or found.data is None or found.data.dtype != fp8_dtype:
         return None
     return found
 

@@ -111,6 +111,21 @@ def _grouped_operands(copy_ENK: torch.Tensor) -> tuple:
     return w_fp8_EKN.transpose(-2, -1), sw_E1N, q_EKN, None
 
 
+_OPERAND_FIELDS = (("data", "_fp8"), ("scale", "_fp8_scale"), ("data_t", "_fp8_t"), ("scale_t", "_fp8_scale_t"))
+
+
+def _set_operands(module: nn.Module, name: str, operands: Fp8Operands, kind: str) -> None:
+    """Make the weight's fp8 operands from its copy and put them in place of the old ones (buffers and `operands`).
+    New tensors rather than writes into the old ones: the casts allocate their outputs, and a copy into the old
+    buffers would be a second pass over them. The compiled layers read the buffers by name at every call, and the
+    new tensors have the old ones' shapes, strides and dtypes (no recompile)."""
+    copy = getattr(module, name + COPY_SUFFIX)
+    made = _linear_operands(module, copy) if kind == "linear" else _grouped_operands(copy)
+    for (field, suffix), t in zip(_OPERAND_FIELDS, made):
+        setattr(operands, field, t)
+        setattr(module, name + suffix, t)
+
+
 class WeightCopies:
     """The copies of one model's weights (see the module docstring)."""
 
@@ -139,12 +154,8 @@ class WeightCopies:
 
     @staticmethod
     def _make_operands(e: _Copy) -> None:
-        if e.operands is None:
-            return
-        made = _linear_operands(e.module, e.copy) if e.kind == "linear" else _grouped_operands(e.copy)
-        for dst, src in zip((e.operands.data, e.operands.scale, e.operands.data_t, e.operands.scale_t), made):
-            if dst is not None:
-                dst.copy_(src)
+        if e.operands is not None:
+            _set_operands(e.module, e.name, e.operands, e.kind)
 
 
 
@@ -185,12 +196,9 @@ def attach_weight_copies(model: nn.Module, dtype: torch.dtype = torch.bfloat16) 
         setattr(master, COPY_ATTR, copy)
         operands = None
         if kind:
-            made = _linear_operands(module, copy) if kind == "linear" else _grouped_operands(copy)
-            buffers = [None if t is None else torch.empty_like(t, memory_format=torch.contiguous_format)
-                       for t in made]
-            for suffix, t in zip(("_fp8", "_fp8_scale", "_fp8_t", "_fp8_scale_t"), buffers):
-                _register(module, name + suffix, t)
-            operands = Fp8Operands(*buffers)
+            for _, suffix in _OPERAND_FIELDS:
+                _register(module, name + suffix, None)
+            operands = Fp8Operands(None, None, None, None)  # made by the first sync, below
             if kind == "grouped":
                 register_grouped_operands(copy.transpose(-2, -1), operands)
         if type(module) is nn.Linear:

@@ -195,6 +195,54 @@ def test_fsdp2_checkpoint_loaded_at_world_size_one_refreshes_the_copies(tmp_path
     assert loss_of(one) == loss_of(reference) != loss_of(build(seed=3, copies=False))
 
 
+# ----------------------------------------------------------------------------- on a GPU (skipped without CUDA)
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_gpu_compiled_worker_model_reads_copies_the_kernel_wrote(monkeypatch, precision):
+    # The worker's model on the GPU (compiled blocks, ChunkedAdamW): after each step every copy is torch's cast of
+    # its updated master and every fp8 operand what the layer's casts make of the copy, bit for bit; no master was
+    # cast again by torch (the kernel wrote every copy); the compiled MoE blocks' grouped GEMMs found their operands.
+    from fp8 import grouped
+    from fp8.weight_copies import _grouped_operands, _linear_operands
+    from orchestration.training.model_setup import build_training_model
+    from orchestration.training.optimizer import make_optimizer
+    from orchestration.validation import load_job_config
+
+    found = {"hit": 0, "miss": 0}
+    lookup = grouped.grouped_fp8_operands
+
+    def counting(w, dtype):
+        ops = lookup(w, dtype)
+        found["hit" if ops is not None else "miss"] += 1
+        return ops
+
+    monkeypatch.setattr(grouped, "grouped_fp8_operands", counting)
+    job = load_job_config({"model": {"name": "debug_moe", "compile": True}, "precision": {"name": precision},
+                           "cluster": {"min_workers": 1, "max_workers": 1, "device": "cuda"},
+                           "train": {"global_batch_size": 2, "micro_batch_size": 2}})
+    device = torch.device("cuda")
+    model, _ = build_training_model(job, world_size=1, device=device)
+    opt = make_optimizer(job, device, model.parameters())
+    assert isinstance(opt, ChunkedAdamW)
+    copies = weight_copies(model)
+    made = copies.refreshes
+    sm = StepModel(model, opt, device, BF16, compiled=True)
+    for s in range(3):
+        t = tokens(s, seq=65).to(device)
+        assert torch.isfinite(train_step(sm, [MicroBatch(t[:, :-1], t[:, 1:], 1.0, 1.0)], step=s).loss)
+        copies.sync()
+        for e in copies.entries:
+            assert torch.equal(e.copy, e.master.detach().to(BF16)), e.name
+            if e.kind:
+                want = _linear_operands(e.module, e.copy) if e.kind == "linear" else _grouped_operands(e.copy)
+                got = (e.operands.data, e.operands.scale, e.operands.data_t, e.operands.scale_t)
+                assert all(w is None and g is None or torch.equal(g, w) for g, w in zip(got, want)), e.name
+    assert opt.kernel_steps == 3 and copies.refreshes == made
+    if precision == "fp8":
+        assert found["hit"] > 0 and found["miss"] == 0, found
+
+
 # ----------------------------------------------------------------------------- the fused AdamW (interpreter)
 
 @pytest.fixture
