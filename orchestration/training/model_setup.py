@@ -15,6 +15,7 @@ from orchestration.training.distributed import (
     broadcast_from_rank0_if_unsharded,
     init_weights_by_unit,
     parallelize,
+    resolve_shard_group_size,
 )
 
 
@@ -55,7 +56,9 @@ def build_training_model(job: JobConfig, world_size: int, device: torch.device,
     template = copy.deepcopy(model)  # on meta: no memory
     model = parallelize(model, world_size, job.train.sharding, job.precision.fsdp_param_dtype,
                         job.precision.fsdp_reduce_dtype, job.model.activation_checkpointing,
-                        fp8_all_gather=fp8_all_gather_enabled(job, recipe))
+                        fp8_all_gather=fp8_all_gather_enabled(job, recipe),
+                        shard_group_size=resolve_shard_group_size(job.train.shard_group_size, world_size),
+                        expert_parallel=job.train.expert_parallel, fp8_dispatch=job.train.expert_dispatch_fp8)
     init_weights_by_unit(model, template, job.train.seed, device)
     broadcast_from_rank0_if_unsharded(model, world_size, job.train.sharding)
     if device.type == "cuda":
