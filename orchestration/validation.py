@@ -262,6 +262,8 @@ def validate(job: JobConfig) -> None:
              f"{t.global_batch_size} sequences is fewer than cluster.max_workers={c.max_workers}: every worker "
              f"needs at least one sequence per step; raise it to >= {c.max_workers}")
 
+    check_parallel_layout(job)
+
     k = job.checkpoint
     _require(k.every_steps >= 0, "checkpoint.every_steps", "must be >= 0 (0 = no checkpoints)")
     _require(k.keep_last >= 1, "checkpoint.keep_last", "must be >= 1")
@@ -308,3 +310,31 @@ def check_preset_device(preset: str, device: str) -> None:
         raise ValueError(f"cluster.env_preset={preset} is for {wanted} devices but cluster.device={device}; "
                          f"use a {device} preset ({[p for p, d in PRESET_DEVICE.items() if d == device]}) "
                          "or env_preset=none")
+
+
+def check_parallel_layout(job: JobConfig) -> None:
+    """train.sharding / shard_group_size / expert_parallel against the model and the elastic range: every world size
+    of it must get a layout (orchestration.training.elastic.plan_layout lowers the degrees where a size does not
+    divide them)."""
+    from models.registry import resolve_flavor
+
+    t, c = job.train, job.cluster
+    _require(t.expert_parallel >= 1, "train.expert_parallel", f"must be >= 1 (1 = off), got {t.expert_parallel}")
+    if t.shard_group_size is not None:
+        _require(t.shard_group_size >= 1, "train.shard_group_size", f"must be >= 1, got {t.shard_group_size}")
+        _require(t.sharding == "hsdp", "train.shard_group_size",
+                 f"is HSDP's shard group size but train.sharding={t.sharding}; set train.sharding=hsdp or leave "
+                 "train.shard_group_size null")
+    if t.expert_parallel == 1:
+        _require(not t.expert_dispatch_fp8, "train.expert_dispatch_fp8",
+                 "sends expert-parallel tokens in FP8 but train.expert_parallel=1; set train.expert_parallel > 1")
+        return
+    _require(t.sharding != "none", "train.expert_parallel",
+             "needs train.sharding=fsdp or hsdp (the rest of the model is sharded around the experts); set one")
+    experts = getattr(resolve_flavor(job.model.name, dict(job.model.overrides)).args, "n_routed_experts", 0)
+    _require(experts > 0, "train.expert_parallel",
+             f"model {job.model.name} has no routed experts; set train.expert_parallel=1")
+    _require(experts % t.expert_parallel == 0, "train.expert_parallel",
+             f"{t.expert_parallel} does not divide the {experts} routed experts of {job.model.name}; pick a divisor")
+    _require(t.expert_parallel <= c.max_workers, "train.expert_parallel",
+             f"{t.expert_parallel} is more than cluster.max_workers={c.max_workers}; lower it")
