@@ -3,6 +3,8 @@ planner's choice of layout for a cluster. Pure functions: no processes."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from orchestration.config import ConfigError
@@ -69,3 +71,69 @@ def test_a_good_layout_validates():
     job = compose_job("train.expert_parallel=2", "train.sharding=hsdp", "train.shard_group_size=2",
                       "train.expert_dispatch_fp8=true")
     assert (job.train.expert_parallel, job.train.sharding, job.train.shard_group_size) == (2, "hsdp", 2)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The scaling model's prices for HSDP and expert parallelism (models/scaling.py)
+
+
+def _moe_plan(*overrides: str) -> dict:
+    from orchestration.driver.plan import scaling_plan
+
+    job = compose_job("model=deepseek_moe16b", "cluster.fabric=nvlink_ib400", "cluster.device=cuda",
+                      "cluster.memory_per_worker_gb=80", "data.seq_len=4096", "train.micro_batch_size=2", *overrides)
+    return scaling_plan(job)
+
+
+def test_all_to_all_and_replica_collectives_follow_the_fabric():
+    from models import scaling
+
+    f = scaling.FABRICS["nvlink_ib400"]
+    gb = 1e9
+    # inside a node: the 7/8 bound for the others over NVLink, one step of latency
+    assert scaling.all_to_all_s(gb, 8, f) == pytest.approx(
+        7 / 8 * gb / (f.intra_node_gbs * 1e9) + (f.collective_base_us + f.intra_hop_us) * 1e-6)
+    # 16 ranks over two nodes: 8 of the 15 peers are remote, reached through the GPU's own NIC
+    assert scaling.all_to_all_s(gb, 16, f) == pytest.approx(
+        15 / 16 * gb * 8 / 15 / (f.inter_node_gbs * 1e9) + (f.collective_base_us + f.inter_hop_us) * 1e-6)
+    # replicas a node apart: each GPU's ring through its own NIC only
+    assert scaling.strided_ring_s(gb, 16, 8, f) == pytest.approx(
+        15 / 16 * gb / (f.inter_node_gbs * 1e9) + (f.collective_base_us + 15 * f.inter_hop_us) * 1e-6)
+    assert scaling.all_to_all_s(gb, 1, f) == scaling.strided_ring_s(gb, 1, 8, f) == 0.0
+
+
+def test_default_layout_is_the_fsdp_model_and_hsdp_ep_change_the_step():
+    from models import scaling
+
+    run = scaling.PUBLISHED_RUNS[0]
+    w = dataclasses.replace(run.workload, compute_s=1.0, expert_params=run.workload.params_per_layer * 16,
+                            moe_layers=16, dim=4096, top_k=2)
+    f, p = scaling.FABRICS["nvlink_ib400"], scaling.Precision(False, False, 2, 4)
+    fsdp = scaling.predict_step(w, p, f, 128)
+    # one shard group of every GPU is FSDP
+    assert scaling.predict_step(w, p, f, 128, scaling.Layout(shard_group_size=128)).step_s == fsdp.step_s
+    hsdp = scaling.predict_step(w, p, f, 128, scaling.Layout(shard_group_size=8))
+    ep = scaling.predict_step(w, p, f, 128, scaling.Layout(expert_parallel=8))
+    ep_fp8 = scaling.predict_step(w, p, f, 128, scaling.Layout(expert_parallel=8, fp8_dispatch=True))
+    # HSDP gathers inside the node but all-reduces the gradient shards across 16 nodes
+    assert hsdp.comm_s != fsdp.comm_s
+    # expert parallelism adds exposed all-to-alls and takes half the parameters out of the gathers
+    assert ep.exposed_comm_s > fsdp.exposed_comm_s and ep_fp8.exposed_comm_s < ep.exposed_comm_s
+    assert scaling.state_bytes_per_gpu(w, scaling.Layout(expert_parallel=8), 128) > \
+        scaling.state_bytes_per_gpu(w, scaling.Layout(), 128)
+
+
+def test_dry_run_picks_a_layout_for_deepseek_moe16b_at_128_gpus_at_half_efficiency_or_better():
+    plan = _moe_plan("cluster.min_workers=128", "cluster.max_workers=128")
+    layout = plan["layout"]
+    assert layout["source"] == "chosen" and layout["scaling_efficiency"] >= 0.5, layout
+    assert layout["bytes_per_gpu"] <= 0.9 * 80 * 1024**3
+    fitting = [r for r in layout["candidates"] if r["fits"]]
+    assert layout["tokens_per_s_per_gpu"] == max(r["tokens_per_s_per_gpu"] for r in fitting)
+    assert {r["layout"] for r in layout["candidates"]} >= {"fsdp 128", "hsdp 16x8", "fsdp 128 + ep 8"}
+
+
+def test_dry_run_predicts_a_configured_layout():
+    plan = _moe_plan("cluster.min_workers=16", "cluster.max_workers=16", "train.sharding=hsdp",
+                     "train.expert_parallel=8", "train.global_batch_size=32")
+    assert plan["layout"]["label"] == "hsdp 2x8 + ep 8" and plan["layout"]["source"] == "configured"

@@ -5,6 +5,7 @@ Built from a meta-device model (models.planning), so nothing is allocated: plann
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from orchestration.config import JobConfig
@@ -113,6 +114,10 @@ def scaling_workload(job: JobConfig):
         recompute_fraction=1.0 if job.model.activation_checkpointing else 0.0,
         measured_head_flops_per_token=6 * m_model.output.weight.numel(),
         measured_head_gemm_share=m_model.output.weight.numel() / dense)
+    moe = model.moe_layers() if hasattr(model, "moe_layers") else []
+    if moe:
+        w = dataclasses.replace(w, expert_params=float(sum(p.numel() for m in moe for p in m.experts.parameters())),
+                                moe_layers=len(moe), dim=flavor.args.dim, top_k=flavor.args.n_activated_experts)
     return w, recipe, measured
 
 
@@ -128,16 +133,61 @@ def scaling_plan(job: JobConfig) -> dict[str, Any]:
     precisions = [scaling.Precision(False, False, gather, reduce), scaling.Precision(True, False, gather, reduce)]
     if recipe == "tensorwise":
         precisions.append(scaling.Precision(True, True, gather, reduce))
-    curves = {p.label: [s.to_dict() for s in scaling.scaling_curve(w, p, fabric)] for p in precisions}
     at = job.cluster.max_workers
+    layout = layout_plan(job, w, precisions[-1], fabric, at)
+    chosen = scaling.Layout(layout["shard_group_size"], layout["expert_parallel"], job.train.expert_dispatch_fp8)
+    curves = {p.label: [s.to_dict() for s in scaling.scaling_curve(w, p, fabric, layout=chosen)] for p in precisions}
     return {"fabric": fabric.name, "fabric_description": fabric.description, "accelerator": fabric.accelerator,
             "tokens_per_gpu": w.tokens_per_gpu, "measured_from": measured.source, "world_size": at,
-            "at_world_size": {p.label: scaling.predict_step(w, p, fabric, at).to_dict() for p in precisions},
+            "layout": layout,
+            "at_world_size": {p.label: scaling.predict_step(w, p, fabric, at, chosen).to_dict() for p in precisions},
             "curves": curves}
+
+
+def layout_plan(job: JobConfig, w, precision, fabric, world_size: int) -> dict[str, Any]:
+    """The layout the dry run predicts at world_size: the configured one (train.sharding, shard_group_size,
+    expert_parallel) when it is not the default, else the fastest candidate that fits the GPU's memory
+    (models.scaling.choose_layout: FSDP or HSDP by node, expert parallelism over powers of two); with the memory
+    per GPU, the predicted scaling efficiency, and every candidate."""
+    from models import scaling
+    from models.planning import activation_bytes
+    from models.registry import build_model, resolve_flavor
+
+    flavor = resolve_flavor(job.model.name, dict(job.model.overrides))
+    model = build_model(flavor, device="meta")
+    activations = activation_bytes(model, w.tokens_per_gpu, 2, checkpointing=job.model.activation_checkpointing)
+    root = w.params_root
+    block = w.params_per_layer - (w.expert_params / w.layers if job.train.expert_parallel > 1 else 0.0)
+    # gathered root and two blocks in bf16, the biggest unit's fp32 gradient before its reduce-scatter
+    buffers = 2 * root + 2 * 2 * block + 4 * max(root, block)
+    experts = getattr(flavor.args, "n_routed_experts", 0)
+    memory = job.cluster.memory_per_worker_gb * GIB
+    best, pred, rows = scaling.choose_layout(w, precision, fabric, world_size, experts, memory, activations + buffers)
+    configured = job.train.sharding != "fsdp" or job.train.expert_parallel > 1
+    if configured:
+        from orchestration.training.elastic import plan_layout
+
+        chosen = plan_layout(world_size, job.train.sharding, job.train.shard_group_size or fabric.gpus_per_node,
+                             job.train.expert_parallel, experts)
+        best = scaling.Layout(chosen.shard_group_size if chosen.sharding == "hsdp" else None, chosen.expert_parallel,
+                              job.train.expert_dispatch_fp8)
+        pred = scaling.predict_step(w, precision, fabric, world_size, best)
+    one = scaling.predict_step(w, precision, fabric, 1).tokens_per_s_per_gpu
+    return {"label": best.label(world_size), "source": "configured" if configured else "chosen",
+            "shard_group_size": best.shard_group_size, "expert_parallel": best.expert_parallel,
+            "precision": precision.label,
+            "bytes_per_gpu": scaling.state_bytes_per_gpu(w, best, world_size) + activations + buffers,
+            "tokens_per_s_per_gpu": pred.tokens_per_s_per_gpu, "scaling_efficiency": pred.tokens_per_s_per_gpu / one,
+            "candidates": rows}
 
 
 def print_scaling(scaling_plan_: dict[str, Any]) -> None:
     sp = scaling_plan_
+    lay = sp.get("layout")
+    if lay:
+        print(f"layout at {sp['world_size']} GPUs ({lay['source']}): {lay['label']}, "
+              f"{lay['bytes_per_gpu'] / GIB:.1f} GiB per GPU, {lay['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU "
+              f"({lay['precision']}), scaling efficiency {lay['scaling_efficiency']:.0%}")
     print(f"scaling on {sp['fabric']} ({sp['fabric_description']}), {sp['tokens_per_gpu']:,} tokens per GPU a step, "
           f"compute from {sp['measured_from']}")
     labels = list(sp["curves"])
