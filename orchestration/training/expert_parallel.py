@@ -156,6 +156,9 @@ class ExpertParallelCompute:
         self.counter = counter
         self.fp8_dispatch = fp8_dispatch
 
+    # Outside torch.compile: the split sizes are read on the host and the collectives run eagerly (a graph break
+    # around the routed experts of a compiled block).
+    @torch.compiler.disable
     def __call__(self, x_RD: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
         N = self.ep_size
         E = offs_E.shape[0]
