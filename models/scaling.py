@@ -277,20 +277,25 @@ def layout_at(layout: Layout, world_size: int) -> Layout:
 
 def state_bytes_per_gpu(w: Workload, layout: Layout, world_size: int, bytes_per_param: int = 16) -> float:
     """Parameters, gradients and AdamW states of one GPU (fp32 master, grad, m, v: 16 bytes a parameter): the dense
-    part sharded over the shard group, the routed experts over the expert-parallel group."""
+    part sharded over the shard group, the routed experts over the expert-parallel group; plus FSDP's working
+    buffers: the root and two blocks gathered in bf16 (the one computing, the one prefetched), and the biggest
+    unit's fp32 gradient before its reduce-scatter (the routed experts out of the blocks under expert parallelism)."""
     params_total = w.layers * w.params_per_layer + w.params_root
     group = min(layout.shard_group_size or world_size, world_size)
     experts = w.expert_params if layout.expert_parallel > 1 else 0.0
-    return bytes_per_param * ((params_total - experts) / group + experts / layout.expert_parallel)
+    state = bytes_per_param * ((params_total - experts) / group + experts / layout.expert_parallel)
+    block = w.params_per_layer - experts / w.layers
+    buffers = 2 * w.params_root + 2 * 2 * block + 4 * max(w.params_root, block) if group > 1 else 0.0
+    return state + buffers
 
 
 def candidate_layouts(world_size: int, gpus_per_node: int, n_experts: int) -> list[Layout]:
-    """FSDP or HSDP (one node a shard group) times expert parallelism over 1, 2, 4, ... up to a node's GPUs or the
-    world, each a divisor of the world size and of the routed experts."""
+    """FSDP or HSDP (one node a shard group) times expert parallelism over 1, 2, 4, ... up to the world or the
+    routed experts, each a divisor of the world size and of the routed experts."""
     groups = [None] + ([gpus_per_node] if world_size > gpus_per_node and world_size % gpus_per_node == 0 else [])
     eps = [1]
     n = 2
-    while n_experts and n <= min(world_size, max(gpus_per_node, 8) * 8):
+    while n_experts and n <= min(world_size, n_experts):
         if world_size % n == 0 and n_experts % n == 0:
             eps.append(n)
         n *= 2

@@ -156,10 +156,7 @@ def layout_plan(job: JobConfig, w, precision, fabric, world_size: int) -> dict[s
     flavor = resolve_flavor(job.model.name, dict(job.model.overrides))
     model = build_model(flavor, device="meta")
     activations = activation_bytes(model, w.tokens_per_gpu, 2, checkpointing=job.model.activation_checkpointing)
-    root = w.params_root
-    block = w.params_per_layer - (w.expert_params / w.layers if job.train.expert_parallel > 1 else 0.0)
-    # gathered root and two blocks in bf16, the biggest unit's fp32 gradient before its reduce-scatter
-    buffers = 2 * root + 2 * 2 * block + 4 * max(root, block)
+    buffers = 0.0  # counted with the states (models.scaling.state_bytes_per_gpu)
     experts = getattr(flavor.args, "n_routed_experts", 0)
     memory = job.cluster.memory_per_worker_gb * GIB
     best, pred, rows = scaling.choose_layout(w, precision, fabric, world_size, experts, memory, activations + buffers)
@@ -177,6 +174,7 @@ def layout_plan(job: JobConfig, w, precision, fabric, world_size: int) -> dict[s
             "shard_group_size": best.shard_group_size, "expert_parallel": best.expert_parallel,
             "precision": precision.label,
             "bytes_per_gpu": scaling.state_bytes_per_gpu(w, best, world_size) + activations + buffers,
+            "fits": scaling.state_bytes_per_gpu(w, best, world_size) + activations + buffers <= 0.9 * memory,
             "tokens_per_s_per_gpu": pred.tokens_per_s_per_gpu, "scaling_efficiency": pred.tokens_per_s_per_gpu / one,
             "candidates": rows}
 
@@ -186,7 +184,8 @@ def print_scaling(scaling_plan_: dict[str, Any]) -> None:
     lay = sp.get("layout")
     if lay:
         print(f"layout at {sp['world_size']} GPUs ({lay['source']}): {lay['label']}, "
-              f"{lay['bytes_per_gpu'] / GIB:.1f} GiB per GPU, {lay['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU "
+              f"{lay['bytes_per_gpu'] / GIB:.1f} GiB per GPU ({'fits' if lay['fits'] else 'does not fit'}), "
+              f"{lay['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU "
               f"({lay['precision']}), scaling efficiency {lay['scaling_efficiency']:.0%}")
     print(f"scaling on {sp['fabric']} ({sp['fabric_description']}), {sp['tokens_per_gpu']:,} tokens per GPU a step, "
           f"compute from {sp['measured_from']}")
