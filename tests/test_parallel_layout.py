@@ -67,6 +67,15 @@ def test_bad_layouts_are_config_errors(overrides, message):
         compose_job(*overrides)
 
 
+def test_the_plan_lists_the_layout_of_every_world_size_of_the_elastic_range():
+    from orchestration.driver.plan import elastic_layouts
+
+    job = compose_job("train.expert_parallel=2", "cluster.min_workers=1", "cluster.max_workers=4",
+                      "train.global_batch_size=16")
+    assert elastic_layouts(job) == {"1": "one worker", "2": "FSDP over 2, experts over 2", "3": "FSDP over 3",
+                                    "4": "FSDP over 4, experts over 2"}
+
+
 def test_a_good_layout_validates():
     job = compose_job("train.expert_parallel=2", "train.sharding=hsdp", "train.shard_group_size=2",
                       "train.expert_dispatch_fp8=true")

@@ -68,11 +68,22 @@ def build_job_plan(job: JobConfig, machine_notes: list[str] | tuple[str, ...] = 
         "reasons": reasons,
         "workers_needed": workers_needed,
         "fp8_layers": {"eligible": fp8_eligible, "converted": fp8_eligible - len(kept_bf16), "kept_bf16": kept_bf16},
+        "layouts": elastic_layouts(job),
         "machine": list(machine_notes),
         "scaling": scaling_plan(job) if c.fabric != "none" else None,
         "model_plan": mp,
         "ray": ray_plan(job, run_name, resolve_run_root(job)).to_dict(),
     }
+
+
+def elastic_layouts(job: JobConfig) -> dict[str, str]:
+    """The parallel layout each world size of the elastic range runs (orchestration.training.elastic.plan_layout, as
+    the workers pick it at every (re)start), by world size; at most 64 sizes listed (the smallest ones)."""
+    from orchestration.training.model_setup import layout_for
+
+    c = job.cluster
+    sizes = range(c.min_workers, min(c.max_workers, c.min_workers + 63) + 1)
+    return {str(n): layout_for(job, n).describe() for n in sizes}
 
 
 def scaling_workload(job: JobConfig):
@@ -272,5 +283,8 @@ def print_plan(plan: dict[str, Any]) -> None:
         print(f"GiB per worker: {parts}")
     for reason in plan["reasons"]:
         print(reason)
+    layouts = plan.get("layouts") or {}
+    if len(set(layouts.values())) > 1 or any(text != f"FSDP over {n}" for n, text in layouts.items()):
+        print("layout by world size: " + "; ".join(f"{n}: {text}" for n, text in layouts.items()))
     if plan.get("scaling"):
         print_scaling(plan["scaling"])

@@ -100,6 +100,8 @@ class ParallelLayout:
         return self.world_size // self.shard_group_size
 
     def describe(self) -> str:
+        if self.world_size <= 1:
+            return "one worker"
         kind = {"fsdp": f"FSDP over {self.world_size}", "none": f"{self.world_size} replicas",
                 "hsdp": f"HSDP {self.replicas} x {self.shard_group_size}"}[self.sharding]
         return kind + (f", experts over {self.expert_parallel}" if self.expert_parallel > 1 else "")
