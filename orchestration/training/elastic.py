@@ -137,12 +137,12 @@ def plan_layout(world_size: int, sharding: str, shard_group_size: int | None, ex
                              "set train.expert_parallel=1")
         ep = _largest_divisor_at_most(math.gcd(world_size, n_routed_experts), expert_parallel)
         if ep != expert_parallel:
-            notes.append(f"expert parallelism {expert_parallel} does not divide world size {world_size} and "
-                         f"{n_routed_experts} experts: {ep}")
+            notes.append(f"expert parallelism {expert_parallel} lowered to {ep} (it must divide the world size "
+                         f"{world_size} and the {n_routed_experts} routed experts)")
     if sharding == "fsdp":
         return ParallelLayout(world_size, "fsdp", world_size, ep, tuple(notes))
     wanted = shard_group_size or gpus_per_node or world_size
     group = _largest_divisor_at_most(world_size, wanted)
     if group != wanted:
-        notes.append(f"shard group {wanted} does not divide world size {world_size}: {group}")
+        notes.append(f"HSDP shard group {wanted} lowered to {group} (it must divide the world size {world_size})")
     return ParallelLayout(world_size, "hsdp", group, ep, tuple(notes))
