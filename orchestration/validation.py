@@ -55,10 +55,11 @@ def resolve_job(cfg: DictConfig | dict, machine: Machine, *,
 def fp8_where_it_pays(job: JobConfig) -> list[str]:
     """A GPU job asking for FP8 where no layer's GEMMs are large enough for FP8 to pay (fp8.size_rule) trains in
     bf16, which is then the faster of the two: said in the plan. CPU jobs emulate FP8 and keep it."""
+    from models.registry import MODEL_FLAVORS
     from orchestration.machine_defaults import is_gpu_job
     from orchestration.training.model_setup import fp8_kept_in_bf16
 
-    if job.precision.name != "fp8" or not is_gpu_job(job) or job.model.name not in _model_names():
+    if job.precision.name != "fp8" or not is_gpu_job(job) or job.model.name not in MODEL_FLAVORS:
         return []
     try:
         kept, eligible = fp8_kept_in_bf16(job, on_gpu=True)
@@ -71,12 +72,6 @@ def fp8_where_it_pays(job: JobConfig) -> list[str]:
                 f"{job.train.micro_batch_size} x {job.data.seq_len} tokens a micro-batch (fp8.size_rule); a larger "
                 "micro-batch or data.seq_len brings FP8 back")]
     return []
-
-
-def _model_names() -> set[str]:
-    from models.registry import MODEL_FLAVORS
-
-    return set(MODEL_FLAVORS)
 
 
 def check_machine_has(job: JobConfig, machine: Machine, requested: tuple) -> None:
