@@ -128,7 +128,8 @@ class Trainer:
         self.event("worker_group_start", world_size=self.world_size, grad_accum=self.plan.grad_accum,
                    micro_batch_size=self.plan.micro_batch_size, backend=self.info.backend,
                    device=str(self.device), group_id=self.group_id, precision=self.state.precision,
-                   recipe=self.recipe, adamw=type(self.optimizer).__name__)
+                   recipe=self.recipe, adamw=type(self.optimizer).__name__,
+                   layout=self.model.parallel_layout.describe())
         if self.eval_unavailable:
             self.event("eval_unavailable", reason=self.eval_unavailable)
         if self.fp8_eligible:
