@@ -10,6 +10,9 @@ MFU, peak memory, checkpoint times) plus the fault's outcome (restarts, the step
 step) goes to OUT/multi_gpu.json with the environment, and each run directory (checkpoints removed) to OUT/<name>/.
 Ratios fp8 / bf16 are per launcher and model.
 
+--layouts fsdp hsdp ep hsdp_ep adds HSDP (two replicas of half the GPUs) and expert parallelism (the MoE model's
+routed experts over the host's GPUs) to the matrix; the default is plain FSDP.
+
 --debug runs the same matrix at debug sizes on CPU with gloo (debug_dense / debug_moe): the end-to-end check that the
 script, both launchers, the fault and the resume work (tests/test_multi_gpu_script.py).
 """
@@ -45,9 +48,24 @@ DEBUG_MODELS = {
 }
 LAUNCHERS = ("torchrun", "ray")
 PRECISIONS = ("bf16", "fp8")
+# Parallel layouts (orchestration/training/elastic.plan_layout): plain FSDP; HSDP with two replicas of half the GPUs
+# each; the MoE model's routed experts over all GPUs of the host (at most 8, a divisor of its experts), alone and
+# with HSDP. The expert layouts apply to the MoE model only (a dense model has no experts to split).
+LAYOUTS = ("fsdp", "hsdp", "ep", "hsdp_ep")
 
 
-def run_overrides(args, model: str, precision: str, run_name: str) -> list[str]:
+def layout_overrides(layout: str, model: str, gpus: int, debug: bool) -> list[str] | None:
+    """The overrides of a layout for a model, or None where it does not apply (expert parallelism, dense model)."""
+    experts = 8 if debug else 64  # debug_moe's and DeepSeek-MoE-16B's routed experts
+    ep = max(n for n in range(1, min(gpus, 8) + 1) if gpus % n == 0 and experts % n == 0)
+    hsdp = ["train.sharding=hsdp", f"train.shard_group_size={max(1, gpus // 2)}"]
+    expert = [f"train.expert_parallel={ep}"]
+    if layout in ("ep", "hsdp_ep") and model != "deepseek_moe16b":
+        return None
+    return {"fsdp": [], "hsdp": hsdp, "ep": expert, "hsdp_ep": hsdp + expert}[layout]
+
+
+def run_overrides(args, model: str, precision: str, run_name: str, layout: str = "fsdp") -> list[str]:
     models = DEBUG_MODELS if args.debug else MODELS
     device = ["cluster.device=cpu", "cluster.cpus_per_worker=1"] if args.debug else [
         "cluster.device=cuda", "cluster.gpus_per_worker=1"]
@@ -56,7 +74,8 @@ def run_overrides(args, model: str, precision: str, run_name: str) -> list[str]:
             f"train.warmup_steps={min(10, args.steps // 4)}",
             f"train.global_batch_size={micro * args.gpus}", f"checkpoint.every_steps={args.checkpoint_every}",
             "faults=kill_worker", "faults.rank=1", f"faults.step={args.fault_step}", "logging.wandb=false",
-            "logging.ray_metrics=false", f"run_name={run_name}", f"run_root={args.run_root}", *args.common]
+            "logging.ray_metrics=false", f"run_name={run_name}", f"run_root={args.run_root}",
+            *layout_overrides(layout, model, args.gpus, args.debug), *args.common]
 
 
 def command(args, launcher: str, overrides: list[str]) -> list[str]:
@@ -68,13 +87,14 @@ def command(args, launcher: str, overrides: list[str]) -> list[str]:
             f"cluster.max_workers={args.gpus}"]
 
 
-def run_one(args, launcher: str, model: str, precision: str) -> dict:
-    name = f"{launcher}-{model}-{precision}"
+def run_one(args, launcher: str, model: str, precision: str, layout: str = "fsdp") -> dict:
+    name = f"{launcher}-{model}-{precision}" + (f"-{layout}" if layout != "fsdp" else "")
     run_name = f"{name}-{int(time.time())}"
-    cmd = command(args, launcher, run_overrides(args, model, precision, run_name))
+    cmd = command(args, launcher, run_overrides(args, model, precision, run_name, layout))
     out = Path(args.out)
     rc, wall = run_own_session(cmd, out / f"{name}.log", args.timeout_s, REPO)
-    result = {"name": name, "launcher": launcher, "model": model, "precision": precision, "gpus": args.gpus,
+    result = {"name": name, "launcher": launcher, "model": model, "precision": precision, "layout": layout,
+              "gpus": args.gpus,
               "command": " ".join(cmd), "returncode": rc, "wall_s": round(wall, 1)}
     run_dir = Path(args.run_root) / run_name
     if run_dir.exists():
@@ -96,15 +116,17 @@ def run_one(args, launcher: str, model: str, precision: str) -> dict:
 
 
 def ratios(runs: list[dict]) -> dict:
-    """fp8 / bf16 tokens/s median per launcher and model (where both ran)."""
+    """fp8 / bf16 tokens/s median per launcher, model and layout (where both ran)."""
     out = {}
     for r in runs:
         if r["precision"] != "fp8" or not r.get("tokens_per_s_median"):
             continue
         base = next((b for b in runs if b["precision"] == "bf16" and b["launcher"] == r["launcher"]
-                     and b["model"] == r["model"] and b.get("tokens_per_s_median")), None)
+                     and b["model"] == r["model"] and b.get("layout") == r.get("layout")
+                     and b.get("tokens_per_s_median")), None)
         if base:
-            out[f"{r['launcher']}-{r['model']}"] = round(r["tokens_per_s_median"] / base["tokens_per_s_median"], 3)
+            key = f"{r['launcher']}-{r['model']}" + (f"-{r['layout']}" if r.get("layout", "fsdp") != "fsdp" else "")
+            out[key] = round(r["tokens_per_s_median"] / base["tokens_per_s_median"], 3)
     return out
 
 
@@ -116,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--launchers", nargs="+", default=list(LAUNCHERS), choices=LAUNCHERS)
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     p.add_argument("--precisions", nargs="+", default=list(PRECISIONS), choices=PRECISIONS)
+    p.add_argument("--layouts", nargs="+", default=["fsdp"], choices=LAYOUTS,
+                   help="parallel layouts (HSDP, expert parallelism: MoE model only)")
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--fault-step", type=int, default=30)
     p.add_argument("--checkpoint-every", type=int, default=20)
@@ -137,11 +161,14 @@ def main(argv: list[str] | None = None) -> int:
     for launcher in args.launchers:
         for model in args.models:
             for precision in args.precisions:
-                runs.append(run_one(args, launcher, model, precision))
-                r = runs[-1]
-                print(f"{r['name']}: rc {r['returncode']}, final step {r.get('final_step')}, tokens/s "
-                      f"{r.get('tokens_per_s_median')}, resumed from {r.get('fault', {}).get('resumed_from')}",
-                      flush=True)
+                for layout in args.layouts:
+                    if layout_overrides(layout, model, args.gpus, args.debug) is None:
+                        continue
+                    runs.append(run_one(args, launcher, model, precision, layout))
+                    r = runs[-1]
+                    print(f"{r['name']}: rc {r['returncode']}, final step {r.get('final_step')}, tokens/s "
+                          f"{r.get('tokens_per_s_median')}, resumed from {r.get('fault', {}).get('resumed_from')}",
+                          flush=True)
     result = {"env": env_info(), "gpus": args.gpus, "debug": args.debug, "steps": args.steps,
               "fault_step": args.fault_step, "runs": runs, "fp8_over_bf16": ratios(runs)}
     (Path(args.out) / "multi_gpu.json").write_text(json.dumps(result, indent=2))

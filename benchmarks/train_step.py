@@ -204,8 +204,8 @@ def convert_torchao(model: torch.nn.Module, recipe: str, output_head: bool) -> N
     convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(name), module_filter_fn=keep)
 
 
-def build_step(job: JobConfig, variant: Variant, device: torch.device) -> tuple[StepModel, Callable[[int], object]]:
-    """(StepModel, step -> train_step's check or None), built as the worker loop builds them."""
+def build_step(job: JobConfig, variant: Variant, device: torch.device) -> tuple[StepModel, StepGuard | None]:
+    """(StepModel, the divergence guard or None), built as the worker loop builds them."""
     torch.manual_seed(job.train.seed)
     if variant.torchao:
         compile_after = compile_enabled(job, device)
@@ -226,14 +226,9 @@ def build_step(job: JobConfig, variant: Variant, device: torch.device) -> tuple[
     sm = StepModel(model, optimizer, device, compute_dtype, compiled, cuda_graphs, 1, job.train.sharding,
                    job.train.grad_clip)
     if not variant.checked:
-        return sm, lambda step: None
-    guard = StepGuard(job.monitor, model, fp8_run=recipe is not None)
-
-    def check_at(step: int):
-        # The loop's Trainer.check; no shadow losses: monitor.shadow_every is 0 by default.
-        return lambda loss, grad_norm, gated_update: guard.check(model, step, loss, grad_norm, gated_update)
-
-    return sm, check_at
+        return sm, None
+    # As the loop's; no shadow losses: monitor.shadow_every is 0 by default.
+    return sm, StepGuard(job.monitor, model, fp8_run=recipe is not None)
 
 
 def random_batches(vocab: int, batch: int, seq: int, device: torch.device, n: int = 3) -> list[list[MicroBatch]]:
@@ -285,13 +280,13 @@ def bench_row(name: str, cfg: dict, text: str, args: argparse.Namespace, device:
             return row
     torch._dynamo.reset()  # fresh graphs per row: nothing compiled for one variant is reused by the next
     job = job_for(cfg, variant, args.eager, device)
-    sm, check_at = build_step(job, variant, device)
+    sm, guard = build_step(job, variant, device)
     batches = random_batches(sm.model.args.vocab_size, cfg["batch"], cfg["seq"], device)
 
     managed_gc = ManagedGc(job.train.gc_every_steps)
 
     def run_step(step: int) -> StepResult:
-        result = train_step(sm, batches[step % len(batches)], step, check_at(step))
+        result = train_step(sm, batches[step % len(batches)], step, guard)
         managed_gc.step(step + 1)  # as the loop: a young-generation collection when the steps taken are due
         return result
 

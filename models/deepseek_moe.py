@@ -291,10 +291,15 @@ class GroupedExperts(nn.Module):
     def forward(self, x_RD: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
         # The weights' compute copies where fp8.weight_copies attached them (cast once per weight change), else the
         # master weights, which grouped_mm casts.
-        w13_EDJ = compute_weight(self, "w13", x_RD).transpose(-2, -1)
-        y13_RJ = self.grouped_mm(x_RD, w13_EDJ, offs_E)
+        return self.swiglu(x_RD, offs_E, compute_weight(self, "w13", x_RD), compute_weight(self, "w2", x_RD))
+
+    def swiglu(self, x_RD: torch.Tensor, offs_E: torch.Tensor, w13_EJD: torch.Tensor,
+               w2_EDI: torch.Tensor) -> torch.Tensor:
+        """The experts' SwiGLU on weights given explicitly: this module's own (forward), or the slice of the experts
+        a rank holds under expert parallelism (the caller passes the local tensors of its sharded parameters)."""
+        y13_RJ = self.grouped_mm(x_RD, w13_EJD.transpose(-2, -1), offs_E)
         h_RI = F.silu(y13_RJ[:, : self.hidden_dim]) * y13_RJ[:, self.hidden_dim :]
-        return self.grouped_mm(h_RI, compute_weight(self, "w2", h_RI).transpose(-2, -1), offs_E)
+        return self.grouped_mm(h_RI, w2_EDI.transpose(-2, -1), offs_E)
 
     def init_weights(self, init_std: float, out_std: float) -> None:
         with torch.no_grad():
@@ -353,6 +358,10 @@ class MoE(nn.Module):
         # re-run). Asking autograd costs a graph break under torch.compile (a host call returning a Python int),
         # so models that are never recomputed turn the question off: see set_forward_recompute.
         self.forward_may_rerun_in_backward = True
+        # Where the routed rows go: None runs them through self.experts here. Expert parallelism (applied from
+        # outside, like FSDP) sets a callable (x_RD sorted by expert, offs_E over all E experts) -> y_RD in the same
+        # order, which sends the rows to the ranks that hold their experts and brings the results back.
+        self.expert_compute: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
         a = self.args
@@ -387,7 +396,8 @@ class MoE(nn.Module):
         """permute -> grouped SwiGLU -> un-permute by a gather -> weighted sum over the A slots of each token."""
         S, A = expert_SA.shape
         token_R, slot_R, offs_E = permute_by_expert(expert_SA, self.experts.n_experts)
-        y_RD = self.experts(x_SD[token_R], offs_E)
+        x_RD = x_SD[token_R]
+        y_RD = self.experts(x_RD, offs_E) if self.expert_compute is None else self.expert_compute(x_RD, offs_E)
         # Row of y holding assignment (s, a): invert the sort (a scatter of positions).
         arange_R = torch.arange(S * A, device=token_R.device)
         sorted_pos_SA = torch.empty_like(token_R).scatter_(0, token_R * A + slot_R, arange_R)

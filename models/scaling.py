@@ -107,6 +107,31 @@ class Workload:
     # Activation checkpointing: the share of each block's forward compute run again in backward (0 none, 1 whole-block
     # checkpointing; a selective policy in between).
     recompute_fraction: float = 0.0
+    # MoE: the routed experts' parameters of the whole model (of layers * params_per_layer), the MoE blocks, the
+    # width a routed row carries (model dim) and the experts a token goes to (top-k): what expert parallelism keeps
+    # out of the all-gathers and sends by all-to-all instead.
+    expert_params: float = 0.0
+    moe_layers: int = 0
+    dim: int = 0
+    top_k: int = 0
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How the GPUs split the model. shard_group_size: FSDP shards every parameter over this many consecutive GPUs
+    (None: all of them); the world_size / shard_group_size replicas of a group all-reduce their gradient shards
+    (HSDP). expert_parallel N: each GPU holds E / N routed experts whole (no all-gather for them), tokens reach them
+    by all-to-all (dispatch and combine, both again in backward), and the W / N replicas of an expert all-reduce its
+    gradient (orchestration/training/expert_parallel.py). fp8_dispatch: the dispatch sends 1 byte an element."""
+
+    shard_group_size: int | None = None
+    expert_parallel: int = 1
+    fp8_dispatch: bool = False
+
+    def label(self, world_size: int) -> str:
+        group = min(self.shard_group_size or world_size, world_size)
+        text = f"fsdp {group}" if group == world_size else f"hsdp {world_size // group}x{group}"
+        return text + (f" + ep {self.expert_parallel}" if self.expert_parallel > 1 else "")
 
 
 @dataclass(frozen=True)
@@ -158,7 +183,36 @@ def ring_collective_s(unsharded_bytes: float, world_size: int, fabric: Fabric) -
     return transfer + latency_us * 1e-6
 
 
-def predict_step(w: Workload, p: Precision, fabric: Fabric, world_size: int) -> StepPrediction:
+def strided_ring_s(unsharded_bytes: float, ranks: int, stride: int, fabric: Fabric) -> float:
+    """One ring reduce-scatter (or all-gather) over `ranks` GPUs that are `stride` ranks apart (the replicas of an
+    HSDP shard group or of an expert shard): with a stride of a node or more, every GPU's ring runs through its own
+    NIC, each GPU of a node in a different ring; with a smaller one, the members of a node share it as in
+    ring_collective_s."""
+    if ranks <= 1:
+        return 0.0
+    per_node = max(1, fabric.gpus_per_node // stride)
+    if per_node > 1:
+        return ring_collective_s(unsharded_bytes, ranks, dataclasses.replace(fabric, gpus_per_node=per_node))
+    transfer = unsharded_bytes * (ranks - 1) / ranks / (fabric.inter_node_gbs * 1e9)
+    return transfer + (fabric.collective_base_us + (ranks - 1) * fabric.inter_hop_us) * 1e-6
+
+
+def all_to_all_s(bytes_per_gpu: float, ranks: int, fabric: Fabric) -> float:
+    """One all-to-all in which each GPU holds `bytes_per_gpu` spread evenly over `ranks` consecutive GPUs: the
+    share for the others leaves at once, over NVLink to the GPUs of its node and through its own NIC to the rest."""
+    if ranks <= 1:
+        return 0.0
+    g = fabric.gpus_per_node
+    out = bytes_per_gpu * (ranks - 1) / ranks
+    if ranks <= g:
+        return out / (fabric.intra_node_gbs * 1e9) + (fabric.collective_base_us + fabric.intra_hop_us) * 1e-6
+    remote = (ranks - g) / (ranks - 1)
+    transfer = max(out * (1 - remote) / (fabric.intra_node_gbs * 1e9), out * remote / (fabric.inter_node_gbs * 1e9))
+    return transfer + (fabric.collective_base_us + fabric.inter_hop_us) * 1e-6
+
+
+def predict_step(w: Workload, p: Precision, fabric: Fabric, world_size: int,
+                 layout: Layout = Layout()) -> StepPrediction:
     """Step time of one GPU among `world_size` (module docstring for the model)."""
     accel = ACCELERATORS[fabric.accelerator]
     compute = w.compute_s * ACCELERATORS[w.accelerator].bf16_tflops / accel.bf16_tflops
@@ -169,18 +223,37 @@ def predict_step(w: Workload, p: Precision, fabric: Fabric, world_size: int) -> 
     recompute = w.recompute_fraction * fwd
     bwd = 2 * per_block / 3 + recompute
     compute += w.layers * recompute
-    fp8_share = w.fp8_gather_fraction if (p.fp8 and p.fp8_all_gather) else 0.0
-    block_gather_bytes = w.params_per_layer * (fp8_share * 1 + (1 - fp8_share) * p.gather_bytes)
-    ag = ring_collective_s(block_gather_bytes, world_size, fabric)
-    rs = ring_collective_s(w.params_per_layer * p.reduce_bytes, world_size, fabric)
-    root_ag = ring_collective_s(w.params_root * p.gather_bytes, world_size, fabric)
-    root_rs = ring_collective_s(w.params_root * p.reduce_bytes, world_size, fabric)
-    comm = w.layers * (2 * ag + rs) + root_ag + root_rs
+    group = min(layout.shard_group_size or world_size, world_size)
+    replicas = world_size // group
+    ep = layout.expert_parallel if world_size > 1 else 1
+    expert_block = w.expert_params / w.layers if ep > 1 else 0.0  # kept out of FSDP under expert parallelism
+    dense_block = w.params_per_layer - expert_block
+    fp8_share = w.fp8_gather_fraction * w.params_per_layer / dense_block if (p.fp8 and p.fp8_all_gather) else 0.0
+    block_gather_bytes = dense_block * (fp8_share * 1 + (1 - fp8_share) * p.gather_bytes)
+    ag = ring_collective_s(block_gather_bytes, group, fabric)
+    rs = ring_collective_s(dense_block * p.reduce_bytes, group, fabric)
+    # HSDP: each GPU's gradient shard all-reduced over its replicas (a reduce-scatter plus an all-gather)
+    rs += 2 * strided_ring_s(dense_block * p.reduce_bytes / group, replicas, group, fabric)
+    # expert parallelism: the GPU's experts' gradient all-reduced over their W / N replicas
+    rs += 2 * strided_ring_s(expert_block / ep * p.reduce_bytes, world_size // ep, ep, fabric)
+    root_ag = ring_collective_s(w.params_root * p.gather_bytes, group, fabric)
+    root_rs = ring_collective_s(w.params_root * p.reduce_bytes, group, fabric)
+    root_rs += 2 * strided_ring_s(w.params_root * p.reduce_bytes / group, replicas, group, fabric)
+    # The routed rows: dispatch and combine in forward, both again in backward, on the critical path (the experts
+    # wait for their rows, the block's output for the results): exposed whole.
+    a2a = 0.0
+    if ep > 1:
+        rows = w.tokens_per_gpu * w.top_k * w.dim
+        dispatch = rows * (1 + 4 / w.dim if layout.fp8_dispatch else 2)  # e4m3 plus a float32 scale per row
+        a2a = w.moe_layers * (all_to_all_s(dispatch, ep, fabric) + 3 * all_to_all_s(rows * 2, ep, fabric))
+    comm = w.layers * (2 * ag + rs) + root_ag + root_rs + a2a
     # The root's gather starts the step and its reduce-scatter ends it; the first block's gather waits for nothing
     # to hide behind either.
     exposed = root_ag + root_rs + ag + w.layers * (max(0.0, ag - fwd) + max(0.0, ag + rs - bwd))
-    exposed = min(exposed, comm)
-    optimizer = w.optimizer_s / world_size
+    exposed = min(exposed, comm - a2a) + a2a
+    params_total = w.layers * w.params_per_layer + w.params_root
+    expert_share = (w.expert_params if ep > 1 else 0.0) / params_total
+    optimizer = w.optimizer_s * ((1 - expert_share) / group + expert_share / ep)
     step = compute + optimizer + exposed + fabric.overlap_slowdown * (comm - exposed)
     tps = w.tokens_per_gpu / step
     mfu = tps * w.flops_per_token / (accel.bf16_tflops * 1e12)
@@ -188,11 +261,63 @@ def predict_step(w: Workload, p: Precision, fabric: Fabric, world_size: int) -> 
 
 
 def scaling_curve(w: Workload, p: Precision, fabric: Fabric,
-                  world_sizes: tuple[int, ...] = WORLD_SIZES) -> list[StepPrediction]:
+                  world_sizes: tuple[int, ...] = WORLD_SIZES, layout: Layout = Layout()) -> list[StepPrediction]:
     """predict_step at each world size, with the scaling efficiency against one GPU."""
     one = predict_step(w, p, fabric, 1).tokens_per_s_per_gpu
     return [dataclasses.replace(s, scaling_efficiency=s.tokens_per_s_per_gpu / one)
-            for s in (predict_step(w, p, fabric, n) for n in world_sizes)]
+            for s in (predict_step(w, p, fabric, n, layout_at(layout, n)) for n in world_sizes)]
+
+
+def layout_at(layout: Layout, world_size: int) -> Layout:
+    """The layout at a world size too small for it: the degrees capped by the world size (powers of two here)."""
+    return dataclasses.replace(layout, expert_parallel=min(layout.expert_parallel, world_size),
+                               shard_group_size=None if layout.shard_group_size is None
+                               else min(layout.shard_group_size, world_size))
+
+
+def state_bytes_per_gpu(w: Workload, layout: Layout, world_size: int, bytes_per_param: int = 16) -> float:
+    """Parameters, gradients and AdamW states of one GPU (fp32 master, grad, m, v: 16 bytes a parameter): the dense
+    part sharded over the shard group, the routed experts over the expert-parallel group; plus FSDP's working
+    buffers: the root and two blocks gathered in bf16 (the one computing, the one prefetched), and the biggest
+    unit's fp32 gradient before its reduce-scatter (the routed experts out of the blocks under expert parallelism)."""
+    params_total = w.layers * w.params_per_layer + w.params_root
+    group = min(layout.shard_group_size or world_size, world_size)
+    experts = w.expert_params if layout.expert_parallel > 1 else 0.0
+    state = bytes_per_param * ((params_total - experts) / group + experts / layout.expert_parallel)
+    block = w.params_per_layer - experts / w.layers
+    buffers = 2 * w.params_root + 2 * 2 * block + 4 * max(w.params_root, block) if group > 1 else 0.0
+    return state + buffers
+
+
+def candidate_layouts(world_size: int, gpus_per_node: int, n_experts: int) -> list[Layout]:
+    """FSDP or HSDP (one node a shard group) times expert parallelism over 1, 2, 4, ... up to the world or the
+    routed experts, each a divisor of the world size and of the routed experts."""
+    groups = [None] + ([gpus_per_node] if world_size > gpus_per_node and world_size % gpus_per_node == 0 else [])
+    eps = [1]
+    n = 2
+    while n_experts and n <= min(world_size, n_experts):
+        if world_size % n == 0 and n_experts % n == 0:
+            eps.append(n)
+        n *= 2
+    return [Layout(g, e) for g in groups for e in eps]
+
+
+def choose_layout(w: Workload, p: Precision, fabric: Fabric, world_size: int, n_experts: int,
+                  memory_bytes: float, activation_bytes: float) -> tuple[Layout, StepPrediction, list[dict]]:
+    """The candidate layout (candidate_layouts) with the most tokens/s per GPU among those whose state plus
+    `activation_bytes` fit `memory_bytes` per GPU (90 %: the allocator's slack); all of them if none fits. Returns
+    it, its prediction, and every candidate's row."""
+    rows = []
+    for layout in candidate_layouts(world_size, fabric.gpus_per_node, n_experts):
+        pred = predict_step(w, p, fabric, world_size, layout)
+        mem = state_bytes_per_gpu(w, layout, world_size) + activation_bytes
+        rows.append({"layout": layout.label(world_size), "shard_group_size": layout.shard_group_size,
+                     "expert_parallel": layout.expert_parallel, "bytes_per_gpu": mem,
+                     "fits": mem <= 0.9 * memory_bytes, "tokens_per_s_per_gpu": pred.tokens_per_s_per_gpu,
+                     "_layout": layout, "_pred": pred})
+    pool = [r for r in rows if r["fits"]] or rows
+    best = max(pool, key=lambda r: r["tokens_per_s_per_gpu"])
+    return best["_layout"], best["_pred"], [{k: v for k, v in r.items() if not k.startswith("_")} for r in rows]
 
 
 def calibrate_compute(w: Workload, p: Precision, fabric: Fabric, world_size: int,

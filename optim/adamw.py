@@ -458,6 +458,13 @@ def clip_and_step(optimizer: torch.optim.Optimizer, params, grad_norm: torch.Ten
         return optimizer.clip_and_step(grad_norm, max_norm, gate)
     if gate is not None:
         return False
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, grad_norm)
+    # One multi-tensor scaling per device mesh: a DTensor op refuses operands on different meshes (FSDP's and the
+    # expert-parallel experts'), and torch's clip passes all gradients of a device to one foreach call.
+    by_mesh: dict = {}
+    for p in params:
+        if p.grad is not None:
+            by_mesh.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
+    for group in by_mesh.values():
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, grad_norm)
     optimizer.step()
     return True

@@ -42,6 +42,7 @@ class Device(StrEnum):
 class Sharding(StrEnum):
     fsdp = "fsdp"
     none = "none"
+    hsdp = "hsdp"
 
 
 class AdamW(StrEnum):
@@ -261,6 +262,16 @@ class TrainConfig:
     # profile/, and a `profile` event (orchestration/training/profiling.py).
     profile_from_step: int = 0
     profile_steps: int = 3
+    # sharding=hsdp: ranks per shard group (FSDP inside a group, replicas across groups); must divide the world size.
+    # null: the workers per node (LOCAL_WORLD_SIZE, one per GPU), so the all-gathers stay on the node's links.
+    shard_group_size: int | None = None
+    # Expert parallelism for MoE models: each MoE layer's routed experts split over groups of this many ranks (E / N
+    # each), tokens sent to their experts by all-to-all (orchestration/training/expert_parallel.py); the rest of the
+    # model stays under FSDP/HSDP. Must divide the world size and the routed experts. 1 = off.
+    expert_parallel: int = 1
+    # With expert_parallel > 1: send the routed tokens to the experts in FP8 (e4m3 plus a float32 scale per row, the
+    # cast the FP8 grouped GEMM applies anyway): about half the dispatch bytes of bf16.
+    expert_dispatch_fp8: bool = False
 
 
 @dataclass

@@ -55,10 +55,11 @@ def resolve_job(cfg: DictConfig | dict, machine: Machine, *,
 def fp8_where_it_pays(job: JobConfig) -> list[str]:
     """A GPU job asking for FP8 where no layer's GEMMs are large enough for FP8 to pay (fp8.size_rule) trains in
     bf16, which is then the faster of the two: said in the plan. CPU jobs emulate FP8 and keep it."""
+    from models.registry import MODEL_FLAVORS
     from orchestration.machine_defaults import is_gpu_job
     from orchestration.training.model_setup import fp8_kept_in_bf16
 
-    if job.precision.name != "fp8" or not is_gpu_job(job) or job.model.name not in _model_names():
+    if job.precision.name != "fp8" or not is_gpu_job(job) or job.model.name not in MODEL_FLAVORS:
         return []
     try:
         kept, eligible = fp8_kept_in_bf16(job, on_gpu=True)
@@ -71,12 +72,6 @@ def fp8_where_it_pays(job: JobConfig) -> list[str]:
                 f"{job.train.micro_batch_size} x {job.data.seq_len} tokens a micro-batch (fp8.size_rule); a larger "
                 "micro-batch or data.seq_len brings FP8 back")]
     return []
-
-
-def _model_names() -> set[str]:
-    from models.registry import MODEL_FLAVORS
-
-    return set(MODEL_FLAVORS)
 
 
 def check_machine_has(job: JobConfig, machine: Machine, requested: tuple) -> None:
@@ -262,6 +257,8 @@ def validate(job: JobConfig) -> None:
              f"{t.global_batch_size} sequences is fewer than cluster.max_workers={c.max_workers}: every worker "
              f"needs at least one sequence per step; raise it to >= {c.max_workers}")
 
+    check_parallel_layout(job)
+
     k = job.checkpoint
     _require(k.every_steps >= 0, "checkpoint.every_steps", "must be >= 0 (0 = no checkpoints)")
     _require(k.keep_last >= 1, "checkpoint.keep_last", "must be >= 1")
@@ -308,3 +305,29 @@ def check_preset_device(preset: str, device: str) -> None:
         raise ValueError(f"cluster.env_preset={preset} is for {wanted} devices but cluster.device={device}; "
                          f"use a {device} preset ({[p for p, d in PRESET_DEVICE.items() if d == device]}) "
                          "or env_preset=none")
+
+
+def check_parallel_layout(job: JobConfig) -> None:
+    """train.sharding / shard_group_size / expert_parallel against the model. The world size is not checked: each
+    (re)start lowers the degrees to what its world size allows (orchestration.training.elastic.plan_layout), and the
+    plan lists the layout of every world size of the elastic range."""
+    from models.registry import resolve_flavor
+
+    t = job.train
+    _require(t.expert_parallel >= 1, "train.expert_parallel", f"must be >= 1 (1 = off), got {t.expert_parallel}")
+    if t.shard_group_size is not None:
+        _require(t.shard_group_size >= 1, "train.shard_group_size", f"must be >= 1, got {t.shard_group_size}")
+        _require(t.sharding == "hsdp", "train.shard_group_size",
+                 f"is HSDP's shard group size but train.sharding={t.sharding}; set train.sharding=hsdp or leave "
+                 "train.shard_group_size null")
+    if t.expert_parallel == 1:
+        _require(not t.expert_dispatch_fp8, "train.expert_dispatch_fp8",
+                 "sends expert-parallel tokens in FP8 but train.expert_parallel=1; set train.expert_parallel > 1")
+        return
+    _require(t.sharding != "none", "train.expert_parallel",
+             "needs train.sharding=fsdp or hsdp (the rest of the model is sharded around the experts); set one")
+    experts = getattr(resolve_flavor(job.model.name, dict(job.model.overrides)).args, "n_routed_experts", 0)
+    _require(experts > 0, "train.expert_parallel",
+             f"model {job.model.name} has no routed experts; set train.expert_parallel=1")
+    _require(experts % t.expert_parallel == 0, "train.expert_parallel",
+             f"{t.expert_parallel} does not divide the {experts} routed experts of {job.model.name}; pick a divisor")

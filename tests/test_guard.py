@@ -33,15 +33,14 @@ def train_to_end(trainer) -> str:
 def record_shadow_checks(trainer) -> dict[int, tuple[float, float]]:
     """{step: (fp8 loss, bf16 loss)} of every shadow check the trainer's guard runs from now on."""
     shadows = {}
-    shadow_losses = trainer.shadow_losses
+    check = trainer.guard.check
 
-    def recorded():
-        losses = shadow_losses()
-        if losses is not None:
-            shadows[trainer.state.step] = tuple(v.item() for v in losses)
-        return losses
+    def recorded(step, loss, grad_norm, fp8_health, shadow, *args, **kwargs):
+        if shadow is not None:
+            shadows[trainer.state.step] = tuple(v.item() for v in shadow)
+        return check(step, loss, grad_norm, fp8_health, shadow, *args, **kwargs)
 
-    trainer.shadow_losses = recorded
+    trainer.guard.check = recorded
     return shadows
 
 
@@ -49,7 +48,7 @@ def test_saturation_in_one_block_falls_back_only_that_block(tmp_path):
     trainer = make_trainer(tmp_path, "train.steps=4", "monitor.fallback_scope=layers")
     import fp8
 
-    target = trainer.model.get_submodule("layers.1.feed_forward.w1")
+    target = trainer.state.model.get_submodule("layers.1.feed_forward.w1")
 
     def saturate_from_step_2(module, args, output):
         # Synthetic evidence: this layer reports every sampled value at the FP8 max (what a stale scale gives).
@@ -68,7 +67,7 @@ def test_saturation_in_one_block_falls_back_only_that_block(tmp_path):
     assert not [e for e in detected if e["detector"].startswith("fp8_layer:") and e["detector"] != "fp8_layer:layers.1"]
     change = next(e for e in events if e["event"] == "precision_changed")
     assert change["scope"] == ["layers.1"] and change["to"] == "bf16"
-    modules = fp8.precision_state(trainer.model)["modules"]
+    modules = fp8.precision_state(trainer.state.model)["modules"]
     assert all(v == "bf16" for k, v in modules.items() if k.startswith("layers.1."))
     assert all(v == "fp8" for k, v in modules.items() if not k.startswith("layers.1."))
     # The bad step never updated the weights; the other steps did.
@@ -89,10 +88,10 @@ def test_shadow_check_compares_fp8_and_bf16_losses_without_false_alarm(tmp_path)
     # than the alarm's relative tolerance), and left the model in FP8.
     assert sorted(shadows) == [0, 2]
     for loss_fp8, loss_bf16 in shadows.values():
-        assert 0 < abs(loss_fp8 - loss_bf16) / loss_bf16 < trainer.job.monitor.shadow_rel_tol
+        assert 0 < abs(loss_fp8 - loss_bf16) / loss_bf16 < trainer.ctx.job.monitor.shadow_rel_tol
     import fp8
 
-    assert set(fp8.precision_state(trainer.model)["modules"].values()) == {"fp8"}
+    assert set(fp8.precision_state(trainer.state.model)["modules"].values()) == {"fp8"}
 
 
 def test_resuming_a_run_of_another_model_is_refused_and_loses_nothing(tmp_path):
@@ -121,7 +120,7 @@ def _saturate_from_step_2(trainer, module_name):
             module.fp8_health_stats[0] = 1.0
         return output
 
-    trainer.model.get_submodule(module_name).register_forward_hook(hook)
+    trainer.state.model.get_submodule(module_name).register_forward_hook(hook)
 
 
 def test_saturation_in_the_fp8_head_falls_back_only_the_head(tmp_path):
@@ -140,7 +139,7 @@ def test_saturation_in_the_fp8_head_falls_back_only_the_head(tmp_path):
     assert layer_detectors == {"fp8_layer:output"}
     change = next(e for e in events if e["event"] == "precision_changed")
     assert change["scope"] == ["output"] and change["to"] == "bf16"
-    modules = fp8.precision_state(trainer.model)["modules"]
+    modules = fp8.precision_state(trainer.state.model)["modules"]
     assert modules["output"] == "bf16"
     assert all(v == "fp8" for k, v in modules.items() if k != "output")
 
@@ -151,7 +150,7 @@ def test_layer_fallback_survives_the_shadow_check_and_a_resume(tmp_path):
     import fp8
 
     def bf16_modules(trainer):
-        return {k for k, v in fp8.precision_state(trainer.model)["modules"].items() if v == "bf16"}
+        return {k for k, v in fp8.precision_state(trainer.state.model)["modules"].items() if v == "bf16"}
 
     first = make_trainer(tmp_path, "train.steps=4", "monitor.fallback_scope=layers", "monitor.shadow_every=1")
     _saturate_from_step_2(first, "layers.1.feed_forward.w1")
@@ -323,14 +322,14 @@ def test_a_wandb_failure_disables_wandb_and_training_goes_on(tmp_path, caplog):
     """Observability never kills a run: an exception inside the W&B run (here log_metrics) turns W&B off with one
     message; the run completes and metrics.jsonl keeps every step."""
     trainer = make_trainer(tmp_path, "train.steps=3", "logging.wandb=true", "logging.wandb_mode=offline")
-    assert trainer.guard.wandb is not None
+    assert trainer.observer.wandb is not None
 
     def broken(*args, **kwargs):
         raise RuntimeError("wandb-core went away")
 
-    trainer.guard.wandb.log_metrics = broken
+    trainer.observer.wandb.log_metrics = broken
     status = train_to_end(trainer)
-    assert status == "completed" and trainer.guard.wandb is None
+    assert status == "completed" and trainer.observer.wandb is None
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert warnings == ["W&B logging disabled after an error in log_metrics: RuntimeError: wandb-core went away"]
     assert [m["step"] for m in read_jsonl(tmp_path / "run" / "metrics.jsonl")] == [1, 2, 3]
@@ -416,7 +415,7 @@ def test_a_checkpoint_without_the_window_rule_is_refused_and_loses_nothing(tmp_p
 
     first = make_trainer(tmp_path, "precision=bf16", "train.steps=2")
     first.start()
-    assert first.dataset.window_rule == 2 and first.checkpoints.data_sampling()["window_rule"] == 2
+    assert first.ctx.dataset.window_rule == 2 and first.checkpoints.data_sampling()["window_rule"] == 2
     first.finish(first.run())
 
     def rewrite_rule(rule):
@@ -459,26 +458,26 @@ def _interp_the_gated_update_skips_exactly_the_step_the_guard_rejects(tmp_path, 
     monkeypatch.setattr(optimizer_mod, "adamw_implementation", lambda job, device: "triton")
     trainer = make_trainer(tmp_path, "model=debug_moe", "+model.overrides.aux_free_bias=true", "precision=bf16",
                            "train.steps=4", "faults=nan_grad", "faults.rank=0", "faults.step=2")
-    moe = trainer.model.layers["1"].moe
-    assert isinstance(trainer.optimizer, ChunkedAdamW)
+    moe = trainer.state.model.layers["1"].moe
+    assert isinstance(trainer.state.optimizer, ChunkedAdamW)
     record, biases = {}, {}
-    check = trainer.check
+    check = trainer.guard.check
 
-    def recorded(loss, grad_norm, gated_update):
-        before = [p.detach().clone() for p in trainer.model.parameters()]
-        launches = trainer.optimizer.kernel_steps
+    def recorded(*args, **kwargs):
+        before = [p.detach().clone() for p in trainer.state.model.parameters()]
+        launches = trainer.state.optimizer.kernel_steps
         bias, counts = moe.expert_bias.clone(), moe.tokens_per_expert.clone()
-        decision, update_applied = check(loss, grad_norm, gated_update)
+        decision, update_applied = check(*args, **kwargs)
         biases[trainer.state.step] = (bias, moe.expert_bias.clone(), counts, moe.tokens_per_expert.clone())
-        counts = {trainer.optimizer.state[p]["step"].item() for p in trainer.model.parameters()}
+        counts = {trainer.state.optimizer.state[p]["step"].item() for p in trainer.state.model.parameters()}
         record[trainer.state.step] = (decision.kind, update_applied, before,
-                                      trainer.optimizer.kernel_steps - launches, counts)
+                                      trainer.state.optimizer.kernel_steps - launches, counts)
         return decision, update_applied
 
-    trainer.check = recorded
+    trainer.guard.check = recorded
     trainer.start()
     assert trainer.run() == "completed"
-    after = [p.detach().clone() for p in trainer.model.parameters()]
+    after = [p.detach().clone() for p in trainer.state.model.parameters()]
     # One launch a step, in the guard (before its host read); the step counts do not advance at the skipped step.
     assert [(s, r[0], r[1], r[3]) for s, r in sorted(record.items())] == [
         (0, "proceed", True, 1), (1, "proceed", True, 1), (2, "skip_step", False, 1), (3, "proceed", True, 1)]

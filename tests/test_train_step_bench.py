@@ -35,7 +35,7 @@ def reference_first_loss(precision: str, recipe: str = "auto") -> float:
     guard = StepGuard(job.monitor, model, fp8_run=fp8_recipe is not None)
     tokens = torch.randint(0, model.args.vocab_size, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(0))
     batch = [MicroBatch(tokens[:, :-1], tokens[:, 1:], 1.0, 1.0)]
-    result = train_step(sm, batch, 0, lambda loss, norm, gated: guard.check(model, 0, loss, norm, gated))
+    result = train_step(sm, batch, 0, guard)
     assert result.updated
     return float(result.loss)
 
@@ -145,8 +145,7 @@ def test_fp8_health_gauges_read_without_autograd_warnings():
                    "none", job.train.grad_clip)
     guard = StepGuard(job.monitor, model, fp8_run=fp8_recipe is not None)
     tokens = torch.randint(0, model.args.vocab_size, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(0))
-    train_step(sm, [MicroBatch(tokens[:, :-1], tokens[:, 1:], 1.0, 1.0)], 0,
-               lambda loss, norm, gated: guard.check(model, 0, loss, norm, gated))
+    train_step(sm, [MicroBatch(tokens[:, :-1], tokens[:, 1:], 1.0, 1.0)], 0, guard)
     assert guard.last_fp8_health is not None
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -91,10 +91,15 @@ class AgreementOnDevice:
 @dataclass
 class StopRequest:
     """A request to save a checkpoint and stop (SIGTERM), carried by the step's one agreement as an extra slot:
-    set `local` on any rank before the step; after its agreement, `agreed` is True on every rank when any asked."""
+    set `local` on any rank before the step (or override `asked`, which the agreement reads); after its agreement,
+    `agreed` is True on every rank when any asked."""
 
     local: bool = False
     agreed: bool = False
+
+    def asked(self) -> bool:
+        """Whether this rank asks now: read once per step, just before the agreement."""
+        return self.local
 
 
 class PendingAgreement:
@@ -142,7 +147,7 @@ def agree(verdict_D: torch.Tensor, group: dist.ProcessGroup | None = None) -> Ag
 def agree_stop_alone(stop: StopRequest, device: torch.device, group: dist.ProcessGroup | None = None) -> None:
     """The stop request's agreement for a step without the divergence check (monitor.enabled=false): the only
     collective such a step has for it."""
-    stop.agreed = agree(torch.tensor([float(stop.local)], device=device), group).values[0] > 0
+    stop.agreed = agree(torch.tensor([float(stop.asked())], device=device), group).values[0] > 0
 
 
 def agree_and_decide(monitor: StepMonitor, policy: DivergencePolicy, verdict_D: torch.Tensor, step: int,
@@ -166,7 +171,7 @@ def agree_and_decide(monitor: StepMonitor, policy: DivergencePolicy, verdict_D: 
     """
     n = verdict_D.numel()
     if stop is not None:
-        verdict_D = torch.cat([verdict_D, verdict_D.new_tensor([float(stop.local)], dtype=verdict_D.dtype)])
+        verdict_D = torch.cat([verdict_D, verdict_D.new_tensor([float(stop.asked())], dtype=verdict_D.dtype)])
     full = agree_on_device(verdict_D, group)
     on_device = AgreementOnDevice(full.values_D[:n], full.ranks_D[:n], full.world_size) if stop is not None else full
     gate = None

@@ -3,25 +3,20 @@ decision, returned to the loop, which applies it (orchestration/training/decisio
 rollback) - the guard itself changes nothing of the model, optimizer or checkpoints.
 
 Pure pieces live in monitor.py (detectors), agreement.py (the one collective) and policy.py (the state machine).
-The guard also feeds the decision counters and metrics to W&B and Ray (rank 0).
+What the guard found reaches the logs through the loop's observer (orchestration/training/observer.py).
 """
 
 from __future__ import annotations
 
-import logging
-import time
-from collections.abc import Callable
-from pathlib import Path
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
-from orchestration.config import JobConfig, MonitorConfig
+from orchestration.config import MonitorConfig
 from orchestration.divergence.agreement import StopRequest, agree_and_decide, agree_stop_alone
 from orchestration.divergence.monitor import Finding, StepMonitor
 from orchestration.divergence.policy import Decision, DivergencePolicy, Proceed
-
-log = logging.getLogger(__name__)
 
 
 def fp8_watch_units(model: torch.nn.Module) -> tuple[str, ...]:
@@ -48,10 +43,7 @@ class StepGuard:
         self.monitor = StepMonitor(config, self.layer_names)
         self.policy = DivergencePolicy(config, precision="fp8" if self.fp8_run else "bf16")
         self.last_bad_step: int | None = None
-        self.wandb = None
-        self.ray_metrics = None
         self.last_fp8_health: dict[str, torch.Tensor] | None = None  # of the last check; None while in BF16
-        self.check_seconds = 0.0
         self.eval_gap_max = config.eval_gap_max
 
     # -- per step -------------------------------------------------------------------------------------------
@@ -63,37 +55,44 @@ class StepGuard:
         """(the run's precision, the layers a layer-scoped fallback holds in bf16 or None) as the policy decided."""
         return self.policy.precision, self.policy.bf16_layers
 
-    def check(self, model: torch.nn.Module, step: int, loss: torch.Tensor, grad_norm: torch.Tensor,
+    def read_fp8_health(self, model: torch.nn.Module) -> tuple[dict[str, torch.Tensor] | None,
+                                                                  dict[str, torch.Tensor] | None]:
+        """(the model's FP8 health, the per-unit saturation under fallback_scope=layers) as this step's forwards left
+        them, on the device; (None, None) unless the check runs on FP8. Read before any other forward (a shadow
+        check's) overwrites them."""
+        if not (self.enabled and self.fp8_run and self.policy.precision == "fp8"):
+            return None, None
+        import fp8
+
+        health = fp8.fp8_health(model)
+        layer_health = None
+        if self.layer_names:
+            layer_health = {name: fp8.fp8_health(model.get_submodule(name))["saturated_frac"]
+                            for name in self.layer_names}
+        return health, layer_health
+
+    def check(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor,
+              fp8_health: tuple[Mapping[str, torch.Tensor] | None, Mapping[str, torch.Tensor] | None] = (None, None),
+              shadow: tuple[torch.Tensor, torch.Tensor] | None = None,
               gated_update: Callable[[torch.Tensor], bool] | None = None,
-              shadow_losses: Callable[[], tuple[torch.Tensor, torch.Tensor] | None] | None = None,
               stop: StopRequest | None = None) -> tuple[Decision, bool]:
         """The agreed decision for `step` (identical on every rank) and whether `gated_update` applied the step's
-        update. gated_update: see orchestration.divergence.agreement.agree_and_decide (the update launched before
-        the host read, taking effect only if the decision will apply it); when it did not, the caller applies the
-        update itself if the decision says so. shadow_losses: () -> (FP8 loss, BF16 loss) or None, called when
-        shadow_due(step), after the FP8 health is read (its forwards would overwrite the step's statistics).
-        stop: a save-and-stop request agreed in the same collective (agreement.StopRequest)."""
+        update. fp8_health: read_fp8_health's. shadow: (FP8 loss, BF16 loss) of the step's first micro-batch when
+        shadow_due(step). gated_update: see orchestration.divergence.agreement.agree_and_decide (the update launched
+        before the host read, taking effect only if the decision will apply it); when it did not, the caller applies
+        the update itself if the decision says so. stop: a save-and-stop request agreed in the same collective
+        (agreement.StopRequest)."""
         if not self.enabled:
             if stop is not None:
                 agree_stop_alone(stop, loss.device)
             return Proceed(step), False
-        t0 = time.perf_counter()
-        health, layer_health = None, None
-        if self.fp8_run and self.policy.precision == "fp8":
-            import fp8
-
-            health = fp8.fp8_health(model)
-            if self.layer_names:
-                layer_health = {name: fp8.fp8_health(model.get_submodule(name))["saturated_frac"]
-                                for name in self.layer_names}
+        health, layer_health = fp8_health
         # Kept for the dashboards' gauges, read at log steps: without the autograd graph an MoE's expert statistics
         # carry (float() of them warned on every run).
         self.last_fp8_health = {k: v.detach() for k, v in health.items()} if health is not None else None
-        shadow = shadow_losses() if shadow_losses is not None and self.shadow_due(step) else None
         verdict = self.monitor.local_verdict(loss, grad_norm, health, shadow, layer_health)
         decision, _, update_applied = agree_and_decide(self.monitor, self.policy, verdict, step,
                                                        gated_update=gated_update, stop=stop)
-        self.check_seconds += time.perf_counter() - t0
         if decision.evidence:
             self.last_bad_step = step
         return decision, update_applied
@@ -127,54 +126,10 @@ class StepGuard:
         self.monitor.load_state_dict(state["monitor"])
         self.last_bad_step = state.get("last_bad_step")
 
-    # -- loggers (rank 0) -----------------------------------------------------------------------------------
-    def start_loggers(self, job: JobConfig, run_dir: Path, recipe: str | None) -> None:
-        """W&B and Ray metrics for this run (rank 0 only)."""
-        tags = {"model": job.model.name, "precision": job.precision.name, "run": run_dir.name}
-        if job.logging.ray_metrics:
-            try:
-                from orchestration.observability.ray_metrics import TrainingMetrics
-
-                self.ray_metrics = TrainingMetrics(tags)
-            except Exception as exc:  # noqa: BLE001  # outside Ray (torchrun, tests) there is no metrics agent
-                log.info("Ray metrics disabled: %s", exc)
-        if job.logging.wandb and job.logging.wandb_mode != "disabled":
-            from orchestration.config import to_dict
-            from orchestration.observability.wandb_logger import WandbRun, tags_from_config
-
-            config = to_dict(job)  # WandbRun drops secrets itself
-            if recipe:
-                config["precision"]["recipe"] = recipe  # the resolved recipe, not "auto"
-            self.wandb = WandbRun(run_dir, config, project=job.logging.project,
-                                  group=job.logging.group or job.model.name, tags=tags_from_config(config),
-                                  mode=job.logging.wandb_mode)
-
-    def _wandb(self, method: str, *args: Any) -> None:
-        """One call into the W&B run; an error there disables W&B for the rest of the run with one message
-        instead of stopping training (observability never kills a run; metrics.jsonl and events.jsonl remain)."""
-        if self.wandb is None:
-            return
-        try:
-            getattr(self.wandb, method)(*args)
-        except Exception as exc:  # noqa: BLE001 - any W&B failure: disable it, keep training
-            log.warning("W&B logging disabled after an error in %s: %s: %s", method, type(exc).__name__, exc)
-            self.wandb = None
-
-    def log_event(self, record: dict[str, Any]) -> None:
-        self._wandb("log_event", record)
-        if self.ray_metrics is not None:
-            self.ray_metrics.record_event(record)
-
+    # -- what the logs show (the loop's observer writes it) ------------------------------------------------
     def policy_metrics(self) -> dict[str, Any]:
         """Decision counters for metrics.jsonl, W&B and Ray (skips, fallbacks, retries, relapses, rollbacks)."""
         return {f"policy_{k}": v for k, v in self.policy.counters().items() if k != "precision"}
-
-    def on_metrics(self, record: dict[str, Any]) -> None:
-        self._wandb("log_metrics", record["step"], record)
-        if self.ray_metrics is not None:
-            self.ray_metrics.update(record)
-            for name, value in self.fp8_health_gauges().items():
-                self.ray_metrics.set(name, value)
 
     def fp8_health_gauges(self) -> dict[str, float]:
         """FP8 saturation/underflow of the last checked step for the dashboards (read at log steps only: one host
@@ -186,6 +141,3 @@ class StepGuard:
             return {"fp8_saturated_frac": 0.0, "fp8_underflow_frac": 0.0}
         return {"fp8_saturated_frac": float(health["saturated_frac"]),
                 "fp8_underflow_frac": float(health["underflow_frac"])}
-
-    def finish(self, status: str) -> None:
-        self._wandb("finish", {"status": status, **self.policy.counters()})

@@ -5,6 +5,7 @@ Built from a meta-device model (models.planning), so nothing is allocated: plann
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from orchestration.config import JobConfig
@@ -71,11 +72,22 @@ def build_job_plan(job: JobConfig, machine_notes: list[str] | tuple[str, ...] = 
         "reasons": reasons,
         "workers_needed": workers_needed,
         "fp8_layers": {"eligible": fp8_eligible, "converted": fp8_eligible - len(kept_bf16), "kept_bf16": kept_bf16},
+        "layouts": elastic_layouts(job),
         "machine": list(machine_notes),
         "scaling": scaling_plan(job) if c.fabric != "none" else None,
         "model_plan": mp,
         "ray": ray_plan(job, run_name, resolve_run_root(job)).to_dict(),
     }
+
+
+def elastic_layouts(job: JobConfig) -> dict[str, str]:
+    """The parallel layout each world size of the elastic range runs (orchestration.training.elastic.plan_layout, as
+    the workers pick it at every (re)start), by world size; at most 64 sizes listed (the smallest ones)."""
+    from orchestration.training.model_setup import layout_for
+
+    c = job.cluster
+    sizes = range(c.min_workers, min(c.max_workers, c.min_workers + 63) + 1)
+    return {str(n): layout_for(job, n).describe() for n in sizes}
 
 
 def scaling_workload(job: JobConfig):
@@ -117,6 +129,10 @@ def scaling_workload(job: JobConfig):
         recompute_fraction=1.0 if job.model.activation_checkpointing else 0.0,
         measured_head_flops_per_token=6 * m_model.output.weight.numel(),
         measured_head_gemm_share=m_model.output.weight.numel() / dense)
+    moe = model.moe_layers() if hasattr(model, "moe_layers") else []
+    if moe:
+        w = dataclasses.replace(w, expert_params=float(sum(p.numel() for m in moe for p in m.experts.parameters())),
+                                moe_layers=len(moe), dim=flavor.args.dim, top_k=flavor.args.n_activated_experts)
     return w, recipe, measured
 
 
@@ -132,16 +148,60 @@ def scaling_plan(job: JobConfig) -> dict[str, Any]:
     precisions = [scaling.Precision(False, False, gather, reduce), scaling.Precision(True, False, gather, reduce)]
     if recipe == "tensorwise":
         precisions.append(scaling.Precision(True, True, gather, reduce))
-    curves = {p.label: [s.to_dict() for s in scaling.scaling_curve(w, p, fabric)] for p in precisions}
     at = job.cluster.max_workers
+    layout = layout_plan(job, w, precisions[-1], fabric, at)
+    chosen = scaling.Layout(layout["shard_group_size"], layout["expert_parallel"], job.train.expert_dispatch_fp8)
+    curves = {p.label: [s.to_dict() for s in scaling.scaling_curve(w, p, fabric, layout=chosen)] for p in precisions}
     return {"fabric": fabric.name, "fabric_description": fabric.description, "accelerator": fabric.accelerator,
             "tokens_per_gpu": w.tokens_per_gpu, "measured_from": measured.source, "world_size": at,
-            "at_world_size": {p.label: scaling.predict_step(w, p, fabric, at).to_dict() for p in precisions},
+            "layout": layout,
+            "at_world_size": {p.label: scaling.predict_step(w, p, fabric, at, chosen).to_dict() for p in precisions},
             "curves": curves}
+
+
+def layout_plan(job: JobConfig, w, precision, fabric, world_size: int) -> dict[str, Any]:
+    """The layout the dry run predicts at world_size: the configured one (train.sharding, shard_group_size,
+    expert_parallel) when it is not the default, else the fastest candidate that fits the GPU's memory
+    (models.scaling.choose_layout: FSDP or HSDP by node, expert parallelism over powers of two); with the memory
+    per GPU, the predicted scaling efficiency, and every candidate."""
+    from models import scaling
+    from models.planning import activation_bytes
+    from models.registry import build_model, resolve_flavor
+
+    flavor = resolve_flavor(job.model.name, dict(job.model.overrides))
+    model = build_model(flavor, device="meta")
+    activations = activation_bytes(model, w.tokens_per_gpu, 2, checkpointing=job.model.activation_checkpointing)
+    buffers = 0.0  # counted with the states (models.scaling.state_bytes_per_gpu)
+    experts = getattr(flavor.args, "n_routed_experts", 0)
+    memory = job.cluster.memory_per_worker_gb * GIB
+    best, pred, rows = scaling.choose_layout(w, precision, fabric, world_size, experts, memory, activations + buffers)
+    configured = job.train.sharding != "fsdp" or job.train.expert_parallel > 1
+    if configured:
+        from orchestration.training.elastic import plan_layout
+
+        chosen = plan_layout(world_size, job.train.sharding, job.train.shard_group_size or fabric.gpus_per_node,
+                             job.train.expert_parallel, experts)
+        best = scaling.Layout(chosen.shard_group_size if chosen.sharding == "hsdp" else None, chosen.expert_parallel,
+                              job.train.expert_dispatch_fp8)
+        pred = scaling.predict_step(w, precision, fabric, world_size, best)
+    one = scaling.predict_step(w, precision, fabric, 1).tokens_per_s_per_gpu
+    return {"label": best.label(world_size), "source": "configured" if configured else "chosen",
+            "shard_group_size": best.shard_group_size, "expert_parallel": best.expert_parallel,
+            "precision": precision.label,
+            "bytes_per_gpu": scaling.state_bytes_per_gpu(w, best, world_size) + activations + buffers,
+            "fits": scaling.state_bytes_per_gpu(w, best, world_size) + activations + buffers <= 0.9 * memory,
+            "tokens_per_s_per_gpu": pred.tokens_per_s_per_gpu, "scaling_efficiency": pred.tokens_per_s_per_gpu / one,
+            "candidates": rows}
 
 
 def print_scaling(scaling_plan_: dict[str, Any]) -> None:
     sp = scaling_plan_
+    lay = sp.get("layout")
+    if lay:
+        print(f"layout at {sp['world_size']} GPUs ({lay['source']}): {lay['label']}, "
+              f"{lay['bytes_per_gpu'] / GIB:.1f} GiB per GPU ({'fits' if lay['fits'] else 'does not fit'}), "
+              f"{lay['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU "
+              f"({lay['precision']}), scaling efficiency {lay['scaling_efficiency']:.0%}")
     print(f"scaling on {sp['fabric']} ({sp['fabric_description']}), {sp['tokens_per_gpu']:,} tokens per GPU a step, "
           f"compute from {sp['measured_from']}")
     labels = list(sp["curves"])
@@ -229,5 +289,8 @@ def print_plan(plan: dict[str, Any]) -> None:
         print(f"GiB per worker: {parts}")
     for reason in plan["reasons"]:
         print(reason)
+    layouts = plan.get("layouts") or {}
+    if len(set(layouts.values())) > 1 or any(text != f"FSDP over {n}" for n, text in layouts.items()):
+        print("layout by world size: " + "; ".join(f"{n}: {text}" for n, text in layouts.items()))
     if plan.get("scaling"):
         print_scaling(plan["scaling"])

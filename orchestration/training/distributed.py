@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -144,23 +145,57 @@ def keep_store_on_loopback() -> None:
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def shard_mesh(world_size: int):
-    """The 1-D device mesh FSDP2 shards over, on the device type the process group's backend serves. Without one,
+def mesh_device_type() -> str:
+    """The device type of the meshes, the one the process group's backend serves (shard_mesh says why)."""
+    return "cuda" if dist.get_backend() == "nccl" else "cpu"
+
+
+def shard_mesh(world_size: int, shard_group_size: int | None = None):
+    """The device mesh FSDP2 shards over, on the device type the process group's backend serves. Without one,
     fully_shard builds its mesh on the machine's accelerator whenever one is visible (torch 2.11-2.13
     _init_default_mesh), whatever the backend: a gloo job on CPU on a GPU machine then moved its parameters to the
-    GPU and handed CUDA tensors to gloo (rank 0 died with SIGSEGV on an H100)."""
+    GPU and handed CUDA tensors to gloo (rank 0 died with SIGSEGV on an H100).
+
+    shard_group_size None: 1-D, FSDP over every rank. Otherwise HSDP: a 2-D mesh (world / shard_group_size,
+    shard_group_size) named ("replicate", "shard"); fully_shard on it shards each parameter over the consecutive ranks
+    of a shard group (one node's GPUs) and all-reduces the gradient shards over the replicas, so the all-gathers stay
+    on the node's fast links and only the gradients' all-reduce crosses nodes."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    return init_device_mesh(device_type, (world_size,))
+    if shard_group_size is None:
+        return init_device_mesh(mesh_device_type(), (world_size,))
+    check_hsdp_layout(world_size, shard_group_size)
+    return init_device_mesh(mesh_device_type(), (world_size // shard_group_size, shard_group_size),
+                            mesh_dim_names=("replicate", "shard"))
+
+
+def resolve_shard_group_size(configured: int | None, world_size: int) -> int:
+    """train.shard_group_size, where null is the workers of this node (LOCAL_WORLD_SIZE, set by Ray Train and
+    torchrun), or the whole world when that does not divide it."""
+    if configured is not None:
+        return configured
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
+    return local if local > 0 and world_size % local == 0 else world_size
+
+
+def check_hsdp_layout(world_size: int, shard_group_size: int) -> None:
+    if shard_group_size < 1 or world_size % shard_group_size:
+        raise ValueError(f"train.shard_group_size={shard_group_size} must divide the world size {world_size} "
+                         "(HSDP replicates whole shard groups); pick a divisor, e.g. the GPUs per node")
 
 
 def parallelize(model: nn.Module, world_size: int, sharding: str, param_dtype: str, reduce_dtype: str,
-                activation_checkpointing: bool = False, fp8_all_gather: bool = False) -> nn.Module:
+                activation_checkpointing: bool = False, fp8_all_gather: bool = False,
+                shard_group_size: int | None = None, expert_parallel: int = 1,
+                fp8_dispatch: bool = False) -> nn.Module:
     """FSDP2: one fully_shard per transformer block, then the root. No-op on a single worker.
 
     fp8_all_gather: tensorwise FP8 linears' weights are all-gathered in fp8 (fp8.fsdp_allgather: one byte per
-    element instead of param_dtype's, bit-equal to gathering them in high precision and casting after)."""
+    element instead of param_dtype's, bit-equal to gathering them in high precision and casting after).
+    sharding "hsdp": shard inside groups of shard_group_size ranks, replicate across them (shard_mesh).
+    expert_parallel N > 1: the routed experts are split over groups of N ranks and reached by all-to-all
+    (orchestration.training.expert_parallel), left out of FSDP; fp8_dispatch sends their rows in e4m3. The bytes the
+    all-to-alls send are counted in model.expert_all_to_all_bytes (an AllToAllBytes)."""
     from models.deepseek_moe import set_forward_recompute
 
     set_forward_recompute(model, activation_checkpointing)
@@ -170,19 +205,31 @@ def parallelize(model: nn.Module, world_size: int, sharding: str, param_dtype: s
         for name, block in list(model.layers.named_children()):
             model.layers.register_module(name, checkpoint_wrapper(block, preserve_rng_state=False))
     if world_size <= 1 or sharding == "none":
+        if expert_parallel > 1:
+            raise ValueError(f"train.expert_parallel={expert_parallel} needs train.sharding=fsdp or hsdp and more than "
+                             "one worker; set train.expert_parallel=1")
         return model
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    expert_params: set[nn.Parameter] = set()
+    if expert_parallel > 1:
+        from orchestration.training.expert_parallel import AllToAllBytes, apply_expert_parallel, expert_mesh
+
+        counter = AllToAllBytes()
+        expert_params = apply_expert_parallel(model, expert_mesh(world_size, expert_parallel, mesh_device_type()),
+                                              counter, fp8_dispatch)
+        model.expert_all_to_all_bytes = counter
     if fp8_all_gather:
         from fp8.fsdp_allgather import enable_fp8_all_gather
 
         wrapped = enable_fp8_all_gather(model)
         logger.info("FSDP2 all-gathers %d FP8 linear weights in fp8", len(wrapped))
     mp_policy = MixedPrecisionPolicy(param_dtype=_DTYPES[param_dtype], reduce_dtype=_DTYPES[reduce_dtype])
-    mesh = shard_mesh(world_size)
+    mesh = shard_mesh(world_size, shard_group_size if sharding == "hsdp" else None)
+    ignored = expert_params or None
     for block in model.layers.values():
-        fully_shard(block, mesh=mesh, mp_policy=mp_policy)
-    fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+        fully_shard(block, mesh=mesh, mp_policy=mp_policy, ignored_params=ignored)
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy, ignored_params=ignored)
     if fp8_all_gather:
         from fp8.fsdp_allgather import track_fsdp_params
 
@@ -281,13 +328,33 @@ def all_reduce_grads_if_unsharded(model: nn.Module, world_size: int, sharding: s
         offset += n
 
 
+def replication(tensor: torch.Tensor) -> int:
+    """On how many ranks a DTensor's local shard is repeated: the product of its mesh's sizes along the dimensions it
+    is replicated on (1 for FSDP's shards and plain tensors; the replica count under HSDP or expert parallelism)."""
+    placements = getattr(tensor, "placements", None)
+    if placements is None:
+        return 1
+    mesh = tensor.device_mesh
+    return math.prod(mesh.size(i) for i, p in enumerate(placements) if p.is_replicate())
+
+
 def local_grad_norm(model: nn.Module, device: torch.device) -> torch.Tensor:
-    """L2 norm of this rank's gradient shards (no collective): one fused multi-tensor kernel."""
-    grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-             for p in model.parameters() if p.grad is not None]
-    if not grads:
+    """L2 norm of this rank's gradient shards (no collective): one fused multi-tensor kernel.
+
+    A shard repeated on R ranks (HSDP's replicas, expert-parallel replicas) counts 1/R of its square, so that the
+    squares of all ranks add up to the whole gradient's (global_grad_norm)."""
+    by_replication: dict[int, list[torch.Tensor]] = {}
+    for p in model.parameters():
+        if p.grad is not None:
+            local = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+            by_replication.setdefault(replication(p.grad), []).append(local)
+    if not by_replication:
         return torch.zeros((), device=device)
-    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)).float())
+    if list(by_replication) == [1]:
+        return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(by_replication[1])).float())
+    squares = [torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)).float()).square() / r
+               for r, grads in by_replication.items()]
+    return torch.stack(squares).sum().sqrt()
 
 
 def global_grad_norm(local_norm: torch.Tensor, world_size: int, sharding: str) -> torch.Tensor:

@@ -10,6 +10,7 @@ exactly the global batch at any world size.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 
@@ -81,3 +82,67 @@ def merge_ranges(ranges: list[list[int]]) -> list[list[int]]:
 
 def count_in_ranges(ranges: list[list[int]]) -> int:
     return sum(end - start for start, end in ranges)
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """How one world size runs the model: FSDP or HSDP (shard groups of shard_group_size ranks, replicated), and the
+    routed experts split over groups of expert_parallel ranks (1: not split)."""
+
+    world_size: int
+    sharding: str  # "fsdp", "hsdp" or "none"
+    shard_group_size: int  # ranks a parameter is sharded over (world_size under fsdp, 1 under none)
+    expert_parallel: int
+    notes: tuple[str, ...] = ()
+
+    @property
+    def replicas(self) -> int:
+        return self.world_size // self.shard_group_size
+
+    def describe(self) -> str:
+        if self.world_size <= 1:
+            return "one worker"
+        kind = {"fsdp": f"FSDP over {self.world_size}", "none": f"{self.world_size} replicas",
+                "hsdp": f"HSDP {self.replicas} x {self.shard_group_size}"}[self.sharding]
+        return kind + (f", experts over {self.expert_parallel}" if self.expert_parallel > 1 else "")
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "notes": list(self.notes), "replicas": self.replicas, "describe": self.describe()}
+
+
+def _largest_divisor_at_most(n: int, limit: int) -> int:
+    return max(d for d in range(1, min(n, limit) + 1) if n % d == 0)
+
+
+def plan_layout(world_size: int, sharding: str, shard_group_size: int | None, expert_parallel: int,
+                n_routed_experts: int = 0, gpus_per_node: int | None = None) -> ParallelLayout:
+    """The layout a world size allows, as close to the configured one as it gets. Recomputed at every (re)start, so
+    an elastic resize keeps a valid layout: expert parallelism must divide the world size and the routed experts,
+    so it drops to the largest degree <= the configured one that divides both; HSDP's shard group must divide the
+    world size, so it drops to the largest divisor <= the configured size (null: gpus_per_node, else the world).
+    Why not refuse: a shrink from 8 to 6 workers would otherwise end an EP 4 run that EP 2 can continue (the
+    checkpoint reshards across layouts)."""
+    notes: list[str] = []
+    if world_size <= 1:
+        return ParallelLayout(world_size, "none", 1, 1)
+    if sharding == "none":
+        if expert_parallel > 1:
+            raise ValueError("train.expert_parallel > 1 needs train.sharding=fsdp or hsdp; set "
+                             "train.expert_parallel=1 or train.sharding=fsdp")
+        return ParallelLayout(world_size, "none", 1, 1)
+    ep = 1
+    if expert_parallel > 1:
+        if n_routed_experts <= 0:
+            raise ValueError("train.expert_parallel > 1 needs a model with routed experts (a DeepSeek-MoE flavor); "
+                             "set train.expert_parallel=1")
+        ep = _largest_divisor_at_most(math.gcd(world_size, n_routed_experts), expert_parallel)
+        if ep != expert_parallel:
+            notes.append(f"expert parallelism {expert_parallel} lowered to {ep} (it must divide the world size "
+                         f"{world_size} and the {n_routed_experts} routed experts)")
+    if sharding == "fsdp":
+        return ParallelLayout(world_size, "fsdp", world_size, ep, tuple(notes))
+    wanted = shard_group_size or gpus_per_node or world_size
+    group = _largest_divisor_at_most(world_size, wanted)
+    if group != wanted:
+        notes.append(f"HSDP shard group {wanted} lowered to {group} (it must divide the world size {world_size})")
+    return ParallelLayout(world_size, "hsdp", group, ep, tuple(notes))

@@ -10,7 +10,7 @@ sequence has seq_len tokens, so the mean of the sequences' mean token losses is 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -19,6 +19,28 @@ class ValidationSet(Protocol):
     def validation_capacity(self) -> int: ...
 
     def validation_batch(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+def validation_sequences(data: Any, validation: ValidationSet | None, eval_every: int) -> tuple[int, str | None,
+                                                                                              str | None]:
+    """(validation sequences per evaluation, why evaluation is off though train.eval_every asks for it, why it runs on
+    fewer sequences than data.eval_sequences). data: the job's DataConfig. 0 sequences when train.eval_every=0 or
+    the byte stream has no held-out file (a one-file data.source). Too few sequences in the held-out data is an error
+    naming what to change."""
+    if eval_every == 0:
+        return 0, None, None
+    if validation is None:
+        return 0, (f"no held-out data: data.source={data.source!r} has no files after the first data.max_files="
+                   f"{data.max_files}; point data.source at a directory with more files, or set train.eval_every=0"), None
+    capacity = validation.validation_capacity()
+    if capacity == 0:
+        raise ValueError(f"the held-out data holds no sequence of data.seq_len={data.seq_len} tokens: point "
+                         "data.source at a directory with more files, lower data.seq_len, or set train.eval_every=0")
+    if capacity < data.eval_sequences:
+        # A small held-out set is still worth evaluating on: all of it, said once (an event, rank 0's log).
+        return capacity, None, (f"the held-out data holds {capacity} sequences of data.seq_len={data.seq_len} tokens, "
+                                f"fewer than data.eval_sequences={data.eval_sequences}: evaluating on all {capacity}")
+    return data.eval_sequences, None, None
 
 
 def eval_chunk(n_sequences: int, world_size: int, rank: int) -> tuple[int, int]:

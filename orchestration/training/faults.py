@@ -1,8 +1,9 @@
 """Fault injection from config (conf/faults): corrupt the loss, the gradients or an activation, or end the process,
 at a given step on a given rank. Used by tests and demos; never by code edits (docs/reliability.md).
 
-The worker loop calls the `maybe_*` methods at their place in every step; they do nothing unless the plan says
-this (step, rank) is hit:
+The worker attaches the configured fault once, from outside the step (FaultInjector.attach: forward hooks on the
+model's FP8 layers, loss and gradient hooks on the StepModel), and calls maybe_crash at the top of every step. The
+`maybe_*` methods do nothing unless the plan says this (step, rank) is hit:
 
     plan = FaultPlan(FaultConfig(kind="loss_spike", rank=1, step=30))
     plan.maybe_crash(step, rank)                       # top of the step: kill_worker / crash
@@ -23,12 +24,15 @@ import signal
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from orchestration.config import PROCESS_FAULTS, FaultConfig
+
+if TYPE_CHECKING:
+    from orchestration.training.step import StepModel
 
 
 class InjectedCrash(RuntimeError):
@@ -182,6 +186,32 @@ class FaultInjector(FaultPlan):
             config = replace(config, marker_dir=str(Path(marker_dir).resolve()))
         super().__init__(config)
         self.rank = rank
+
+    def attach(self, sm: StepModel, get_step: Callable[[], int]) -> None:
+        """Wire the configured fault into the step from outside: loss_spike and nan_grad as the StepModel's loss and
+        gradient hooks, fp8_overflow and fp8_scale_error as forward hooks on the model's FP8 layers. `get_step`
+        gives the step being run."""
+        from fp8.linear import Float8Linear
+
+        kind = self.config.kind
+        if kind == "loss_spike":
+            sm.loss_hooks.append(lambda loss: self.maybe_corrupt_loss(loss, get_step()))
+        elif kind == "nan_grad":
+            sm.grad_hooks.append(lambda model: self.maybe_corrupt_grads(model, get_step()))
+        elif kind == "fp8_overflow":
+            # Real numerics: an outlier enters the first FP8 layer, so the FP8 health statistics see it.
+            target = next((m for m in sm.model.modules() if isinstance(m, Float8Linear)), None)
+            if target is None:
+                raise ValueError("faults=fp8_overflow needs an FP8 model: use precision=fp8")
+            self.attach_activation_fault(target, self.rank, get_step)
+        elif kind == "fp8_scale_error":
+            # The blocks' FP8 linears (not the output head, whose fused form returns the loss itself).
+            targets = [m for name, m in sm.model.named_modules()
+                       if isinstance(m, Float8Linear) and name.startswith("layers.")]
+            if not targets:
+                raise ValueError("faults=fp8_scale_error needs an FP8 model: use precision=fp8")
+            for target in targets:
+                self.attach_fp8_scale_fault(target, self.rank, get_step)
 
     def _r(self, rank: int | None) -> int:
         return self.rank if rank is None else rank

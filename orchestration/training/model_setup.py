@@ -4,6 +4,7 @@ checks that refuse a model/precision combination which would fail or silently ru
 from __future__ import annotations
 
 import copy
+import logging
 
 import torch
 
@@ -15,7 +16,11 @@ from orchestration.training.distributed import (
     broadcast_from_rank0_if_unsharded,
     init_weights_by_unit,
     parallelize,
+    resolve_shard_group_size,
 )
+from orchestration.training.elastic import ParallelLayout, plan_layout
+
+logger = logging.getLogger(__name__)
 
 
 def build_training_model(job: JobConfig, world_size: int, device: torch.device,
@@ -53,9 +58,16 @@ def build_training_model(job: JobConfig, world_size: int, device: torch.device,
             require_fp8_output_head(model, job.model.name)
         require_fp8_grouped_gemm(model, fp8.get_backend(device))
     template = copy.deepcopy(model)  # on meta: no memory
-    model = parallelize(model, world_size, job.train.sharding, job.precision.fsdp_param_dtype,
-                        job.precision.fsdp_reduce_dtype, job.model.activation_checkpointing,
-                        fp8_all_gather=fp8_all_gather_enabled(job, recipe))
+    layout = layout_for(job, world_size)
+    model = parallelize(model, world_size, layout.sharding if world_size > 1 else job.train.sharding,
+                        job.precision.fsdp_param_dtype, job.precision.fsdp_reduce_dtype,
+                        job.model.activation_checkpointing, fp8_all_gather=fp8_all_gather_enabled(job, recipe),
+                        shard_group_size=layout.shard_group_size, expert_parallel=layout.expert_parallel,
+                        fp8_dispatch=job.train.expert_dispatch_fp8)
+    model.parallel_layout = layout  # what this (re)start runs, for the worker's events and logs
+    if world_size > 1:
+        logger.info("parallel layout at world size %d: %s%s", world_size, layout.describe(),
+                    "".join(f"; {note}" for note in layout.notes))
     init_weights_by_unit(model, template, job.train.seed, device)
     broadcast_from_rank0_if_unsharded(model, world_size, job.train.sharding)
     if job.precision.weight_copies:
@@ -199,3 +211,16 @@ def fp8_all_gather_enabled(job: JobConfig, recipe: str | None) -> bool:
     if job.precision.fp8_all_gather is not None:
         return job.precision.fp8_all_gather
     return recipe == "tensorwise"
+
+
+def layout_for(job: JobConfig, world_size: int) -> ParallelLayout:
+    """The parallel layout this world size runs (orchestration.training.elastic.plan_layout): at every (re)start, so a
+    resize keeps expert parallelism and HSDP's shard groups dividing the world size."""
+    from models.registry import resolve_flavor
+
+    flavor = resolve_flavor(job.model.name, dict(job.model.overrides))
+    experts = getattr(flavor.args, "n_routed_experts", 0)
+    configured_group = job.train.shard_group_size
+    if job.train.sharding == "hsdp" and configured_group is None:
+        configured_group = resolve_shard_group_size(None, world_size)
+    return plan_layout(world_size, job.train.sharding, configured_group, job.train.expert_parallel, experts)

@@ -49,8 +49,19 @@ def adamw_implementation(job: JobConfig, device: torch.device) -> str:
     return job.train.adamw
 
 
+def param_groups_by_mesh(params) -> list[dict]:
+    """The parameters in one group per device mesh they are DTensors on (plain tensors together): torch's fused and
+    foreach AdamW run one multi-tensor op per group, and a DTensor op refuses operands on different meshes (FSDP's
+    and the expert-parallel experts', orchestration/training/expert_parallel.py). One group when there is one mesh."""
+    groups: dict = {}
+    for p in params:
+        groups.setdefault(getattr(p, "device_mesh", None), []).append(p)
+    return [{"params": ps} for ps in groups.values()]
+
+
 def make_optimizer(job: JobConfig, device: torch.device, params) -> torch.optim.Optimizer:
     kwargs = adamw_kwargs(job, device)
+    params = param_groups_by_mesh(params)
     if adamw_implementation(job, device) == "triton":
         return ChunkedAdamW(params, **kwargs)
     return torch.optim.AdamW(params, **kwargs)
