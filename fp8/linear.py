@@ -15,6 +15,8 @@ precision, _fp8 quantized, _t transposed; scales are quantization multipliers (x
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -43,6 +45,11 @@ def _as_col_vec(s: torch.Tensor, m: int) -> torch.Tensor:
     return s.reshape(-1, 1).expand(m, 1).contiguous() if s.numel() == 1 else s.reshape(m, 1).contiguous()
 
 
+def _autocast_off(device_type: str) -> contextlib.AbstractContextManager:
+    enabled = device_type in ("cpu", "cuda") and torch.is_autocast_enabled(device_type)
+    return torch.autocast(device_type, enabled=False) if enabled else contextlib.nullcontext()
+
+
 def scaled_mm(
     a_fp8: torch.Tensor,
     b_fp8: torch.Tensor,
@@ -60,7 +67,10 @@ def scaled_mm(
     if not use_scaled_mm:
         a32 = a_fp8.float() * inv_a
         b32 = b_fp8.float() * inv_b
-        return (a32 @ b32).to(out_dtype)
+        # A forward under bf16 autocast would otherwise run this float32 product as a bf16 matmul: both operands
+        # rounded to bf16 (not what _scaled_mm computes), and on CPUs without native bf16 a matmul many times slower.
+        with _autocast_off(a32.device.type):
+            return (a32 @ b32).to(out_dtype)
     m, n = a_fp8.shape[0], b_fp8.shape[1]
     tensorwise = inv_a.numel() == 1 and inv_b.numel() == 1
     if tensorwise:

@@ -121,15 +121,20 @@ def launch(env: dict, *overrides: str, timeout: float = 600) -> subprocess.Compl
     return proc
 
 
+def ray_services_still_up(env: dict, timeout_s: float = 30) -> dict[int, str]:
+    """The Ray services (raylet, GCS) of the jobs started with `env` (isolated_env) still running after waiting up to
+    timeout_s for them to exit (they exit asynchronously after ray.shutdown())."""
+    deadline = time.monotonic() + timeout_s
+    while (left := ray_services(marked_processes(TEST_MARK_ENV, env[TEST_MARK_ENV]))) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return left
+
+
 @pytest.fixture
 def no_ray_leftovers(isolated_env):
-    """Fails the test when its Ray cluster is still up 30 s after it ended (raylet and GCS exit asynchronously
-    after ray.shutdown()); isolated_env then stops it either way."""
+    """Fails the test when its Ray cluster is still up 30 s after it ended; isolated_env then stops it either way."""
     yield
-    mark = isolated_env[TEST_MARK_ENV]
-    deadline = time.monotonic() + 30
-    while (left := ray_services(marked_processes(TEST_MARK_ENV, mark))) and time.monotonic() < deadline:
-        time.sleep(0.5)
+    left = ray_services_still_up(isolated_env)
     assert not left, f"Ray processes left behind: {left}"
 
 

@@ -152,3 +152,35 @@ def test_forwarded_noise_is_dropped_and_real_errors_kept():
     finally:
         dispatcher.remove_handler("ray_print_logs")
     assert [d["lines"] for d in printed] == [[error]]
+
+
+def test_ray_trains_start_timeout_warning_is_a_debug_record_without_traceback():
+    """Ray Train's own client, its coordinator not answering (a loaded machine at the start): the record it logs with
+    a traceback reaches no console handler once a job process ran the setup hook's quieting; other warnings do."""
+    import logging
+
+    from ray.train import ScalingConfig
+    from ray.train.v2._internal.execution.scaling_policy import autoscaling_coordinator_client as client_module
+
+    from orchestration.driver.ray_logs import quiet_harmless_ray_train_records
+
+    class Unanswered:
+        class request_resources:  # an actor method's shape: .remote(...)
+            @staticmethod
+            def remote(**kwargs):
+                raise TimeoutError("Get timed out: some object(s) not ready.")
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append
+    client_module.logger.addHandler(handler)
+    try:
+        quiet_harmless_ray_train_records()
+        client = client_module.TrainAutoscalingCoordinatorClient("train-run")
+        client.__dict__["_autoscaling_coordinator"] = Unanswered()
+        client.send_resource_request(ScalingConfig(num_workers=2), 2)
+        assert not [r for r in records if r.levelno >= logging.WARNING]
+        client_module.logger.warning("another warning")
+    finally:
+        client_module.logger.removeHandler(handler)
+    assert [r.getMessage() for r in records] == ["another warning"]

@@ -50,25 +50,25 @@ def test_default_job_end_to_end(tmp_path, isolated_env, no_ray_leftovers):
 
 
 def test_resume_same_run_name_repeats_no_step(tmp_path, isolated_env, no_ray_leftovers):
-    common = [f"run_root={tmp_path / 'runs'}", "run_name=resumed", "model=debug_dense", "checkpoint.every_steps=10",
+    common = [f"run_root={tmp_path / 'runs'}", "run_name=resumed", "model=debug_dense", "checkpoint.every_steps=5",
               "train.log_every=1", "train.warmup_steps=2"]
-    # The first start saves steps 0 and 10 in the background (checkpoint.async_save=always; default auto is on for
-    # cuda only): reported to Ray when they finish, then resumed from step 20 like the synchronous saves.
-    first = launch(isolated_env, *common, "train.steps=20", "checkpoint.async_save=always")
+    # The first start saves steps 0 and 5 in the background (checkpoint.async_save=always; default auto is on for
+    # cuda only): reported to Ray when they finish, then resumed from step 10 like the synchronous saves.
+    first = launch(isolated_env, *common, "train.steps=10", "checkpoint.async_save=always")
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
-    second = launch(isolated_env, *common, "train.steps=30")
+    second = launch(isolated_env, *common, "train.steps=15")
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     run_dir = tmp_path / "runs" / "resumed"
     events = read_jsonl(run_dir / "events.jsonl")
     resumes = [e for e in events if e["event"] == "resume"]
-    assert resumes and resumes[-1]["from_step"] == 20 and resumes[-1]["world_size"] == 2
+    assert resumes and resumes[-1]["from_step"] == 10 and resumes[-1]["world_size"] == 2
     background = [e for e in events if e["event"] == "checkpoint_timing" and e.get("background")]
-    assert [e["checkpoint_step"] for e in background] == [0, 10]
+    assert [e["checkpoint_step"] for e in background] == [0, 5]
     assert all(e["seconds"] < e["background_s"] and e["write_s"] > 0 for e in background)
     steps = [m["step"] for m in read_jsonl(run_dir / "metrics.jsonl")]
-    assert steps == list(range(1, 31)), steps  # every step once, none repeated
+    assert steps == list(range(1, 16)), steps  # every step once, none repeated
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["final_step"] == 30 and summary["consumed_ranges"] == [[0, 30 * 16]]
+    assert summary["final_step"] == 15 and summary["consumed_ranges"] == [[0, 15 * 16]]
 
     # One W&B run across both starts: the same id resumed, its offline history equal to metrics.jsonl.
     from orchestration.observability.wandb_offline import offline_segments, read_offline_history
@@ -76,7 +76,7 @@ def test_resume_same_run_name_repeats_no_step(tmp_path, isolated_env, no_ray_lef
     assert len(offline_segments(run_dir)) == 2
     metrics = {m["step"]: m for m in read_jsonl(run_dir / "metrics.jsonl")}
     history = [row for row in read_offline_history(run_dir) if "loss" in row]
-    assert [row["step"] for row in history] == list(range(1, 31))
+    assert [row["step"] for row in history] == list(range(1, 16))
     for row in history:
         assert row["loss"] == pytest.approx(metrics[row["step"]]["loss"], rel=1e-6)
 
@@ -84,40 +84,11 @@ def test_resume_same_run_name_repeats_no_step(tmp_path, isolated_env, no_ray_lef
     # anything in the run directory changes (config.yaml, summary, checkpoints all as they were).
     before = sorted((p.relative_to(run_dir), p.stat().st_mtime_ns) for p in run_dir.rglob("*") if p.is_file())
     third = launch(isolated_env, *[c for c in common if c != "model=debug_dense"], "model=debug_moe",
-                   "train.steps=40", timeout=120)
+                   "train.steps=20", timeout=120)
     assert third.returncode == 2, third.stdout[-3000:] + third.stderr[-3000:]
     assert "model.name (saved 'debug_dense', now 'debug_moe')" in third.stderr
     assert "Ray dashboard" not in third.stdout
     assert sorted((p.relative_to(run_dir), p.stat().st_mtime_ns) for p in run_dir.rglob("*") if p.is_file()) == before
-
-
-def test_ctrl_c_stops_workers_and_leaves_no_ray_processes(tmp_path, isolated_env, no_ray_leftovers):
-    import signal
-    import subprocess
-    import sys
-    import time
-
-    from tests.conftest import REPO
-
-    run_dir = tmp_path / "runs" / "interrupted"
-    proc = subprocess.Popen([sys.executable, str(REPO / "launch.py"), f"run_root={tmp_path / 'runs'}",
-                             "run_name=interrupted", "model=debug_dense", "train.steps=100000",
-                             "logging.wandb=false", "train.log_every=1"],
-                            cwd=REPO, env=isolated_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        deadline = time.time() + 240
-        while time.time() < deadline and not read_jsonl(run_dir / "metrics.jsonl"):
-            time.sleep(0.5)
-        assert read_jsonl(run_dir / "metrics.jsonl"), "training never started"
-        proc.send_signal(signal.SIGINT)
-        out, _ = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert "Interrupted" in out, out[-2000:]
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["status"] == "interrupted"
-    time.sleep(2)  # raylet/gcs exit asynchronously after ray.shutdown(); the fixture then checks none is left
 
 
 def test_same_worker_loop_under_torchrun_without_ray(tmp_path, isolated_env):

@@ -85,12 +85,17 @@ def test_fp8_differs_from_high_precision():
     assert 20 < sqnr(y, reference(x, w, gy)[0]) < 40
 
 
-def test_scaled_mm_emulated_matches_dequantized_product():
+@pytest.mark.parametrize("autocast", [False, True])
+def test_scaled_mm_emulated_matches_dequantized_product(autocast):
+    """Under bf16 autocast too (a training forward): the float32 product, as _scaled_mm computes it, not a bf16 matmul
+    of bf16-rounded operands (which also ran many times slower on CPUs without native bf16)."""
     g = torch.Generator().manual_seed(3)
     a, b = torch.randn(16, 32, generator=g), torch.randn(32, 48, generator=g)
     a8, sa = quantize_rowwise_ref(a, torch.float8_e4m3fn, True, dim=-1)
     b8, sb = quantize_rowwise_ref(b, torch.float8_e4m3fn, True, dim=0)
-    out = scaled_mm(a8, b8, sa, sb, torch.float32, use_scaled_mm=False)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        out = scaled_mm(a8, b8, sa, sb, torch.float32, use_scaled_mm=False)
+        assert torch.is_autocast_enabled("cpu") == autocast  # the caller's autocast state is left as it was
     expect = (a8.double() / sa.double()) @ (b8.double() / sb.double())
     assert torch.allclose(out.double(), expect, rtol=1e-5, atol=1e-5)
 

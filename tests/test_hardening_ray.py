@@ -1,6 +1,6 @@
 """Faults of the whole job on a real embedded Ray cluster: a full disk (a real size-limited tmpfs), Ctrl-C, a killed
-driver and the resumes after them, and what the cluster exposes on the network (the listening sockets of every
-process of the job, read from /proc). Slow: ~2 minutes in all."""
+driver, the processes its embedded cluster left and the resumes after them, and what the cluster exposes on the
+network (the listening sockets of every process of the job, read from /proc). Slow: ~3 minutes in all."""
 
 from __future__ import annotations
 
@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from orchestration.driver.run_lock import process_start_ticks
 from orchestration.observability.events import read_jsonl
-from tests.conftest import REPO, launch
+from tests.conftest import REPO, launch, ray_services_still_up
 
 pytestmark = pytest.mark.slow
 
@@ -101,6 +102,13 @@ def listening_sockets(pids: list[int]) -> list[tuple[int, str, str, int]]:
     return sorted(out)
 
 
+def command(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ").strip()
+    except OSError:
+        return ""
+
+
 def kill_tree(pids: list[int]) -> None:
     for pid in pids:
         try:
@@ -181,9 +189,12 @@ def test_preflight_refuses_a_disk_that_cannot_hold_one_checkpoint(tmp_path, isol
 
 
 def test_ctrl_c_killed_driver_and_resumes(tmp_path, isolated_env, no_ray_leftovers):
-    """Ctrl-C stops at a step boundary within seconds, without a traceback; a SIGKILLed driver then resumes; the
-    run directory counts both as resumes, never as lost workers, and holds each step's metrics once. The
-    embedded cluster's listening sockets are read while it trains."""
+    """Ctrl-C stops the workers at a step boundary within seconds, without a traceback, and leaves no Ray process;
+    a resumed start whose driver is then SIGKILLed leaves its embedded cluster's agents running, and the next start
+    ends them by pid (orchestration/driver/leftovers.py; the dead driver's run lease does not block it) and resumes;
+    the run directory counts both as resumes, never as lost workers, and holds each step's metrics once. The
+    embedded cluster's listening sockets are read while it trains. One run for all of it: each start of a run costs
+    a Ray cluster and a worker group."""
     root = tmp_path / "runs"
     run_dir = root / "cc"
     env = {k: v for k, v in isolated_env.items() if k != "RAY_AUTH_MODE"}  # the product's default auth
@@ -208,30 +219,51 @@ def test_ctrl_c_killed_driver_and_resumes(tmp_path, isolated_env, no_ray_leftove
     assert last_step - step_at_signal <= 2, (step_at_signal, last_step)
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == checkpoints_before
     assert "Traceback" not in out and "PlacementGroupCleaner" not in out, out[-3000:]
+    assert "Interrupted" in out, out[-3000:]
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "interrupted"
+    left = ray_services_still_up(env)  # the driver stopped the workers and its embedded cluster
+    assert not left, f"Ray processes left behind by the interrupted start: {left}"
     exposed = [s for s in sockets if not _is_loopback(s[2])]
     print(f"Ctrl-C: exit {exit_s:.1f} s after the signal, {last_step - step_at_signal} step(s) after it")
 
-    # 2. A resumed start whose driver is SIGKILLed mid-run (its Ray processes killed with it, by pid).
+    # 2. A resumed start whose driver alone is SIGKILLed mid-run (kill -9, the OOM killer).
     resumed_from = int(max(checkpoints_before)[5:])
     proc = start(env, root, "cc", *DENSE, "train.steps=100000")
+    tree: dict[int, int | None] = {}  # pid -> start time: a pid reused since is not ours to kill
     try:
         wait_for_step(run_dir, last_step + 3, proc)
-        tree = process_tree(proc.pid)
+        time.sleep(6)  # one refresh of the record after the workers started (RayProcessRecord.every_s)
+        tree = {pid: process_start_ticks(pid) for pid in process_tree(proc.pid)[1:]}
+        workers = {pid: start for pid, start in tree.items() if command(pid).startswith("ray::RayTrainWorker")}
+        recorded = json.loads((run_dir / "ray_processes.json").read_text())["processes"]
         os.kill(proc.pid, signal.SIGKILL)
         proc.communicate(timeout=30)
-    finally:
-        kill_tree(process_tree(proc.pid) if proc.poll() is None else [])
-    kill_tree(tree)
-    time.sleep(1)
-    killed_at = read_jsonl(run_dir / "metrics.jsonl")[-1]["step"]
+        # Ray ends the dead driver's workers: wait for that, so that no step of theirs lands after killed_at.
+        deadline = time.time() + 30
+        while any(process_start_ticks(pid) == start for pid, start in workers.items()) and time.time() < deadline:
+            time.sleep(0.2)
+        time.sleep(1)
+        left = {p["pid"] for p in recorded if process_start_ticks(p["pid"]) == p["start"]}
+        names = [p["cmd"] for p in recorded if p["pid"] in left]
+        # They outlive it: the raylet's agents (started after ray.init returned) run on long after the rest exited.
+        agents = {p["pid"] for p in recorded if p["cmd"].strip() in ("ray::DashboardAgent", "ray::RuntimeEnvAgent")}
+        assert len(agents) == 2 and agents <= left, names
+        killed_at = read_jsonl(run_dir / "metrics.jsonl")[-1]["step"]
 
-    # 3. Resume to the end.
-    final_steps = killed_at + 4
-    t_resume = time.time()
-    done = launch(env, f"run_root={root}", "run_name=cc", *DENSE, f"train.steps={final_steps}", timeout=300)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        # 3. Resume to the end: the start ends what the killed one left, then trains.
+        final_steps = killed_at + 4
+        t_resume = time.time()
+        done = launch(env, f"run_root={root}", "run_name=cc", *DENSE, f"train.steps={final_steps}", timeout=300)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    finally:
+        kill_tree([pid for pid, start in tree.items() if start is not None and process_start_ticks(pid) == start])
+        if proc.poll() is None:
+            kill_tree(process_tree(proc.pid))
     events = read_jsonl(run_dir / "events.jsonl")
+    ended = [e for e in events if e["event"] == "ray_leftovers_ended"]
+    assert len(ended) == 1 and agents <= set(ended[0]["pids"]) <= left, (ended, left)
+    assert not [pid for pid in left if process_start_ticks(pid) is not None]
+    assert not (run_dir / "ray_processes.json").exists()  # the completed start removed its own record
     resumes = [e for e in events if e["event"] == "resume"]
     assert len(resumes) == 2 and resumes[0]["from_step"] == resumed_from, resumes
     assert all(e["origin"] == "new_start" for e in resumes), resumes

@@ -21,6 +21,14 @@ HARMLESS_AT_SHUTDOWN = {
     "ray.train.v2._internal.callbacks.placement_group_callback": "Failed to stop PlacementGroupCleaner gracefully",
     "ray.train.v2._internal.execution.controller.placement_group_cleaner": "Monitor thread did not exit within",
 }
+# At the start the controller asks Ray's autoscaling coordinator, an actor started for it a moment before, for the
+# workers' resources and waits 5 s; on a loaded machine that actor is still starting, and Ray logs the timeout with a
+# traceback (its message: safe to ignore when transient). The request is sent again every 20 s; the worker group
+# starts either way. A debug record too.
+HARMLESS_AT_START = {
+    "ray.train.v2._internal.execution.scaling_policy.autoscaling_coordinator_client":
+        "Failed to send resource request for",
+}
 
 
 class DebugLevel(logging.Filter):
@@ -49,7 +57,7 @@ def prepare_worker_process() -> None:
 
     keep_store_on_loopback()  # not a log matter: this hook is the one code every worker runs before Ray's rendezvous
     pin_state_api_to_this_cluster()
-    quiet_ray_train_shutdown()
+    quiet_harmless_ray_train_records()
     # Ray Train's controller builds Ray Data's default ExecutionOptions, whose constructor warns about a parameter
     # that Ray itself passes; nothing in this job uses Ray Data.
     warnings.filterwarnings("ignore", message=r"`ExecutionOptions\.exclude_resources` is deprecated")
@@ -108,13 +116,13 @@ def pin_state_api_to_this_cluster() -> None:
     os.environ["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
 
 
-def quiet_ray_train_shutdown() -> None:
+def quiet_harmless_ray_train_records() -> None:
     import importlib.util
 
     spec = importlib.util.find_spec(REPORT_LOGGER_MODULE)
     if spec is not None and spec.origin:
         logging.getLogger(spec.origin).setLevel(logging.WARNING)
-    for name, prefix in HARMLESS_AT_SHUTDOWN.items():
+    for name, prefix in {**HARMLESS_AT_SHUTDOWN, **HARMLESS_AT_START}.items():
         logger = logging.getLogger(name)
         if not any(isinstance(f, DebugLevel) for f in logger.filters):
             logger.addFilter(DebugLevel(prefix))
