@@ -23,6 +23,7 @@ from orchestration.divergence.agreement import StopRequest
 from orchestration.divergence.guard import StepGuard
 from orchestration.divergence.policy import Decision
 from orchestration.observability.events import CONFIG_FILE, FINAL_STATE_FILE, PREEMPT_FILE, STOP_FILE, RunDir
+from orchestration.training import departure
 from orchestration.training.checkpointing import RunCheckpoints, RunFailed, TrainState
 from orchestration.training.compile import compile_enabled
 from orchestration.training.decisions import apply_decision, apply_eval_gap_decision, apply_policy_precision
@@ -192,6 +193,7 @@ class Trainer:
         # Read as late as possible, just before the agreement: one stat a step on rank 0 for the driver's forwarded
         # SIGTERM (any rank asking is enough).
         self.preempt.local = self.sigterm_received or (self.rank == 0 and (self.run_dir.path / PREEMPT_FILE).exists())
+        self.preempt.local = self.preempt.local or departure.notice_info() is not None  # a node leaves with notice
         return self.guard.check(self.model, self.state.step, loss, grad_norm, gated_update, self.shadow_losses,
                                 stop=self.preempt)
 
@@ -407,6 +409,8 @@ def train_loop(config: dict[str, Any]) -> None:
     try:
         trainer.start()
         status = trainer.run()
+        if status == "preempted" and trainer.under_ray:
+            departure.leave_if_a_node_goes(trainer)  # a node's notice: waits for the restart without the node
     except RunFailed as exc:
         trainer.checkpoints.abandon()
         trainer.finish("failed", error=str(exc))
