@@ -48,6 +48,7 @@ def kept_steps(metrics: list[dict]) -> dict[int, dict]:
     return kept
 
 
+@pytest.mark.timeout(CHURN_S + 900)
 def test_nodes_join_and_leave_at_random_for_ten_minutes(tmp_path):
     rng = random.Random(SEED)
     cluster = LocalAutoscalingCluster(tmp_path / "cluster", spot_nodes=2, env=_env(tmp_path))

@@ -97,9 +97,11 @@ def test_raycluster_groups_are_the_fake_clusters_and_spot_pods_drain_before_they
 def test_the_autoscale_local_preset_spans_the_fake_clusters_nodes():
     """conf/cluster/autoscale_local.yaml: the floor is the on-demand node, the ceiling adds the default spot node;
     one worker per node; it joins the cluster `autoscale_local up` starts."""
+    from orchestration.config import ClusterConfig
+
     preset = load(REPO / "conf" / "cluster" / "autoscale_local.yaml")
     types = al.node_types(spot_nodes=1)
-    per_node = types[al.ONDEMAND_TYPE]["resources"]["CPU"] / preset["cpus_per_worker"]
+    per_node = types[al.ONDEMAND_TYPE]["resources"]["CPU"] / preset.get("cpus_per_worker", ClusterConfig.cpus_per_worker)
     assert preset["min_workers"] == types[al.ONDEMAND_TYPE]["min_workers"] * per_node
     assert preset["max_workers"] == (types[al.ONDEMAND_TYPE]["max_workers"] + types[al.SPOT_TYPE]["max_workers"]) \
         * per_node

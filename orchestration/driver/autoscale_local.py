@@ -130,9 +130,22 @@ class LocalAutoscalingCluster:
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
+    @property
+    def config_file(self) -> Path:
+        return self.workdir / f"autoscaler-{self.port}.json"
+
+    def set_spot_nodes(self, spot_nodes: int) -> None:
+        """The most spot nodes the cloud can give now: the autoscaler (v2) reads its config again at every update, so
+        raising this is spot capacity becoming available, and lowering it to 0 before a node leaves keeps the
+        autoscaler from replacing it."""
+        self.spot_nodes = spot_nodes
+        tmp = self.config_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(autoscaler_config(self.port, spot_nodes), indent=2))
+        tmp.replace(self.config_file)  # the autoscaler never reads half a file
+
     def start(self, timeout_s: float = 180) -> LocalAutoscalingCluster:
-        config = self.workdir / f"autoscaler-{self.port}.json"
-        config.write_text(json.dumps(autoscaler_config(self.port, self.spot_nodes), indent=2))
+        config = self.config_file
+        self.set_spot_nodes(self.spot_nodes)  # writes the config file
         dashboard_port = self.dashboard_url.rsplit(":", 1)[1]
         self.head = subprocess.Popen(
             [ray_cli(), "start", "--head", f"--port={self.port}", "--num-cpus=0", f"--autoscaling-config={config}",
