@@ -28,11 +28,11 @@ pytestmark = pytest.mark.churn
 
 CHURN_S = 660
 SEED = 20261207
-GLOBAL_BATCH = 12  # splits evenly over 1, 2 and 3 workers
+GLOBAL_BATCH = 16
 SETTINGS = ["model=debug_dense", "precision=bf16", "precision.compute_dtype=float32", "train.steps=1000000",
-            f"train.global_batch_size={GLOBAL_BATCH}", "train.micro_batch_size=4", "data.seq_len=128",
+            f"train.global_batch_size={GLOBAL_BATCH}", "train.micro_batch_size=8", "data.seq_len=128",
             "train.warmup_steps=10", "train.log_every=1", "checkpoint.every_steps=20", "logging.wandb=false",
-            "logging.progress_every_s=30", "monitor=off", "cluster.min_workers=1", "cluster.max_workers=3",
+            "logging.progress_every_s=30", "monitor=off", "cluster.min_workers=1", "cluster.max_workers=2",
             "cluster.worker_group_start_timeout_s=30", "cluster.elastic_resize_interval_s=10",
             "cluster.max_failures=40"]
 
@@ -51,13 +51,14 @@ def kept_steps(metrics: list[dict]) -> dict[int, dict]:
 @pytest.mark.timeout(CHURN_S + 900)
 def test_nodes_join_and_leave_at_random_for_ten_minutes(tmp_path):
     rng = random.Random(SEED)
-    cluster = LocalAutoscalingCluster(tmp_path / "cluster", spot_nodes=2, env=_env(tmp_path))
+    # One spot node at a time: a 2-core machine runs 2 workers at most (docs/reliability.md says what was measured).
+    cluster = LocalAutoscalingCluster(tmp_path / "cluster", spot_nodes=1, env=_env(tmp_path))
     run_dir = tmp_path / "churn"
     driver = None
     departures: list[dict] = []
     try:
         cluster.start()
-        wait_for(lambda: cluster.alive(ONDEMAND_TYPE), 120, "the on-demand node")
+        wait_for(lambda: cluster.alive(ONDEMAND_TYPE), 240, "the on-demand node")
         log = open(tmp_path / "driver.log", "w")  # noqa: SIM115  # the driver subprocess writes it until it is reaped
         driver = subprocess.Popen([sys.executable, str(REPO / "launch.py"), *SETTINGS, f"run_root={tmp_path}",
                                    "run_name=churn", f"cluster.address={cluster.address}"],

@@ -113,10 +113,11 @@ def test_autoscaler_grows_the_run_and_a_drained_node_leaves_without_losing_a_ste
     autoscaler v2): the run starts on the on-demand node with 1 worker and asks for 2. Spot capacity appears: the
     autoscaler launches a spot node and the run grows onto it. That node then gets a preemption notice (a drain with
     a deadline): the workers save the step they are at and wait; at the deadline the node is killed, as a cloud does,
-    and the run goes on with 1 worker from exactly that step. Spot capacity again: the run grows back; that node is
-    then lost without notice (SIGKILL) and the run resumes from its newest checkpoint. Capacity is withdrawn before
-    each departure, so the autoscaler does not replace the node at once and the sizes are known: 1, 2, 1, 2, 1. Every
-    sample once, the loss of an uninterrupted run, the figures printed (docs/reliability.md)."""
+    and the run goes on from exactly that step (on 1 worker, or on 2 when the autoscaler's replacement for the
+    draining node is up by then). A spot node in use is then lost without notice (SIGKILL) and the run resumes from
+    its newest checkpoint. Every sample once, the loss of an uninterrupted run, the figures printed
+    (docs/reliability.md). (Lowering the spot capacity before a departure would make the sizes known in advance, but
+    autoscaler v2 then terminates the excess node at once: no notice the workers could act on.)"""
     from orchestration.driver.autoscale_local import ONDEMAND_TYPE, SPOT_TYPE, LocalAutoscalingCluster
 
     cluster = LocalAutoscalingCluster(tmp_path / "cluster", spot_nodes=0, env=_env(tmp_path))
@@ -133,7 +134,7 @@ def test_autoscaler_grows_the_run_and_a_drained_node_leaves_without_losing_a_ste
 
     try:
         cluster.start()
-        wait_for(lambda: cluster.alive(ONDEMAND_TYPE), 120, "the on-demand node")
+        wait_for(lambda: cluster.alive(ONDEMAND_TYPE), 240, "the on-demand node")
         args = [sys.executable, str(REPO / "launch.py"), *COMMON, *tokenized_data, f"run_root={tmp_path}",
                 "run_name=elastic", f"cluster.address={cluster.address}", "cluster.min_workers=1",
                 "cluster.max_workers=2", "cluster.worker_group_start_timeout_s=30",
@@ -148,7 +149,6 @@ def test_autoscaler_grows_the_run_and_a_drained_node_leaves_without_losing_a_ste
 
         # Notice: a drain with a deadline; the node is killed at the deadline, as the cloud would.
         wait_for(lambda: last_step(run_dir) >= grown["step"] + 5, 120, "5 steps at world size 2")
-        cluster.set_spot_nodes(0)
         deadline_s = 10
         t_notice = time.time()
         cluster.drain(spot.node_id, deadline_s)
@@ -162,24 +162,26 @@ def test_autoscaler_grows_the_run_and_a_drained_node_leaves_without_losing_a_ste
         shrunk = wait_for(lambda: [e for e in events_of(run_dir, "resume") if e["time"] > t_notice], 240,
                           "a resume after the notice")[0]
         # 0 steps lost: the group after the notice starts at the step the workers saved, and none trained beyond it.
-        assert (shrunk["from_step"], shrunk["world_size"]) == (leaving["step"], 1), (shrunk, leaving)
+        assert shrunk["from_step"] == leaving["step"], (shrunk, leaving)
         before = [m["step"] for m in read_jsonl(run_dir / "metrics.jsonl") if m["time"] < shrunk["time"]]
         assert max(before) == leaving["step"], (max(before), leaving)
-        first_after = wait_for(lambda: first_metrics_at(run_dir, 1, shrunk["time"]), 120, "a step after it")
+        first_after = wait_for(lambda: first_metrics_at(run_dir, shrunk["world_size"], shrunk["time"]), 120,
+                               "a step after it")
         figures["notice_to_first_step_after_s"] = round(first_after["time"] - t_notice, 1)
+        figures["world_size_after_notice"] = shrunk["world_size"]
 
-        # Grow back, then a departure without notice.
-        spot2, regrown = grow()
-        figures["node_ready_to_first_step_again_s"] = round(regrown["time"] - spot2.start_time_s, 1)
+        # A departure without notice of the spot node the run uses (the replacement: at 2 workers again).
+        regrown = wait_for(lambda: first_metrics_at(run_dir, 2, shrunk["time"] - 1), 300, "world size 2 again")
+        spot2 = next(n for n in cluster.alive(SPOT_TYPE) if n.node_id != spot.node_id)
         wait_for(lambda: last_step(run_dir) >= regrown["step"] + 5, 120, "5 steps at world size 2")
-        cluster.set_spot_nodes(0)
         t_kill, step_at_kill = time.time(), last_step(run_dir)
         cluster.kill_node(spot2.node_id)
         lost = wait_for(lambda: [e for e in events_of(run_dir, "resume") if e["time"] > t_kill], 240,
                         "a resume after the kill")[0]
         newest = max(e["step"] for e in events_of(run_dir, "checkpoint_saved") if e["time"] < t_kill)
-        assert (lost["from_step"], lost["world_size"]) == (newest, 1), (lost, newest)  # the newest checkpoint
-        first_after_kill = wait_for(lambda: first_metrics_at(run_dir, 1, lost["time"]), 120, "a step after the kill")
+        assert lost["from_step"] == newest, (lost, newest)  # the newest checkpoint
+        first_after_kill = wait_for(lambda: first_metrics_at(run_dir, lost["world_size"], lost["time"]), 120,
+                                    "a step after the kill")
         figures["kill_to_first_step_after_s"] = round(first_after_kill["time"] - t_kill, 1)
         figures["steps_trained_again_after_the_kill"] = step_at_kill - lost["from_step"]
         assert driver.wait(timeout=900) == 0, (tmp_path / "driver.log").read_text()[-3000:]
@@ -194,9 +196,9 @@ def test_autoscaler_grows_the_run_and_a_drained_node_leaves_without_losing_a_ste
     figures["wall_time_s"] = summary["wall_time_s"]
     print("autoscaling figures:", json.dumps(figures))
     (tmp_path / "autoscale_figures.json").write_text(json.dumps(figures, indent=2))
-    assert figures["node_ready_to_first_step_s"] <= 90 and figures["node_ready_to_first_step_again_s"] <= 90, figures
+    assert figures["node_ready_to_first_step_s"] <= 90, figures
     assert summary["status"] == "completed" and summary["final_step"] == STEPS
-    assert summary["world_sizes_seen"] == [1, 2] and summary["restarts"] >= 4
+    assert summary["world_sizes_seen"] == [1, 2] and summary["restarts"] >= 3
     # Exactly the samples 0..N-1, once each: no batch skipped, none replayed into the kept trajectory.
     assert summary["consumed_ranges"] == [[0, STEPS * GLOBAL_BATCH]]
     assert summary["samples_consumed"] == STEPS * GLOBAL_BATCH
@@ -204,12 +206,12 @@ def test_autoscaler_grows_the_run_and_a_drained_node_leaves_without_losing_a_ste
                                                                                tokenized_reference_loss)
     assert all(t["checkpoint_load_s"] < 10 for t in summary["restart_timings"]), summary["restart_timings"]
 
-    # The Train view: one attempt per worker group: 1 worker, 2 after the grow, 1 after the notice, 2, 1.
+    # The Train view: one attempt per worker group: 1 worker, then 2 after the grow, then one per departure.
     assert train_run is not None and train_run["status"] == "FINISHED"
     attempts = dash.attempts(train_run)
     sizes = [a.world_size for a in attempts if a.world_size]  # an attempt that never got its workers lists none
-    assert [n for i, n in enumerate(sizes) if i == 0 or n != sizes[i - 1]] == [1, 2, 1, 2, 1], sizes
-    assert attempts[-1].status == "FINISHED" and attempts[-1].world_size == 1
+    assert sizes[:2] == [1, 2] and len(sizes) >= summary["restarts"] + 1, sizes
+    assert attempts[-1].status == "FINISHED"
 
 
 def test_worker_crash_restarts_from_checkpoint(tmp_path, tokenized_data, tokenized_reference_loss):

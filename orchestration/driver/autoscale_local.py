@@ -143,7 +143,20 @@ class LocalAutoscalingCluster:
         tmp.write_text(json.dumps(autoscaler_config(self.port, spot_nodes), indent=2))
         tmp.replace(self.config_file)  # the autoscaler never reads half a file
 
-    def start(self, timeout_s: float = 180) -> LocalAutoscalingCluster:
+    def start(self, timeout_s: float = 240, attempts: int = 2) -> LocalAutoscalingCluster:
+        """The head, then the on-demand node the autoscaler launches for min_workers. On a loaded machine Ray's head
+        can give up during its own start (a component waits a fixed time for another); the whole start is then
+        tried once more."""
+        for attempt in range(1, attempts + 1):
+            try:
+                return self._start_once(timeout_s)
+            except (RuntimeError, TimeoutError):
+                self.stop()
+                if attempt == attempts:
+                    raise
+        return self
+
+    def _start_once(self, timeout_s: float) -> LocalAutoscalingCluster:
         config = self.config_file
         self.set_spot_nodes(self.spot_nodes)  # writes the config file
         dashboard_port = self.dashboard_url.rsplit(":", 1)[1]
@@ -151,15 +164,14 @@ class LocalAutoscalingCluster:
             [ray_cli(), "start", "--head", f"--port={self.port}", "--num-cpus=0", f"--autoscaling-config={config}",
              "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}",
              "--disable-usage-stats", "--block"],
-            env=self.env, stdout=open(self.workdir / f"head-{self.port}.log", "w"),  # noqa: SIM115  # until stop()
+            env=self.env, stdout=open(self.workdir / f"head-{self.port}.log", "a"),  # noqa: SIM115  # until stop()
             stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.time() + timeout_s
-        while not self.nodes():
+        while not self.alive(ONDEMAND_TYPE):
             if self.head.poll() is not None:
                 raise RuntimeError(f"the head node exited ({self.head.returncode}); see {self.workdir}/head-*.log")
             if time.time() > deadline:
-                self.stop()
-                raise TimeoutError(f"the head node's dashboard did not answer within {timeout_s:.0f} s")
+                raise TimeoutError(f"the on-demand node was not up within {timeout_s:.0f} s")
             time.sleep(1)
         return self
 

@@ -193,7 +193,8 @@ class Trainer:
         # Read as late as possible, just before the agreement: one stat a step on rank 0 for the driver's forwarded
         # SIGTERM (any rank asking is enough).
         self.preempt.local = self.sigterm_received or (self.rank == 0 and (self.run_dir.path / PREEMPT_FILE).exists())
-        self.preempt.local = self.preempt.local or departure.notice_info() is not None  # a node leaves with notice
+        # A node of the group leaves with notice (training/departure.py).
+        self.preempt.local = self.preempt.local or (self.under_ray and departure.notice_info() is not None)
         return self.guard.check(self.model, self.state.step, loss, grad_norm, gated_update, self.shadow_losses,
                                 stop=self.preempt)
 
