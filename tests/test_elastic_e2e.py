@@ -1,7 +1,7 @@
-"""Elastic training on a real multi-node Ray cluster on loopback: lose a node, shrink to one worker from
-the last checkpoint, re-add the node, grow back to two (on the byte stream and on a corpus prepared by the product's
-own commands); and a worker crash. Each run must finish its steps, consume every sample exactly once, and end at the
-same loss as an uninterrupted run.
+"""Elastic training on an autoscaled multi-node Ray cluster on this machine (orchestration/driver/autoscale_local.py):
+the autoscaler adds a node and the run grows onto it, a node leaves with notice (0 steps lost) and one without; and a
+worker crash. Both on a corpus prepared by the product's own commands, so one uninterrupted reference run serves both.
+Each run must finish its steps, consume every sample exactly once, and end at the same loss as an uninterrupted run.
 
 Tolerance on the final loss: these runs train in float32 (precision=bf16 with compute_dtype=float32, so no
 rounding to low precision hides or creates differences); the only difference between an interrupted and an
