@@ -116,9 +116,11 @@ def test_nodes_join_and_leave_at_random_for_ten_minutes(tmp_path):
             saved = [e for e in events_of(run_dir, "checkpoint_saved")
                      if e["step"] == notice["step"] and e["time"] >= d["time"]]
             record["notice_to_checkpoint_s"] = round(saved[0]["time"] - d["time"], 2)
-            record["steps_lost"] = 0
+            record["steps_trained_again"] = 0
         else:
-            record["steps_lost"] = max(m["step"] for m in metrics if m["time"] < resume["time"]) - resume["from_step"]
+            # metrics.jsonl keeps each step once (a restart drops the lines of steps trained again): the step the
+            # run had reached at the departure tells what was trained again.
+            record["steps_trained_again"] = max(0, d["step"] - resume["from_step"])
         recoveries.append(record)
     # A drained node that held no worker yet (the run had not grown onto it) leaves without the run noticing.
     noticed = [r for r in recoveries if "notice_to_checkpoint_s" in r]
@@ -127,7 +129,7 @@ def test_nodes_join_and_leave_at_random_for_ten_minutes(tmp_path):
     first_step_time = metrics[0]["time"] - metrics[0]["step_time_s"]
     wall = metrics[-1]["time"] - first_step_time
     training = sum(m["step_time_s"] for m in kept.values())
-    figures = {"wall_s": round(wall, 1), "kept_steps": final, "trained_steps": len(metrics),
+    figures = {"wall_s": round(wall, 1), "kept_steps": final,
                "goodput": round(training / wall, 3), "world_sizes_seen": summary["world_sizes_seen"],
                "departures": len(departures), "noticed": len(noticed), "recoveries": recoveries}
     (tmp_path / "churn_figures.json").write_text(json.dumps(figures, indent=2))
