@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | md5sum | cut -c1-12)
 # Never let pip resolve torch unpinned: that pulls a multi-GB CUDA build. 2.13.0 is the CPU wheel on disk.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: setup system-tools train test lint clean monitor
+.PHONY: setup system-tools train test test-churn lint clean monitor
 
 # The Python environment only: no system package is installed or changed by `make setup` or `make train`.
 setup: $(STAMP)
@@ -50,6 +50,11 @@ monitor: setup system-tools
 
 test: setup system-tools
 	$(BIN)/python -m pytest -q -ra --durations=20 tests $(PYTEST_ARGS)
+
+# Spot nodes joining and leaving an autoscaled cluster on this machine for over ten minutes (tests/test_autoscale_churn.py):
+# too long for `make test`, whose short case of the same events is in tests/test_elastic_e2e.py.
+test-churn: setup
+	$(BIN)/python -m pytest -q -s -ra -m churn tests/test_autoscale_churn.py $(PYTEST_ARGS)
 
 lint: setup
 	$(BIN)/ruff check .

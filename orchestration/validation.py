@@ -207,6 +207,7 @@ def validate(job: JobConfig) -> None:
     _require(c.worker_group_start_timeout_s > 0, "cluster.worker_group_start_timeout_s", "must be > 0")
     _require(c.health_check_interval_s > 0, "cluster.health_check_interval_s", "must be > 0")
     _require(c.elastic_resize_interval_s >= 0, "cluster.elastic_resize_interval_s", "must be >= 0")
+    _require(c.drain_poll_interval_s > 0, "cluster.drain_poll_interval_s", "must be > 0")
     if c.storage_path is not None and "://" not in c.storage_path:
         _require(os.path.isabs(c.storage_path), "cluster.storage_path",
                  f"must be absolute (Ray workers run in another cwd), got '{c.storage_path}'")

@@ -46,7 +46,7 @@ CLUSTER_FIELDS = {
     "cpus_per_worker": float, "gpus_per_worker": float, "memory_per_worker_gb": float,
     "storage_path": (str, type(None)), "env_preset": str, "env_vars": dict, "runtime_env": dict,
     "max_failures": int, "worker_group_start_timeout_s": float, "health_check_interval_s": float,
-    "elastic_resize_interval_s": float, "fabric": str,
+    "elastic_resize_interval_s": float, "fabric": str, "drain_poll_interval_s": float,
 }
 
 

@@ -60,6 +60,7 @@ def driver_env(job: JobConfig) -> dict[str, str]:
     return {
         "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": str(job.cluster.health_check_interval_s),
         "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": str(job.cluster.worker_group_start_timeout_s),
+        "RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S": str(job.cluster.drain_poll_interval_s),
         "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", default_auth_mode(job)),
         **state_tracking_env(),
     }

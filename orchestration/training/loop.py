@@ -24,6 +24,7 @@ from orchestration.data.select import build_datasets
 from orchestration.divergence.agreement import StopRequest
 from orchestration.divergence.guard import StepGuard
 from orchestration.observability.events import CONFIG_FILE, FINAL_STATE_FILE, PREEMPT_FILE, STOP_FILE, RunDir
+from orchestration.training import departure
 from orchestration.training.checkpointing import RunCheckpoints, RunFailed
 from orchestration.training.compile import compile_enabled
 from orchestration.training.decisions import apply_decision, apply_eval_gap_decision
@@ -48,13 +49,21 @@ class PreemptNotice(StopRequest):
     rank 0, the driver's PREEMPT_FILE. Read by the step's agreement, as late as possible: one stat a step on rank 0
     for the driver's forwarded SIGTERM (any rank asking is enough)."""
 
-    def __init__(self, run_dir: Path, rank: int):
+    def __init__(self, run_dir: Path, rank: int, under_ray: bool):
         super().__init__()
+        self.run_dir = run_dir
         self.preempt_file = run_dir / PREEMPT_FILE if rank == 0 else None
+        self.under_ray = under_ray
         self.sigterm_received = False
 
     def asked(self) -> bool:
-        return self.sigterm_received or (self.preempt_file is not None and self.preempt_file.exists())
+        # A node of the group leaving with notice (training/departure.py) asks too.
+        return (self.sigterm_received or (self.preempt_file is not None and self.preempt_file.exists())
+                or (self.under_ray and departure.notice_info() is not None))
+
+    def driver_asked(self) -> bool:
+        """The stop is the driver's (SIGTERM or its PREEMPT_FILE), not a node's notice: read on every rank."""
+        return self.sigterm_received or (self.run_dir / PREEMPT_FILE).exists()
 
 
 class Trainer:
@@ -96,7 +105,8 @@ class Trainer:
         self.faults = FaultInjector(job.faults, rank=dist.rank, marker_dir=run_dir.path / "faults")
         self.faults.attach(step_model, lambda: self.state.step)
         self.stop_requested = False  # agreed by all ranks at a logged step (the driver's Ctrl-C, STOP_FILE)
-        self.preempt = PreemptNotice(run_dir.path, dist.rank)  # agreed in the step's one collective
+        # agreed in the step's one collective
+        self.preempt = PreemptNotice(run_dir.path, dist.rank, config.get("launcher") == "ray")
         self.profiler = LoopProfiler(job.train.profile_from_step, job.train.profile_steps, run_dir.path,
                                      dist.rank, dist.device)
         self.setup_s = time.time() - t_setup
@@ -324,6 +334,10 @@ def train_loop(config: dict[str, Any]) -> None:
     try:
         trainer.start()
         status = trainer.run()
+        if status == "preempted" and trainer.ctx.under_ray:
+            # a node's notice: waits for the restart without the node
+            departure.leave_if_a_node_goes(trainer.ctx.rank, trainer.preempt.driver_asked(), trainer.checkpoints,
+                                           trainer.observer.event)
     except RunFailed as exc:
         trainer.checkpoints.abandon()
         trainer.finish("failed", error=str(exc))
