@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from orchestration.driver.autoscale_local import wait_until
 from orchestration.observability import dashboard as dash
 from orchestration.observability.events import read_jsonl
 from tests.conftest import REPO, launch
@@ -80,16 +81,6 @@ def _env(tmp: Path) -> dict:
     return env
 
 
-def wait_for(predicate, timeout: float, what: str, poll: float = 0.5):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(poll)
-    raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
-
-
 def events_of(run_dir: Path, name: str) -> list[dict]:
     return [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == name]
 
@@ -128,59 +119,59 @@ def test_autoscaler_grows_the_run_and_a_drained_node_leaves_without_losing_a_ste
         """Spot capacity for one node: returns the node and the first step at world size 2 after it was ready."""
         known = {n.node_id for n in cluster.nodes()}
         cluster.set_spot_nodes(1)
-        node = wait_for(lambda: [n for n in cluster.alive(SPOT_TYPE) if n.node_id not in known], 180,
+        node = wait_until(lambda: [n for n in cluster.alive(SPOT_TYPE) if n.node_id not in known], 180,
                         "the autoscaler to launch a spot node")[0]
-        return node, wait_for(lambda: first_metrics_at(run_dir, 2, node.start_time_s), 240, "a step at world size 2")
+        return node, wait_until(lambda: first_metrics_at(run_dir, 2, node.start_time_s), 240, "a step at world size 2")
 
     try:
         cluster.start()
-        wait_for(lambda: cluster.alive(ONDEMAND_TYPE), 240, "the on-demand node")
+        wait_until(lambda: cluster.alive(ONDEMAND_TYPE), 240, "the on-demand node")
         args = [sys.executable, str(REPO / "launch.py"), *COMMON, *tokenized_data, f"run_root={tmp_path}",
                 "run_name=elastic", f"cluster.address={cluster.address}", "cluster.min_workers=1",
                 "cluster.max_workers=2", "cluster.worker_group_start_timeout_s=30",
                 "cluster.elastic_resize_interval_s=10", "cluster.max_failures=10"]
         log = open(tmp_path / "driver.log", "w")  # noqa: SIM115  # the driver subprocess writes it until it is reaped
         driver = subprocess.Popen(args, cwd=REPO, env=cluster.env, stdout=log, stderr=subprocess.STDOUT)
-        wait_for(lambda: last_step(run_dir) >= 5, 300, "5 steps on the on-demand node")
+        wait_until(lambda: last_step(run_dir) >= 5, 300, "5 steps on the on-demand node")
 
         # Grow: the run's request for 2 workers is at the autoscaler; spot capacity appears.
         spot, grown = grow()
         figures["node_ready_to_first_step_s"] = round(grown["time"] - spot.start_time_s, 1)
 
         # Notice: a drain with a deadline; the node is killed at the deadline, as the cloud would.
-        wait_for(lambda: last_step(run_dir) >= grown["step"] + 5, 120, "5 steps at world size 2")
+        wait_until(lambda: last_step(run_dir) >= grown["step"] + 5, 120, "5 steps at world size 2")
         deadline_s = 10
         t_notice = time.time()
         cluster.drain(spot.node_id, deadline_s)
-        leaving = wait_for(lambda: events_of(run_dir, "node_leaving"), 60, "the workers to act on the notice")[0]
+        leaving = wait_until(lambda: events_of(run_dir, "node_leaving"), 60, "the workers to act on the notice")[0]
         assert leaving["nodes"] == [spot.node_id]
         saved = [e for e in events_of(run_dir, "checkpoint_saved") if e["step"] == leaving["step"]]
         assert saved and saved[-1]["time"] > t_notice, (leaving, saved)
         figures["notice_to_checkpoint_s"] = round(saved[-1]["time"] - t_notice, 2)
         time.sleep(max(0.0, t_notice + deadline_s - time.time()))
         cluster.kill_node(spot.node_id)
-        shrunk = wait_for(lambda: [e for e in events_of(run_dir, "resume") if e["time"] > t_notice], 240,
+        shrunk = wait_until(lambda: [e for e in events_of(run_dir, "resume") if e["time"] > t_notice], 240,
                           "a resume after the notice")[0]
         # 0 steps lost: the group after the notice starts at the step the workers saved, and none trained beyond it.
         assert shrunk["from_step"] == leaving["step"], (shrunk, leaving)
         before = [m["step"] for m in read_jsonl(run_dir / "metrics.jsonl") if m["time"] < shrunk["time"]]
         assert max(before) == leaving["step"], (max(before), leaving)
-        first_after = wait_for(lambda: first_metrics_at(run_dir, shrunk["world_size"], shrunk["time"]), 120,
+        first_after = wait_until(lambda: first_metrics_at(run_dir, shrunk["world_size"], shrunk["time"]), 120,
                                "a step after it")
         figures["notice_to_first_step_after_s"] = round(first_after["time"] - t_notice, 1)
         figures["world_size_after_notice"] = shrunk["world_size"]
 
         # A departure without notice of the spot node the run uses (the replacement: at 2 workers again).
-        regrown = wait_for(lambda: first_metrics_at(run_dir, 2, shrunk["time"] - 1), 300, "world size 2 again")
+        regrown = wait_until(lambda: first_metrics_at(run_dir, 2, shrunk["time"] - 1), 300, "world size 2 again")
         spot2 = next(n for n in cluster.alive(SPOT_TYPE) if n.node_id != spot.node_id)
-        wait_for(lambda: last_step(run_dir) >= regrown["step"] + 5, 120, "5 steps at world size 2")
+        wait_until(lambda: last_step(run_dir) >= regrown["step"] + 5, 120, "5 steps at world size 2")
         t_kill, step_at_kill = time.time(), last_step(run_dir)
         cluster.kill_node(spot2.node_id)
-        lost = wait_for(lambda: [e for e in events_of(run_dir, "resume") if e["time"] > t_kill], 240,
+        lost = wait_until(lambda: [e for e in events_of(run_dir, "resume") if e["time"] > t_kill], 240,
                         "a resume after the kill")[0]
         newest = max(e["step"] for e in events_of(run_dir, "checkpoint_saved") if e["time"] < t_kill)
         assert lost["from_step"] == newest, (lost, newest)  # the newest checkpoint
-        first_after_kill = wait_for(lambda: first_metrics_at(run_dir, lost["world_size"], lost["time"]), 120,
+        first_after_kill = wait_until(lambda: first_metrics_at(run_dir, lost["world_size"], lost["time"]), 120,
                                     "a step after the kill")
         figures["kill_to_first_step_after_s"] = round(first_after_kill["time"] - t_kill, 1)
         figures["steps_trained_again_after_the_kill"] = step_at_kill - lost["from_step"]
