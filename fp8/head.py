@@ -29,8 +29,7 @@ import torch
 
 from fp8 import quant
 from fp8.backend import Fp8Backend
-from fp8.compute_weight import compute_dtype, fp8_operands
-from fp8.linear import Float8Linear, health_stats, scaled_mm, to_compute_dtype
+from fp8.linear import Float8Linear, fp8_gemm_inputs, health_stats, scaled_mm
 
 IGNORE_INDEX = -100  # F.cross_entropy's default: such targets count neither in the loss nor in its mean
 
@@ -79,11 +78,7 @@ def fp8_linear_cross_entropy(head: Float8Linear, x: torch.Tensor, targets: torch
     fuse). Writes the head's health statistics as its forward does.
     """
     backend, use_scaled_mm = head.fp8_backend(x.device)
-    w_ops = fp8_operands(head, "weight", x, backend.e4m3)
-    if w_ops is None:
-        x, w = to_compute_dtype(x, head.weight)
-    else:
-        x, w = x.to(compute_dtype(x)), head.weight
+    x, w, w_ops = fp8_gemm_inputs(head, x, backend.e4m3)
     targets = targets.reshape(-1)
     # The loss kernel does not check targets: an id outside [0, V) would be a wrong loss (it reads a clamped column)
     # and a gradient without its -1. Checked on the device (no host sync): a failure raises at the next

@@ -104,6 +104,16 @@ def to_compute_dtype(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, to
     return x.to(dt), w if w.dtype == dt else w.to(dt)
 
 
+def fp8_gemm_inputs(module: torch.nn.Module, x: torch.Tensor, fp8_dtype: torch.dtype):
+    """(x, weight, w_ops) for an FP8 GEMM on module.weight: the weight's fp8 operands where fp8.weight_copies keeps
+    them (made once per weight change; the master then only receives the gradient, x goes to the compute dtype),
+    else None with x and the weight in the compute dtype for the GEMM to cast."""
+    w_ops = fp8_operands(module, "weight", x, fp8_dtype)
+    if w_ops is None:
+        return *to_compute_dtype(x, module.weight), None
+    return x.to(compute_dtype(x)), module.weight, w_ops
+
+
 class _Fp8LinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_MK, w_NK, w_ops, recipe: Recipe, backend: Fp8Backend, use_scaled_mm: bool):
@@ -220,13 +230,7 @@ class Float8Linear(nn.Linear):
         if not self.fp8_enabled:
             return F.linear(x, compute_weight(self, "weight", x), self.bias)
         backend, use_scaled_mm = self.fp8_backend(x.device)
-        # The weight's fp8 operands where fp8.weight_copies keeps them (made once per weight change): the master
-        # then only receives the gradient.
-        w_ops = fp8_operands(self, "weight", x, backend.e4m3)
-        if w_ops is None:
-            x, w = to_compute_dtype(x, self.weight)
-        else:
-            x, w = x.to(compute_dtype(x)), self.weight
+        x, w, w_ops = fp8_gemm_inputs(self, x, backend.e4m3)
         x_MK = x.reshape(-1, self.in_features)
         y_MN, stats = _Fp8LinearFn.apply(x_MK, w, w_ops, self.recipe, backend, use_scaled_mm)
         self.record_health(stats)
