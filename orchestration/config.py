@@ -188,7 +188,7 @@ class ClusterConfig:
     # buys nothing.
     elastic_resize_interval_s: float = 60.0
     # How often Ray Train looks for a drain of one of the group's nodes (a preemption notice: docs/reliability.md);
-    # the workers save at the first step after it sees one (Ray's default is 5 s).
+    # the workers save at the first step after it sees one (Ray's own default polls less often).
     drain_poll_interval_s: float = 1.0
     # Interconnect preset of models.scaling.FABRICS (nvlink_ib400, nvlink_roce400, aws_efa, mi300x_roce400): dry_run=true
     # then predicts step time, tokens/s per GPU, MFU and scaling efficiency from 1 to 1,024 GPUs. "none": no prediction.
