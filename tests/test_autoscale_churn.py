@@ -19,10 +19,10 @@ import time
 
 import pytest
 
-from orchestration.driver.autoscale_local import ONDEMAND_TYPE, SPOT_TYPE, LocalAutoscalingCluster
+from orchestration.driver.autoscale_local import ONDEMAND_TYPE, SPOT_TYPE, LocalAutoscalingCluster, wait_until
 from orchestration.observability.events import read_jsonl
 from tests.conftest import REPO
-from tests.test_elastic_e2e import _env, events_of, last_step, wait_for
+from tests.test_elastic_e2e import _env, events_of, last_step
 
 pytestmark = pytest.mark.churn
 
@@ -58,12 +58,12 @@ def test_nodes_join_and_leave_at_random_for_ten_minutes(tmp_path):
     departures: list[dict] = []
     try:
         cluster.start()
-        wait_for(lambda: cluster.alive(ONDEMAND_TYPE), 240, "the on-demand node")
+        wait_until(lambda: cluster.alive(ONDEMAND_TYPE), 240, "the on-demand node")
         log = open(tmp_path / "driver.log", "w")  # noqa: SIM115  # the driver subprocess writes it until it is reaped
         driver = subprocess.Popen([sys.executable, str(REPO / "launch.py"), *SETTINGS, f"run_root={tmp_path}",
                                    "run_name=churn", f"cluster.address={cluster.address}"],
                                   cwd=REPO, env=cluster.env, stdout=log, stderr=subprocess.STDOUT)
-        wait_for(lambda: last_step(run_dir) >= 1, 240, "the first step")
+        wait_until(lambda: last_step(run_dir) >= 1, 240, "the first step")
         t_start = time.time()
         while time.time() - t_start < CHURN_S:
             time.sleep(rng.uniform(30, 70))
