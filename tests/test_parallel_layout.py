@@ -36,9 +36,17 @@ def test_a_world_size_gets_the_closest_layout_it_allows(world, sharding, group, 
     assert (layout.sharding, layout.shard_group_size, layout.expert_parallel) == expected
     assert world % layout.shard_group_size == 0 and world % layout.expert_parallel == 0
     assert experts == 0 or experts % layout.expert_parallel == 0
-    lowered = layout.expert_parallel != ep and world > 1 or (sharding == "hsdp" and group and
-                                                            layout.shard_group_size != group)
+    lowered = layout.expert_parallel != ep or (sharding == "hsdp" and group and world > 1 and
+                                               layout.shard_group_size != group)
     assert bool(layout.notes) == bool(lowered), layout.notes
+
+
+def test_a_shrink_to_one_worker_says_why_expert_parallelism_went():
+    """The layout an elastic run logs at world size 1 (tests/test_elastic_e2e.py shrinks an EP 2 run to it)."""
+    layout = plan_layout(1, "fsdp", None, 2, 8)
+    assert (layout.expert_parallel, layout.describe()) == (1, "one worker")
+    assert layout.notes == ("expert parallelism 2 lowered to 1 (one worker holds all the routed experts)",)
+    assert plan_layout(1, "fsdp", None, 1, 8).notes == ()
 
 
 def test_hsdp_group_defaults_to_the_gpus_of_a_node():

@@ -124,7 +124,10 @@ def plan_layout(world_size: int, sharding: str, shard_group_size: int | None, ex
     checkpoint reshards across layouts)."""
     notes: list[str] = []
     if world_size <= 1:
-        return ParallelLayout(world_size, "none", 1, 1)
+        if expert_parallel > 1:
+            # Said, so a shrink to one worker explains why the layout lost its expert parallelism.
+            notes.append(f"expert parallelism {expert_parallel} lowered to 1 (one worker holds all the routed experts)")
+        return ParallelLayout(world_size, "none", 1, 1, tuple(notes))
     if sharding == "none":
         if expert_parallel > 1:
             raise ValueError("train.expert_parallel > 1 needs train.sharding=fsdp or hsdp; set "
