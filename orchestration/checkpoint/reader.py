@@ -30,6 +30,7 @@ from orchestration.checkpoint.state import (
     dcp_failure_summary,
     merge_trees,
     model_and_optimizer_state,
+    regroup_param_groups,
     split_tensors,
 )
 
@@ -66,6 +67,8 @@ def read_into(info: CheckpointInfo, model: torch.nn.Module, optimizer: torch.opt
     if optimizer is None:
         set_model_state_dict(model, merged["model"])
     else:
+        merged["optim"]["param_groups"] = regroup_param_groups(merged["optim"]["param_groups"],
+                                                               dest["optim"]["param_groups"])
         set_state_dict(model, optimizer, model_state_dict=merged["model"], optim_state_dict=merged["optim"])
     if scheduler is not None:
         scheduler.load_state_dict(torch.load(path / SCHEDULER, weights_only=True, map_location="cpu"))

@@ -45,6 +45,23 @@ def model_and_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Opt
     return {"model": model_sd, "optim": optim_sd}
 
 
+def regroup_param_groups(saved: list[dict], current: list[dict]) -> list[dict]:
+    """The saved optimizer param groups (parameters named by FQN) rearranged into the current optimizer's grouping,
+    each current group with the settings (betas, weight decay, ...) its first parameter was saved with. The grouping
+    follows the layout: one group per device mesh, all with the same settings (orchestration/training/optimizer.py),
+    so expert parallelism adds a group that a checkpoint saved without it lacks. torch's set_optimizer_state_dict
+    copies a saved group's settings into only one of the current groups holding its parameters and leaves the
+    others without any (the next step fails on a missing 'betas'). Pure."""
+    settings = {fqn: {k: v for k, v in group.items() if k != "params"} for group in saved for fqn in group["params"]}
+    regrouped = []
+    for group in current:
+        first = next((settings[fqn] for fqn in group["params"] if fqn in settings), None)
+        if first is None:  # none of its parameters saved: the strict load that follows names them
+            first = {k: v for k, v in group.items() if k != "params"}
+        regrouped.append({**first, "params": list(group["params"])})
+    return regrouped
+
+
 def tensor_leaves(tree: dict) -> list:
     """The non-dict leaves of a nested dict."""
     out = []
