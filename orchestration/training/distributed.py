@@ -24,6 +24,13 @@ class DistInfo:
     device: torch.device
     backend: str
 
+    @property
+    def gpu_vendor(self) -> str | None:
+        """"cuda" or "rocm" on a GPU (ROCm builds of torch expose HIP devices through torch.cuda), None on CPU."""
+        if self.device.type != "cuda":
+            return None
+        return "rocm" if torch.version.hip is not None else "cuda"
+
 
 def pick_device(requested: str, local_rank: int) -> torch.device:
     """cpu | cuda | rocm | auto. ROCm builds of torch expose HIP devices through the torch.cuda API."""
@@ -169,19 +176,26 @@ def shard_mesh(world_size: int, shard_group_size: int | None = None):
                             mesh_dim_names=("replicate", "shard"))
 
 
-def resolve_shard_group_size(configured: int | None, world_size: int) -> int:
-    """train.shard_group_size, where null is the workers of this node (LOCAL_WORLD_SIZE, set by Ray Train and
-    torchrun), or the whole world when that does not divide it."""
-    if configured is not None:
-        return configured
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
-    return local if local > 0 and world_size % local == 0 else world_size
-
-
 def check_hsdp_layout(world_size: int, shard_group_size: int) -> None:
     if shard_group_size < 1 or world_size % shard_group_size:
         raise ValueError(f"train.shard_group_size={shard_group_size} must divide the world size {world_size} "
                          "(HSDP replicates whole shard groups); pick a divisor, e.g. the GPUs per node")
+
+
+def shard_and_materialize(model: nn.Module, template: nn.Module, layout, seed: int, device: torch.device,
+                          param_dtype: str, reduce_dtype: str, activation_checkpointing: bool, fp8_all_gather: bool,
+                          fp8_dispatch: bool) -> nn.Module:
+    """The meta-built model laid out as `layout` (an elastic.ParallelLayout) says (parallelize), then materialized on
+    `device` with the weights of `template` (init_weights_by_unit; every replica rank 0's when unsharded)."""
+    model = parallelize(model, layout.world_size, layout.sharding, param_dtype, reduce_dtype, activation_checkpointing,
+                        fp8_all_gather, layout.shard_group_size, layout.expert_parallel, fp8_dispatch)
+    model.parallel_layout = layout  # what this (re)start runs, for the worker's events and logs
+    if layout.world_size > 1:
+        logger.info("parallel layout at world size %d: %s%s", layout.world_size, layout.describe(),
+                    "".join(f"; {note}" for note in layout.notes))
+    init_weights_by_unit(model, template, seed, device)
+    broadcast_from_rank0_if_unsharded(model, layout.world_size, layout.sharding)
+    return model
 
 
 def parallelize(model: nn.Module, world_size: int, sharding: str, param_dtype: str, reduce_dtype: str,
@@ -198,16 +212,18 @@ def parallelize(model: nn.Module, world_size: int, sharding: str, param_dtype: s
     all-to-alls send are counted in model.expert_all_to_all_bytes (an AllToAllBytes)."""
     from models.deepseek_moe import set_forward_recompute
 
+    sharded = world_size > 1 and sharding != "none"
+    if expert_parallel > 1 and not sharded:
+        raise ValueError(f"train.expert_parallel={expert_parallel} needs train.sharding=fsdp or hsdp and more than "
+                         "one worker; set train.expert_parallel=1")
+    mesh = shard_mesh(world_size, shard_group_size if sharding == "hsdp" else None) if sharded else None
     set_forward_recompute(model, activation_checkpointing)
     if activation_checkpointing:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
         for name, block in list(model.layers.named_children()):
             model.layers.register_module(name, checkpoint_wrapper(block, preserve_rng_state=False))
-    if world_size <= 1 or sharding == "none":
-        if expert_parallel > 1:
-            raise ValueError(f"train.expert_parallel={expert_parallel} needs train.sharding=fsdp or hsdp and more than "
-                             "one worker; set train.expert_parallel=1")
+    if not sharded:
         return model
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -219,20 +235,17 @@ def parallelize(model: nn.Module, world_size: int, sharding: str, param_dtype: s
         expert_params = apply_expert_parallel(model, expert_mesh(world_size, expert_parallel, mesh_device_type()),
                                               counter, fp8_dispatch)
         model.expert_all_to_all_bytes = counter
+    mp_policy = MixedPrecisionPolicy(param_dtype=_DTYPES[param_dtype], reduce_dtype=_DTYPES[reduce_dtype])
+    ignored = expert_params or None
     if fp8_all_gather:
-        from fp8.fsdp_allgather import enable_fp8_all_gather
+        from fp8.fsdp_allgather import enable_fp8_all_gather, track_fsdp_params
 
         wrapped = enable_fp8_all_gather(model)
         logger.info("FSDP2 all-gathers %d FP8 linear weights in fp8", len(wrapped))
-    mp_policy = MixedPrecisionPolicy(param_dtype=_DTYPES[param_dtype], reduce_dtype=_DTYPES[reduce_dtype])
-    mesh = shard_mesh(world_size, shard_group_size if sharding == "hsdp" else None)
-    ignored = expert_params or None
     for block in model.layers.values():
         fully_shard(block, mesh=mesh, mp_policy=mp_policy, ignored_params=ignored)
     fully_shard(model, mesh=mesh, mp_policy=mp_policy, ignored_params=ignored)
     if fp8_all_gather:
-        from fp8.fsdp_allgather import track_fsdp_params
-
         track_fsdp_params(model)
     return model
 
@@ -280,20 +293,22 @@ def init_weights_by_unit(model: nn.Module, template: nn.Module, seed: int, devic
     from models.init import ROOT_UNIT, init_unit, layer_unit
 
     model.to_empty(device=device)
-    outside = [child for name, child in template.named_children() if name != "layers"]
-    template.to_empty(device=device, recurse=False)  # the root's own buffers (RoPE tables)
-    for child in outside:
-        child.to_empty(device=device)
-    if hasattr(template, "tie_weights"):
-        template.tie_weights()  # to_empty per child gives tied weights separate storage
-    init_unit(template, ROOT_UNIT, seed)
-    _copy_unit(model, template, skip_prefix="layers.")
-    template.to("meta")  # the blocks are still there; the root's weights are freed
-    for name, block in template.layers.items():
-        block.to_empty(device=device)
-        init_unit(template, layer_unit(name), seed)
-        _copy_unit(model.layers[name], block)
-        block.to("meta")
+    # The root's own weights first (all but the blocks), then each block: one unit at a time on the device.
+    for name in [None, *template.layers]:
+        if name is None:
+            unit, source, target, skip = ROOT_UNIT, template, model, "layers."
+            template.to_empty(device=device, recurse=False)  # the root's own buffers (RoPE tables)
+            for child_name, child in template.named_children():
+                if child_name != "layers":
+                    child.to_empty(device=device)
+            if hasattr(template, "tie_weights"):
+                template.tie_weights()  # to_empty per child gives tied weights separate storage
+        else:
+            unit, source, target, skip = layer_unit(name), template.layers[name], model.layers[name], None
+            source.to_empty(device=device)
+        init_unit(template, unit, seed)
+        _copy_unit(target, source, skip_prefix=skip)
+        source.to("meta")  # the root: its own weights freed (the blocks are still on meta)
     # FP8 health statistics are written by the first FP8 forward (fp8_health_valid says so); zero, not garbage.
     for module in model.modules():
         if hasattr(module, "fp8_health_stats"):

@@ -26,20 +26,19 @@ from orchestration.divergence.guard import StepGuard
 from orchestration.observability.events import CONFIG_FILE, FINAL_STATE_FILE, PREEMPT_FILE, STOP_FILE, RunDir
 from orchestration.training import departure
 from orchestration.training.checkpointing import RunCheckpoints, RunFailed
-from orchestration.training.compile import compile_enabled
 from orchestration.training.decisions import apply_decision, apply_eval_gap_decision
 from orchestration.training.distributed import init_distributed
 from orchestration.training.elastic import count_in_ranges, plan_batch
 from orchestration.training.evaluation import evaluate, validation_sequences
 from orchestration.training.faults import FaultInjector
 from orchestration.training.gc_policy import ManagedGc
-from orchestration.training.model_setup import build_training_model, fp8_kept_in_bf16, import_hf_weights
+from orchestration.training.model_setup import build_training_model, import_hf_weights
 from orchestration.training.observer import RunObserver
 from orchestration.training.optimizer import lr_at, make_optimizer, set_learning_rate
 from orchestration.training.profiling import PROFILE_DIR, LoopProfiler
 from orchestration.training.state import TrainingState, WorkerContext
 from orchestration.training.step import MicroBatch, StepModel, compute_loss, computing_in_bf16, train_step
-from orchestration.validation import check_preset_device, from_dict
+from orchestration.validation import from_dict
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -71,10 +70,8 @@ class Trainer:
 
     def __init__(self, config: dict[str, Any]):
         t_setup = time.time()
-        job = from_dict(config["job"])
-        dist = init_distributed(job.cluster.device)
-        if dist.device.type == "cuda":  # the config checked explicit devices; device=auto is known only here
-            check_preset_device(job.cluster.env_preset, "rocm" if torch.version.hip is not None else "cuda")
+        dist = init_distributed(config["job"]["cluster"]["device"])  # the driver sends the whole job
+        job = from_dict(config["job"], gpu_vendor=dist.gpu_vendor)
         run_dir = RunDir(config["run_dir"], dist.rank)
         dataset, validation = build_datasets(job)
         # under_ray: set by the Ray driver (orchestration.driver.ray_job); torchrun and in-process tests run without
@@ -87,10 +84,9 @@ class Trainer:
             job.data, validation, job.train.eval_every)
 
         torch.manual_seed(job.train.seed)
-        self.fp8_kept_bf16, self.fp8_eligible = fp8_kept_in_bf16(job, on_gpu=dist.device.type == "cuda")
-        model, recipe = build_training_model(job, dist.world_size, dist.device, dataset.vocab_size,
-                                             keep_bf16=frozenset(self.fp8_kept_bf16))
-        compiled = compile_enabled(job, dist.device)  # the loss follows the blocks
+        built = build_training_model(job, dist.world_size, dist.device, dataset.vocab_size)
+        self.fp8_layers = built.fp8_layers
+        model, recipe, compiled = built.model, built.recipe, built.compiled
         optimizer = make_optimizer(job, dist.device, model.parameters())
         step_model = StepModel(model, optimizer, dist.device, _DTYPES[job.precision.compute_dtype], compiled,
                                compiled and job.model.compile_mode == "reduce-overhead" and dist.device.type == "cuda",
@@ -134,9 +130,9 @@ class Trainer:
                             layout=state.model.parallel_layout.describe())
         if self.eval_unavailable:
             self.observer.event("eval_unavailable", reason=self.eval_unavailable)
-        if self.fp8_eligible:
-            self.observer.event("fp8_layers", converted=self.fp8_eligible - len(self.fp8_kept_bf16),
-                                eligible=self.fp8_eligible, kept_bf16=self.fp8_kept_bf16)
+        if self.fp8_layers is not None:
+            self.observer.event("fp8_layers", converted=self.fp8_layers.converted,
+                                eligible=self.fp8_layers.eligible, kept_bf16=self.fp8_layers.kept_bf16)
         if self.eval_reduced:
             self.observer.event("eval_reduced", reason=self.eval_reduced, eval_sequences=self.eval_sequences)
         self.checkpoints.begin(resumed, self.setup_s)
