@@ -159,8 +159,7 @@ def convert_for_training(model: nn.Module, model_name: str, recipe: str, backend
     (layers_too_small) stay in bf16. None: convert every eligible layer (CPU runs emulate FP8 for correctness, not
     speed)."""
     eligible = make_module_filter(output_head=output_head, experts=experts)
-    count = sum(1 for name, m in model.named_modules() if name and eligible(name, m)
-                and (type(m) is nn.Linear or _is_grouped(m)))
+    count = count_eligible(model, eligible)
     kept = layers_too_small(model, eligible, tokens_per_forward) if tokens_per_forward else {}
     convert_to_fp8(model, recipe, module_filter=lambda name, m: eligible(name, m) and name not in kept)
     if not any(True for _ in _fp8_modules(model)):
@@ -172,6 +171,12 @@ def convert_for_training(model: nn.Module, model_name: str, recipe: str, backend
         require_fp8_output_head(model, model_name)
     require_fp8_grouped_gemm(model, backend)
     return TrainingConversion(get_recipe(recipe).name, count, kept)
+
+
+def count_eligible(model: nn.Module, module_filter: Callable[[str, nn.Module], bool]) -> int:
+    """How many layers (linears and groups of routed experts) `module_filter` lets convert_to_fp8 convert."""
+    return sum(1 for name, m in model.named_modules() if name and module_filter(name, m)
+               and (type(m) is nn.Linear or _is_grouped(m)))
 
 
 def layers_too_small(model: nn.Module, module_filter: Callable[[str, nn.Module], bool],

@@ -91,8 +91,7 @@ def fp8_kept_in_bf16(job: JobConfig, on_gpu: bool) -> tuple[dict[str, str], int]
     model = build_model(job.model.name, device="meta", overrides=dict(job.model.overrides))
     module_filter = fp8.convert.make_module_filter(output_head=job.precision.fp8_output_head,
                                                    experts=job.precision.fp8_experts)
-    eligible = sum(1 for name, m in model.named_modules() if name and module_filter(name, m)
-                   and (type(m) is torch.nn.Linear or fp8.convert.is_grouped_experts(m)))
+    eligible = fp8.convert.count_eligible(model, module_filter)
     if not on_gpu:
         return {}, eligible
     return fp8.convert.layers_too_small(model, module_filter, job.train.micro_batch_size * job.data.seq_len), eligible
