@@ -210,7 +210,7 @@ def build_step(job: JobConfig, variant: Variant, device: torch.device) -> tuple[
     if variant.torchao:
         compile_after = compile_enabled(job, device)
         job.model.compile = False  # torchao converts the built model; the blocks compile after it
-        model, recipe = build_training_model(job, 1, device)
+        model, recipe = build_training_model(job, 1, device)[:2]
         convert_torchao(model, variant.recipe, output_head=variant.head)
         if compile_after:
             compile_blocks(model, job.model.compile_mode)
@@ -218,8 +218,7 @@ def build_step(job: JobConfig, variant: Variant, device: torch.device) -> tuple[
                 model.output.compile(dynamic=False)
         compiled = compile_after
     else:
-        model, recipe = build_training_model(job, 1, device)
-        compiled = compile_enabled(job, device)
+        model, recipe, _, compiled = build_training_model(job, 1, device)
     optimizer = make_optimizer(job, device, model.parameters())
     cuda_graphs = compiled and job.model.compile_mode == "reduce-overhead" and device.type == "cuda"
     compute_dtype = getattr(torch, job.precision.compute_dtype)

@@ -9,14 +9,17 @@ optimizer state, so the divergence fallback can flip precision mid-run and check
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
+from fp8.backend import Fp8Backend
 from fp8.grouped import Fp8GroupedMM
 from fp8.head import Float8LMHead
 from fp8.linear import Float8Linear
 from fp8.recipes import Recipe, get_recipe
+from fp8.size_rule import expert_group_pays, linear_pays
 
 PRECISIONS = ("fp8", "bf16")
 
@@ -131,6 +134,104 @@ def convert_to_fp8(
     for parent, child, module, cls in swaps:
         setattr(parent, child, cls.from_float(module, rec))
     return model
+
+
+@dataclass(frozen=True)
+class TrainingConversion:
+    """What convert_for_training did to a model: the recipe, how many layers FP8 could convert, and which of those
+    stayed in bf16 because their GEMMs are too small to pay, by name with their sizes."""
+
+    recipe: str
+    eligible: int
+    kept_bf16: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def converted(self) -> int:
+        return self.eligible - len(self.kept_bf16)
+
+
+def convert_for_training(model: nn.Module, model_name: str, recipe: str, backend: Fp8Backend, output_head: bool,
+                         experts: bool, tokens_per_forward: int | None) -> TrainingConversion:
+    """Convert a training model as the precision config asks, refusing what would fail or silently not run FP8.
+
+    output_head / experts: precision.fp8_output_head / precision.fp8_experts (make_module_filter).
+    tokens_per_forward: micro-batch x seq_len, the rows each linear sees; layers whose GEMMs are too small at it
+    (layers_too_small) stay in bf16. None: convert every eligible layer (CPU runs emulate FP8 for correctness, not
+    speed)."""
+    eligible = make_module_filter(output_head=output_head, experts=experts)
+    count = count_eligible(model, eligible)
+    kept = layers_too_small(model, eligible, tokens_per_forward) if tokens_per_forward else {}
+    convert_to_fp8(model, recipe, module_filter=lambda name, m: eligible(name, m) and name not in kept)
+    if not any(True for _ in _fp8_modules(model)):
+        # An "fp8" run with nothing in fp8 would fail later, at the first shadow check or RetryFP8.
+        raise ValueError(
+            f"precision=fp8 converts no layer of model {model_name}: none of its linears has both sizes a multiple of "
+            "16 and no MoE experts run in FP8 (precision.fp8_experts); use precision=bf16")
+    if output_head:
+        require_fp8_output_head(model, model_name)
+    require_fp8_grouped_gemm(model, backend)
+    return TrainingConversion(get_recipe(recipe).name, count, kept)
+
+
+def count_eligible(model: nn.Module, module_filter: Callable[[str, nn.Module], bool]) -> int:
+    """How many layers (linears and groups of routed experts) `module_filter` lets convert_to_fp8 convert."""
+    return sum(1 for name, m in model.named_modules() if name and module_filter(name, m)
+               and (type(m) is nn.Linear or _is_grouped(m)))
+
+
+def layers_too_small(model: nn.Module, module_filter: Callable[[str, nn.Module], bool],
+                     tokens_per_forward: int) -> dict[str, str]:
+    """The layers `module_filter` would convert whose GEMMs are too small at tokens_per_forward for FP8 to pay
+    (fp8.size_rule), by name, each with its size: they stay in bf16."""
+    small = {}
+    for name, module in model.named_modules():
+        if not name or not module_filter(name, module):
+            continue
+        if type(module) is nn.Linear:
+            if not linear_pays(tokens_per_forward, module.in_features, module.out_features):
+                small[name] = f"linear {module.in_features}->{module.out_features}"
+        elif _is_grouped(module):
+            parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
+            args = parent.args  # the MoE layer's: routing (top-k of E) and the expert sizes
+            if not expert_group_pays(tokens_per_forward, args.n_activated_experts, args.n_routed_experts, args.dim,
+                                     args.moe_inter_dim):
+                small[name] = (f"experts {args.n_routed_experts} x {args.dim}->{args.moe_inter_dim}, "
+                               f"top-{args.n_activated_experts}")
+    return small
+
+
+def require_fp8_output_head(model: nn.Module, model_name: str) -> None:
+    """precision.fp8_output_head=true must convert the head; a head left in bf16 would pass for an FP8 one silently
+    (the speed and the risk the user opted into would both be missing from the run)."""
+    heads = output_heads(model)
+    if not heads:
+        raise ValueError(f"precision.fp8_output_head=true but model {model_name} has no output head named 'output' "
+                         "or 'lm_head'; set precision.fp8_output_head=false")
+    for name, head in heads:
+        if not isinstance(head, Float8Linear):
+            padded_vocab = -(-head.out_features // 16) * 16
+            raise ValueError(  # noqa: TRY004 - a config value to change, not a wrong Python type
+                f"precision.fp8_output_head=true but model {model_name}'s head {name} ({head.in_features} -> "
+                f"{head.out_features}) cannot run in FP8: FP8 GEMMs need both sizes to be multiples of 16; pad the "
+                f"vocabulary (model.overrides.vocab_size={padded_vocab}) or the width, or set "
+                "precision.fp8_output_head=false")
+
+
+def require_fp8_grouped_gemm(model: nn.Module, backend: Fp8Backend) -> None:
+    """FP8 experts on a GPU without torch._scaled_grouped_mm would run the emulated path: float32 grouped GEMMs,
+    slower than bf16 and far more memory. Refuse, naming the settings that keep the run FP8 elsewhere. (The CPU
+    emulates by design: correctness runs.)"""
+    if backend.kind == "cpu" or backend.has_scaled_grouped_mm:
+        return
+    experts = [name for name, module in model.named_modules() if is_fp8_grouped(module)]
+    if not experts:
+        return
+    where = ("gfx942 or gfx950 with a torch ROCm build that includes MSLK / FBGEMM GenAI" if backend.kind == "rocm"
+             else "sm90 (H100/H200)")
+    raise ValueError(
+        f"this GPU ({backend.kind} {backend.arch}) has no FP8 grouped GEMM in this torch build (torch."
+        f"_scaled_grouped_mm needs {where}), so the MoE experts ({experts[0]}, ...) cannot run in FP8: set "
+        "precision.fp8_experts=false (experts in bf16, the other layers in FP8) or precision=bf16")
 
 
 def _fp8_modules(model: nn.Module):

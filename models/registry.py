@@ -145,10 +145,20 @@ def build_model(
     device: torch.device | str = "meta",
     overrides: dict[str, Any] | None = None,
     seed: int | None = 0,
+    min_vocab_size: int = 0,
 ) -> nn.Module:
     """Build on the meta device (allocates nothing); for any other device, materialise there with to_empty()
-    and run init_weights(seed). For FSDP, build on meta, shard, then to_empty + init_weights yourself."""
+    and run init_weights(seed). For FSDP, build on meta, shard, then to_empty + init_weights yourself.
+
+    min_vocab_size: the token ids the training data holds (0..min_vocab_size-1: bytes, or a prepared corpus's
+    tokenizer) must be rows of the vocabulary: a smaller one would fail at the first step (an index error in the
+    embedding or the loss; on a GPU the fused FP8 head's loss kernel does not check targets). The launcher's config
+    check refuses it before Ray starts; this covers a worker started without it (torchrun, tests)."""
     flavor = resolve_flavor(name_or_flavor, overrides)
+    vocab = getattr(flavor.args, "vocab_size", None)
+    if vocab is not None and vocab < min_vocab_size:
+        raise ValueError(f"model {flavor.name} has vocab_size={vocab}, below the {min_vocab_size} token ids of the "
+                         f"data; set model.overrides.vocab_size to at least {min_vocab_size}")
     device = torch.device(device)
     if flavor.planning_only and device.type != "meta":
         raise ValueError(f"model {flavor.name!r} is planning only: build it on device='meta' (dry_run=true)")

@@ -62,7 +62,7 @@ def resolve_cluster(job: JobConfig, machine: Machine) -> list[str]:
         elif not c.gpus_per_worker:
             c.device = "cpu"
         # else GPUs asked for on a cluster not seen from here (a preset serving NVIDIA and AMD alike): each worker
-        # picks its vendor's device (orchestration/training/distributed.pick_device)
+        # picks its vendor's device (orchestration/training/process_group.pick_device)
         decided.append("device")
     gpu = is_gpu_job(job)
     if c.gpus_per_worker is None:

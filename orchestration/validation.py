@@ -288,11 +288,16 @@ def validate(job: JobConfig) -> None:
             raise ConfigError(f"faults: {exc}") from None
 
 
-def from_dict(data: dict[str, Any]) -> JobConfig:
-    """Rebuild a JobConfig inside a worker from the plain dict the driver sent (already validated there)."""
+def from_dict(data: dict[str, Any], gpu_vendor: str | None = None) -> JobConfig:
+    """Rebuild a JobConfig inside a worker from the plain dict the driver sent (already validated there).
+
+    gpu_vendor: the worker's GPU ("cuda" or "rocm"; None on CPU), checked against cluster.env_preset: the config
+    check covered explicit devices, device=auto is known only in the worker."""
     job = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(JobConfig), data))
     assert isinstance(job, JobConfig)
     resolve_defaults(job)  # a hand-built dict may leave train.lr null
+    if gpu_vendor is not None:
+        check_preset_device(job.cluster.env_preset, gpu_vendor)
     return job
 
 

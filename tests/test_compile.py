@@ -24,7 +24,7 @@ def _loss_and_grads(precision: str, compile_blocks: bool, fp8_output_head: bool 
         "train": {"global_batch_size": 2, "micro_batch_size": 2},
     })
     torch.manual_seed(0)
-    model, _ = build_training_model(job, world_size=1, device=torch.device("cpu"))
+    model = build_training_model(job, world_size=1, device=torch.device("cpu")).model
     compiled = [getattr(b, "_compiled_call_impl", None) is not None
                 for b in [*model.layers.values(), *([model.output] if fp8_output_head else [])]]
     tokens = torch.randint(0, model.args.vocab_size, (2, 33), generator=torch.Generator().manual_seed(1))

@@ -69,7 +69,7 @@ def test_compile_mode_reaches_every_block(monkeypatch, mode, expected):
     monkeypatch.setattr(torch.nn.Module, "compile", recording_compile)
     job = compose_job("model=debug_dense", "model.compile=true", f"model.compile_mode={mode}",
                       "cluster.min_workers=1", "cluster.max_workers=1", "precision=bf16")
-    model, _ = build_training_model(job, world_size=1, device=torch.device("cpu"))
+    model = build_training_model(job, world_size=1, device=torch.device("cpu")).model
     assert seen == [expected] * len(model.layers) and len(seen) > 0
 
 
@@ -84,7 +84,7 @@ def test_fp8_output_head_setting_reaches_the_conversion():
     def fp8_layers(*overrides):
         job = compose_job("model=debug_dense", "model.compile=false", "cluster.min_workers=1",
                           "cluster.max_workers=1", "precision=fp8", *overrides)
-        model, _ = build_training_model(job, world_size=1, device=torch.device("cpu"))
+        model = build_training_model(job, world_size=1, device=torch.device("cpu")).model
         return {n for n, m in model.named_modules() if isinstance(m, Float8Linear)}
 
     bf16_head = fp8_layers("precision.fp8_output_head=false")
@@ -200,12 +200,13 @@ def test_fp8_experts_setting_and_gpus_without_an_fp8_grouped_gemm():
     import fp8
     from fp8 import Float8Linear
     from fp8.backend import Fp8Backend
-    from orchestration.training.model_setup import build_training_model, require_fp8_grouped_gemm
+    from fp8.convert import require_fp8_grouped_gemm
+    from orchestration.training.model_setup import build_training_model
 
     def build(*overrides):
         job = compose_job("model=debug_moe", "model.compile=false", "cluster.min_workers=1", "cluster.max_workers=1",
                           "precision=fp8", *overrides)
-        model, _ = build_training_model(job, world_size=1, device=torch.device("cpu"))
+        model = build_training_model(job, world_size=1, device=torch.device("cpu")).model
         experts = [n for n, m in model.named_modules() if fp8.convert.is_fp8_grouped(m)]
         linears = {n for n, m in model.named_modules() if isinstance(m, Float8Linear)}
         return model, experts, linears

@@ -53,7 +53,7 @@ def test_a_gpu_plan_keeps_the_layers_too_small_to_pay_in_bf16_and_the_worker_con
 
     again, eligible = fp8_kept_in_bf16(job, on_gpu=True)
     assert again == kept and eligible == plan["fp8_layers"]["eligible"]
-    model, _ = build_training_model(job, world_size=1, device=torch.device("cpu"), keep_bf16=frozenset(kept))
+    model = build_training_model(job, world_size=1, device=torch.device("cpu"), size_rule=True).model
     converted = set(fp8.precision_state(model)["modules"])
     assert converted and not converted & set(kept)
     assert len(converted) == plan["fp8_layers"]["converted"]

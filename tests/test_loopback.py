@@ -1,5 +1,5 @@
 """The embedded single-machine cluster keeps every listener of the job's process group on loopback: rank 0's
-torch.distributed store (orchestration.training.distributed.keep_store_on_loopback, installed in every Ray worker by
+torch.distributed store (orchestration.training.process_group.keep_store_on_loopback, installed in every Ray worker by
 its setup hook) and gloo's sockets (GLOO_SOCKET_IFNAME=lo, set by the driver for an embedded cluster). Two real gloo
 ranks rendezvous through env:// as Ray Train's do; the listening sockets of both processes are read from /proc.
 Without the store's wrapper the same ranks listen on every interface: the check can fail."""
@@ -23,7 +23,7 @@ from datetime import timedelta
 from pathlib import Path
 import torch, torch.distributed as dist
 if sys.argv[1] == "1":
-    from orchestration.training.distributed import keep_store_on_loopback
+    from orchestration.training.process_group import keep_store_on_loopback
     keep_store_on_loopback()
 dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=60))
 t = torch.ones(1)

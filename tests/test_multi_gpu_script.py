@@ -2,7 +2,7 @@
 through Ray, rank 1 killed (SIGKILL) after the first checkpoint; each run restarts its worker group, resumes from that
 checkpoint and finishes; results written as the benchmarks write them.
 
-The torchrun leg needs orchestration.training.distributed.torchrun_store_prefix: torchrun keeps one TCPStore for
+The torchrun leg needs orchestration.training.process_group.torchrun_store_prefix: torchrun keeps one TCPStore for
 all the attempts of a launch, and without the attempt's own key prefix the restarted group read the killed group's
 gloo addresses there ("connection refused") and the run ended at the kill step (4 of 5 runs with
 checkpoint.keep_last=1 before the fix, 0 of 5 after)."""

@@ -1,4 +1,4 @@
-"""A torchrun --max-restarts restart forms its process group again (orchestration.training.distributed).
+"""A torchrun --max-restarts restart forms its process group again (orchestration.training.process_group).
 
 torchrun's agent keeps one TCPStore for all the attempts of a launch, and init_process_group's keys are the same in
 every attempt: a restarted rank that gets there before its peers reads the dead attempt's gloo addresses. The worker
@@ -19,7 +19,7 @@ import textwrap
 
 import pytest
 
-from orchestration.training.distributed import torchrun_store_prefix
+from orchestration.training.process_group import torchrun_store_prefix
 from tests.conftest import REPO
 
 
@@ -57,7 +57,7 @@ import json, os, sys, time
 from datetime import timedelta
 import torch, torch.distributed as dist
 sys.path.insert(0, {repo!r})
-from orchestration.training.distributed import init_distributed, torchrun_store_prefix
+from orchestration.training.process_group import init_distributed, torchrun_store_prefix
 
 rank, attempt = int(os.environ["RANK"]), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
 probe = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), 2, is_master=False,

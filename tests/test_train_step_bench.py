@@ -29,7 +29,7 @@ def reference_first_loss(precision: str, recipe: str = "auto") -> float:
     validate(job)
     device = torch.device("cpu")
     torch.manual_seed(job.train.seed)
-    model, fp8_recipe = build_training_model(job, 1, device)
+    model, fp8_recipe = build_training_model(job, 1, device)[:2]
     optimizer = make_optimizer(job, device, model.parameters())
     sm = StepModel(model, optimizer, device, torch.bfloat16, False, False, 1, "none", job.train.grad_clip)
     guard = StepGuard(job.monitor, model, fp8_run=fp8_recipe is not None)
@@ -140,7 +140,7 @@ def test_fp8_health_gauges_read_without_autograd_warnings():
     validate(job)
     device = torch.device("cpu")
     torch.manual_seed(job.train.seed)
-    model, fp8_recipe = build_training_model(job, 1, device)
+    model, fp8_recipe = build_training_model(job, 1, device)[:2]
     sm = StepModel(model, make_optimizer(job, device, model.parameters()), device, torch.bfloat16, False, False, 1,
                    "none", job.train.grad_clip)
     guard = StepGuard(job.monitor, model, fp8_run=fp8_recipe is not None)

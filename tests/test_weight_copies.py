@@ -222,7 +222,7 @@ def test_gpu_compiled_worker_model_reads_copies_the_kernel_wrote(monkeypatch, pr
                            "cluster": {"min_workers": 1, "max_workers": 1, "device": "cuda"},
                            "train": {"global_batch_size": 2, "micro_batch_size": 2}})
     device = torch.device("cuda")
-    model, _ = build_training_model(job, world_size=1, device=device)
+    model = build_training_model(job, world_size=1, device=device).model
     opt = make_optimizer(job, device, model.parameters())
     assert isinstance(opt, ChunkedAdamW)
     copies = weight_copies(model)

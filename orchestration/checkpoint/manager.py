@@ -506,13 +506,11 @@ class CheckpointManager:
         self._join()
         use_group = collective and dist_on() and dist.get_world_size() > 1
         share = (self.rank, self.world_size) if use_group else (0, 1)
-        if use_group:
-            listing = None
-            if self.rank == 0:
-                listing = [(s, str(p), self._is_good(p)) for s, p in self.finalized()]
-            listing = broadcast_from_rank0(listing)
-        else:
+        listing = None
+        if not use_group or self.rank == 0:  # rank 0's listing, when collective
             listing = [(s, str(p), self._is_good(p)) for s, p in self.finalized()]
+        if use_group:
+            listing = broadcast_from_rank0(listing)
         for step, path_str, good in listing:
             path = Path(path_str)
             if good_only and not good:

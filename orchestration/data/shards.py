@@ -127,15 +127,15 @@ class TokenizedDataset:
         self.root = root
         self.manifest = load_manifest(root)
         self.digest = manifest_digest(root)
+        self.identity = corpus_identity(self.manifest, self.digest)
+        self.vocab_size = int(self.manifest["vocab_size"])
+        self.seq_len, self.seed = seq_len, seed
+        self.train = TokenStream(root, self.manifest["splits"]["train"], self.manifest["dtype"])  # maps lazily
+        self.val = TokenStream(root, self.manifest["splits"]["val"], self.manifest["dtype"])
         try:  # before any token is read (shard_digest.py: once per shard, re-hashed when its file changed)
             self.verification = verify_shards(root, self.manifest, self.digest)
         except ShardDigestError as exc:
             raise CorpusError(str(exc)) from None
-        self.identity = corpus_identity(self.manifest, self.digest)
-        self.vocab_size = int(self.manifest["vocab_size"])
-        self.seq_len, self.seed = seq_len, seed
-        self.train = TokenStream(root, self.manifest["splits"]["train"], self.manifest["dtype"])
-        self.val = TokenStream(root, self.manifest["splits"]["val"], self.manifest["dtype"])
         if self.train.total < seq_len + 1:
             raise CorpusError(f"{root}: the training split has {self.train.total} tokens, fewer than data.seq_len + 1 "
                               f"= {seq_len + 1}; lower data.seq_len or prepare more text")

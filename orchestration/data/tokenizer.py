@@ -17,7 +17,7 @@ from pathlib import Path
 BYTES = "bytes"
 
 # The FP8 GEMMs need both sizes of the output head to be multiples of 16 (fp8/head.py and
-# orchestration.training.model_setup.require_fp8_output_head): a debug model's vocabulary is the tokenizer's rounded up.
+# fp8.convert.require_fp8_output_head): a debug model's vocabulary is the tokenizer's rounded up.
 VOCAB_MULTIPLE = 16
 
 # Special tokens that end a document, in the order they are looked for: GPT-2 style BPE (and the tokenizers this

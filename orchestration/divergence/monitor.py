@@ -199,7 +199,6 @@ class StepMonitor:
     """
 
     def __init__(self, config: MonitorConfig, layer_names: Sequence[str] = ()) -> None:
-        config.validate()
         self.config = config
         self.layer_names = tuple(layer_names)
         self.slot_names = BASE_SLOTS + tuple(LAYER_SLOT_PREFIX + name for name in self.layer_names)
@@ -208,6 +207,7 @@ class StepMonitor:
         self.loss_baseline = RobustEMA(config.ema_beta, config.winsor_z)
         self.log_grad_baseline = RobustEMA(config.ema_beta, config.winsor_z)
         self.log_amax_baseline = RobustEMA(config.ema_beta, config.winsor_z)
+        config.validate()  # a hand-made config (the launcher validated its own); the baselines above hold nothing yet
 
     @property
     def num_slots(self) -> int:

@@ -83,11 +83,13 @@ def build_job_plan(job: JobConfig, machine_notes: list[str] | tuple[str, ...] = 
 def elastic_layouts(job: JobConfig) -> dict[str, str]:
     """The parallel layout each world size of the elastic range runs (orchestration.training.elastic.plan_layout, as
     the workers pick it at every (re)start), by world size; at most 64 sizes listed (the smallest ones)."""
-    from orchestration.training.model_setup import layout_for
+    from models.registry import resolve_flavor
+    from orchestration.training.elastic import layout_for
 
     c = job.cluster
+    experts = getattr(resolve_flavor(job.model.name, dict(job.model.overrides)).args, "n_routed_experts", 0)
     sizes = range(c.min_workers, min(c.max_workers, c.min_workers + 63) + 1)
-    return {str(n): layout_for(job, n).describe() for n in sizes}
+    return {str(n): layout_for(job, n, experts).describe() for n in sizes}
 
 
 def scaling_workload(job: JobConfig):

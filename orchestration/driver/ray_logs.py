@@ -53,7 +53,7 @@ REPORT_LOGGER_MODULE = "ray.train.v2._internal.execution.context"
 
 
 def prepare_worker_process() -> None:
-    from orchestration.training.distributed import keep_store_on_loopback
+    from orchestration.training.process_group import keep_store_on_loopback
 
     keep_store_on_loopback()  # not a log matter: this hook is the one code every worker runs before Ray's rendezvous
     pin_state_api_to_this_cluster()

@@ -64,8 +64,8 @@ def main(argv: list[str]) -> int:
     )
     from orchestration.driver.start_checks import resolve_run_root
     from orchestration.observability.events import CONFIG_FILE, EVENTS_FILE, FINAL_STATE_FILE, RunDir, read_jsonl
-    from orchestration.training.distributed import torchrun_store_prefix
     from orchestration.training.loop import train_loop
+    from orchestration.training.process_group import torchrun_store_prefix
 
     try:
         torchrun_store_prefix(os.environ)  # refuses a torchrun whose restarts cannot rendezvous

@@ -36,7 +36,13 @@ from typing import Any, Self
 from orchestration.config import is_secret_key
 from orchestration.observability.events import EVENTS_FILE, METRICS_FILE, read_jsonl
 from orchestration.observability.ray_metrics import precision_code  # one mapping for W&B and Ray
-from orchestration.observability.wandb_offline import RUN_ID_FILE, offline_segments, read_segments, wait_until_flushed
+from orchestration.observability.wandb_offline import (
+    RUN_ID_FILE,
+    OfflineRun,
+    offline_segments,
+    read_segments,
+    wait_until_flushed,
+)
 
 log = logging.getLogger(__name__)
 
@@ -248,9 +254,10 @@ class WandbRun:
     for every metrics.jsonl record, `wb.log_event(event)` for every events.jsonl record, `wb.finish(summary)`.
     """
 
-    def __init__(self, run_dir: Path, config: dict, *, project: str, group: str | None, tags: list[str],
-                 mode: str = "offline", enabled: bool = True, name: str | None = None,
+    def __init__(self, run_dir: Path, config: dict, *, project: str, group: str | None,
+                 tags: list[str] | None = None, mode: str = "offline", enabled: bool = True, name: str | None = None,
                  system_metrics: bool = True):
+        """tags None: tags_from_config(config)."""
         self.run_dir = Path(run_dir)
         self._tmp_dir = self.run_dir / "wandb" / ".tmp"
         self.mode = resolve_mode(mode, enabled)
@@ -259,17 +266,28 @@ class WandbRun:
         self._events: list[dict[str, Any]] = []
         self._finished = False
         self._t0 = time.time()
-        self._counts = count_events(e for e in self._read_events() if e.get("time", self._t0) < self._t0)
+        self._counts: dict[str, int] = {}  # events of earlier segments, counted from events.jsonl below
         if self.mode == "disabled":
             return
+        tags = tags_from_config(config) if tags is None else tags
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.run_id = read_or_create_run_id(self.run_dir)
-        previous_segments = offline_segments(self.run_dir)
         self._keep_files_in_run_dir()
         if self.mode == "offline":
             self._avoid_same_second_dir()
+        clean_config = scrub_secrets(config)
         try:
             wandb = _import_wandb(self._tmp_dir)
+        except Exception as exc:  # noqa: BLE001 - a logging failure must not stop training
+            log.warning("W&B disabled for this run: wandb cannot be imported: %s", exc)
+            return
+        # The earlier segments' files, read before this one's exists: what they flushed is not logged again.
+        try:
+            previous = read_segments(self.run_id, offline_segments(self.run_dir))
+        except Exception as exc:  # noqa: BLE001 - a gap in W&B is not worth stopping training for
+            log.warning("W&B backfill from %s skipped: %s", METRICS_FILE, exc)
+            previous = None
+        try:
             settings = wandb.Settings(
                 silent=True,
                 console="off",  # Ray owns the workers' stdout; wrapping it twice garbles the logs
@@ -279,7 +297,7 @@ class WandbRun:
             )
             self.run = wandb.init(
                 project=project, group=group, tags=list(tags), name=name or self.run_dir.name,
-                config=scrub_secrets(config), id=self.run_id, resume="allow", dir=str(self.run_dir),
+                config=clean_config, id=self.run_id, resume="allow", dir=str(self.run_dir),
                 mode=self.mode, reinit="create_new", settings=settings,
             )
             # Our step (not W&B's row counter) is the x axis: it goes back after a rollback.
@@ -289,11 +307,10 @@ class WandbRun:
             log.warning("W&B disabled for this run: wandb.init failed: %s", exc)
             self.run = None
             return
-        try:
-            backfilled = self._backfill(previous_segments)
-        except Exception as exc:  # noqa: BLE001 - a gap in W&B is not worth stopping training for
-            log.warning("W&B backfill from %s skipped: %s", METRICS_FILE, exc)
-            backfilled = 0
+        earlier_events = read_jsonl(self.run_dir / EVENTS_FILE)
+        earlier_metrics = read_jsonl(self.run_dir / METRICS_FILE)
+        self._counts = count_events(e for e in earlier_events if e.get("time", self._t0) < self._t0)
+        backfilled = self._backfill(earlier_metrics, previous) if previous is not None else 0
         if backfilled:
             log.info("W&B: logged %d metrics.jsonl records an earlier segment had not flushed", backfilled)
         if self.mode == "online":
@@ -306,20 +323,17 @@ class WandbRun:
     def active(self) -> bool:
         return self.run is not None and not self._finished
 
-    def _backfill(self, previous_segments: list[Path]) -> int:
+    def _backfill(self, metrics: list[dict[str, Any]], previous: OfflineRun) -> int:
         """Log the metrics.jsonl records that earlier segments wrote but never got into their W&B files.
 
         A worker killed by a fault or a resize takes wandb-core with it before it flushed its last rows (seen:
         the last ~10 rows of a killed segment missing). metrics.jsonl is the durable record: every record from
-        before this process started and newer than the newest row in the earlier W&B files is logged now, before
-        this segment's own rows, so the W&B history matches metrics.jsonl. Needs the records' "time" field.
+        before this process started and newer than the newest row in the earlier W&B files (`previous`) is logged
+        now, before this segment's own rows, so the W&B history matches metrics.jsonl. Needs the records' "time"
+        field.
         """
-        earlier = [r for r in read_jsonl(self.run_dir / METRICS_FILE)
-                   if isinstance(r.get("time"), (int, float)) and r["time"] < self._t0 and "step" in r]
-        if not earlier:
-            return 0
-        logged = [row["time"] for row in read_segments(self.run_id, previous_segments).history
-                  if isinstance(row.get("time"), (int, float)) and "step" in row]
+        earlier = [r for r in metrics if isinstance(r.get("time"), (int, float)) and r["time"] < self._t0 and "step" in r]
+        logged = [row["time"] for row in previous.history if isinstance(row.get("time"), (int, float)) and "step" in row]
         newest = max(logged, default=None)
         # 1 us slack: the time went through JSON twice (ours, then W&B's) and must not be logged twice.
         missing = [r for r in earlier if newest is None or r["time"] > newest + 1e-6]

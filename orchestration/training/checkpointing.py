@@ -117,7 +117,7 @@ class RunCheckpoints:
         # (orchestration.driver.start_checks.check_start), so checkpoints found here are this start's own, and a Ray
         # restart after a lost worker must continue from them, not train again from step 0.
         info = self.manager.latest(collective=True)
-        if info is None and ctx.job.checkpoint.resume and self.manager.finalized():
+        if info is None and ctx.job.checkpoint.resume and self.manager.corrupt_steps:
             # Every checkpoint failed verification (checkpoint_corrupt events name each): starting from step 0 here
             # would mix two runs and let retention delete the new ones while the corrupt newer ones count.
             damage = "; ".join(f"{Path(e['path']).name}: {e['reason']}" for e in self.corrupt)

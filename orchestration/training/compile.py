@@ -15,6 +15,15 @@ def compile_enabled(job: JobConfig, device: torch.device) -> bool:
     return job.model.compile if job.model.compile is not None else device.type == "cuda"
 
 
+def compile_if_enabled(model: torch.nn.Module, job: JobConfig, device: torch.device) -> bool:
+    """compile_blocks with model.compile_mode when compile_enabled; returns whether it did (the loss follows the
+    blocks)."""
+    enabled = compile_enabled(job, device)
+    if enabled:
+        compile_blocks(model, job.model.compile_mode)
+    return enabled
+
+
 _BODIES_SET_EAGER_FOR_GRAPHS = False
 
 

@@ -1,145 +1,16 @@
-"""Process groups, devices and FSDP2 sharding, applied to models from outside (models/ has no distributed code)."""
+"""FSDP2 / HSDP / expert-parallel sharding and unit-by-unit materialization, applied to models from outside (models/
+has no distributed code), and the gradient norms across shards."""
 
 from __future__ import annotations
 
 import logging
 import math
-import os
-from collections.abc import Mapping
-from dataclasses import dataclass
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class DistInfo:
-    rank: int
-    world_size: int
-    local_rank: int
-    device: torch.device
-    backend: str
-
-
-def pick_device(requested: str, local_rank: int) -> torch.device:
-    """cpu | cuda | rocm | auto. ROCm builds of torch expose HIP devices through the torch.cuda API."""
-    if requested == "cpu":
-        return torch.device("cpu")
-    if requested in ("cuda", "rocm", "auto") and torch.cuda.is_available():
-        is_hip = torch.version.hip is not None
-        if requested == "cuda" and is_hip:
-            raise RuntimeError("cluster.device=cuda but this torch build is ROCm; use cluster.device=rocm or auto")
-        if requested == "rocm" and not is_hip:
-            raise RuntimeError("cluster.device=rocm but this torch build is CUDA; use cluster.device=cuda or auto")
-        return torch.device("cuda", local_rank % torch.cuda.device_count())
-    if requested == "auto":
-        return torch.device("cpu")
-    raise RuntimeError(f"cluster.device={requested} but no GPU is visible to this worker")
-
-
-def backend_for(device: torch.device) -> str:
-    # RCCL is reached through the "nccl" backend name on ROCm builds of torch.
-    return "nccl" if device.type == "cuda" else "gloo"
-
-
-def torchrun_store_prefix(env: Mapping[str, str]) -> str | None:
-    """The key prefix that keeps this torchrun attempt's process group apart from the attempts before it in the
-    agent's TCPStore, or None when torchrun's agent hosts no store for the workers (not under torchrun, or torchrun
-    started with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: then each attempt's rank 0 hosts a new store on a new port).
-
-    torchrun (torch 2.13) keeps ONE TCPStore in its agent for all the attempts of a run (the dynamic rendezvous makes
-    its server once and hands every attempt the same MASTER_PORT), and init_process_group's env:// keys
-    ("default_pg/0/...": each rank's gloo address, NCCL's unique id) are the same in every attempt. After a
-    --max-restarts restart, the rank that gets there first reads the dead attempt's addresses from them: gloo
-    "connection refused" to the previous attempt's peer, and the restart dies (pytorch issue 135712, which also says
-    why torch does not prefix them with TORCHELASTIC_RESTART_COUNT: on several nodes the agents' counts can differ).
-    On one node there is one agent, whose restart count numbers the attempts alike for every rank: it prefixes the
-    keys. On several nodes with restarts there is no such number: refused, with what to change."""
-    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return None
-    nodes = int(env.get("GROUP_WORLD_SIZE", "1"))
-    max_restarts = int(env.get("TORCHELASTIC_MAX_RESTARTS", "0"))
-    if nodes > 1 and max_restarts > 0:
-        raise ValueError(f"torchrun on {nodes} nodes with --max-restarts={max_restarts} keeps one TCPStore for every "
-                         "restart, and a restarted group meets the dead one's addresses there (pytorch issue 135712): "
-                         "start torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment, or with "
-                         "--max-restarts=0")
-    return f"elastic_fp8/torchrun_attempt{int(env.get('TORCHELASTIC_RESTART_COUNT', '0'))}"
-
-
-def init_distributed(requested_device: str, timeout_s: float = 600.0) -> DistInfo:
-    """Join (or reuse) the default process group. Ray Train's TorchTrainer already created one; torchrun did not."""
-    rank = int(os.environ.get("RANK", "0"))
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = pick_device(requested_device, local_rank)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    backend = backend_for(device)
-    if dist.is_available() and dist.is_initialized():
-        rank, world_size = dist.get_rank(), dist.get_world_size()
-        backend = dist.get_backend()
-    elif world_size > 1:
-        timeout = timedelta(seconds=timeout_s)
-        rendezvous = {}
-        prefix = torchrun_store_prefix(os.environ)
-        if prefix is not None:
-            # torchrun's agent store, under this attempt's own keys (torchrun_store_prefix says why).
-            agent_store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
-                                        is_master=False, timeout=timeout)
-            rendezvous = {"store": dist.PrefixStore(prefix, agent_store), "rank": rank, "world_size": world_size}
-        dist.init_process_group(backend=backend, timeout=timeout, device_id=device if device.type == "cuda" else None,
-                                **rendezvous)
-        rank, world_size = dist.get_rank(), dist.get_world_size()
-    return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device, backend=backend)
-
-
-def is_loopback_host(host: str) -> bool:
-    import ipaddress
-
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def keep_store_on_loopback() -> None:
-    """Make rank 0's torch.distributed store listen on the loopback address it is reached at, when that address is
-    loopback (the embedded single-machine cluster: MASTER_ADDR 127.0.0.1). torch's env:// rendezvous starts the
-    store's server on every interface whatever MASTER_ADDR says, and it answers any client without authentication;
-    a socket bound to MASTER_ADDR and handed to the store (TCPStore's master_listen_fd) keeps it on loopback. Ray
-    Train creates the process group before the training function runs, so this wraps the function its env://
-    rendezvous calls (torch.distributed.rendezvous._create_c10d_store) in every worker process (Ray's
-    worker_process_setup_hook); any other case goes to torch's own. Idempotent."""
-    import importlib
-    import socket
-
-    # The module itself: `from torch.distributed import rendezvous` gives the function of that name.
-    rendezvous = importlib.import_module("torch.distributed.rendezvous")
-    original = getattr(rendezvous, "_create_c10d_store", None)
-    if original is None or getattr(original, "keeps_loopback", False):
-        return
-
-    def create_store(hostname, port, rank, world_size, timeout, use_libuv=True):
-        agent_store = getattr(rendezvous, "_torchelastic_use_agent_store", lambda: False)()
-        if rank != 0 or agent_store or not is_loopback_host(hostname):
-            return original(hostname, port, rank, world_size, timeout, use_libuv)
-        family = socket.AF_INET6 if ":" in hostname else socket.AF_INET
-        listener = socket.socket(family, socket.SOCK_STREAM)
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind((hostname, port))
-        listener.listen(1024)
-        return dist.TCPStore(hostname, port, world_size, True, timeout, multi_tenant=True,
-                             master_listen_fd=listener.detach(), use_libuv=use_libuv)
-
-    create_store.keeps_loopback = True  # type: ignore[attr-defined]
-    rendezvous._create_c10d_store = create_store
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -169,19 +40,26 @@ def shard_mesh(world_size: int, shard_group_size: int | None = None):
                             mesh_dim_names=("replicate", "shard"))
 
 
-def resolve_shard_group_size(configured: int | None, world_size: int) -> int:
-    """train.shard_group_size, where null is the workers of this node (LOCAL_WORLD_SIZE, set by Ray Train and
-    torchrun), or the whole world when that does not divide it."""
-    if configured is not None:
-        return configured
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
-    return local if local > 0 and world_size % local == 0 else world_size
-
-
 def check_hsdp_layout(world_size: int, shard_group_size: int) -> None:
     if shard_group_size < 1 or world_size % shard_group_size:
         raise ValueError(f"train.shard_group_size={shard_group_size} must divide the world size {world_size} "
                          "(HSDP replicates whole shard groups); pick a divisor, e.g. the GPUs per node")
+
+
+def shard_and_materialize(model: nn.Module, template: nn.Module, layout, seed: int, device: torch.device,
+                          param_dtype: str, reduce_dtype: str, activation_checkpointing: bool, fp8_all_gather: bool,
+                          fp8_dispatch: bool) -> nn.Module:
+    """The meta-built model laid out as `layout` (an elastic.ParallelLayout) says (parallelize), then materialized on
+    `device` with the weights of `template` (init_weights_by_unit; every replica rank 0's when unsharded)."""
+    model = parallelize(model, layout.world_size, layout.sharding, param_dtype, reduce_dtype, activation_checkpointing,
+                        fp8_all_gather, layout.shard_group_size, layout.expert_parallel, fp8_dispatch)
+    model.parallel_layout = layout  # what this (re)start runs, for the worker's events and logs
+    if layout.world_size > 1:
+        logger.info("parallel layout at world size %d: %s%s", layout.world_size, layout.describe(),
+                    "".join(f"; {note}" for note in layout.notes))
+    init_weights_by_unit(model, template, seed, device)
+    broadcast_from_rank0_if_unsharded(model, layout.world_size, layout.sharding)
+    return model
 
 
 def parallelize(model: nn.Module, world_size: int, sharding: str, param_dtype: str, reduce_dtype: str,
@@ -198,16 +76,18 @@ def parallelize(model: nn.Module, world_size: int, sharding: str, param_dtype: s
     all-to-alls send are counted in model.expert_all_to_all_bytes (an AllToAllBytes)."""
     from models.deepseek_moe import set_forward_recompute
 
+    sharded = world_size > 1 and sharding != "none"
+    if expert_parallel > 1 and not sharded:
+        raise ValueError(f"train.expert_parallel={expert_parallel} needs train.sharding=fsdp or hsdp and more than "
+                         "one worker; set train.expert_parallel=1")
+    mesh = shard_mesh(world_size, shard_group_size if sharding == "hsdp" else None) if sharded else None
     set_forward_recompute(model, activation_checkpointing)
     if activation_checkpointing:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
         for name, block in list(model.layers.named_children()):
             model.layers.register_module(name, checkpoint_wrapper(block, preserve_rng_state=False))
-    if world_size <= 1 or sharding == "none":
-        if expert_parallel > 1:
-            raise ValueError(f"train.expert_parallel={expert_parallel} needs train.sharding=fsdp or hsdp and more than "
-                             "one worker; set train.expert_parallel=1")
+    if not sharded:
         return model
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -219,20 +99,17 @@ def parallelize(model: nn.Module, world_size: int, sharding: str, param_dtype: s
         expert_params = apply_expert_parallel(model, expert_mesh(world_size, expert_parallel, mesh_device_type()),
                                               counter, fp8_dispatch)
         model.expert_all_to_all_bytes = counter
+    mp_policy = MixedPrecisionPolicy(param_dtype=_DTYPES[param_dtype], reduce_dtype=_DTYPES[reduce_dtype])
+    ignored = expert_params or None
     if fp8_all_gather:
-        from fp8.fsdp_allgather import enable_fp8_all_gather
+        from fp8.fsdp_allgather import enable_fp8_all_gather, track_fsdp_params
 
         wrapped = enable_fp8_all_gather(model)
         logger.info("FSDP2 all-gathers %d FP8 linear weights in fp8", len(wrapped))
-    mp_policy = MixedPrecisionPolicy(param_dtype=_DTYPES[param_dtype], reduce_dtype=_DTYPES[reduce_dtype])
-    mesh = shard_mesh(world_size, shard_group_size if sharding == "hsdp" else None)
-    ignored = expert_params or None
     for block in model.layers.values():
         fully_shard(block, mesh=mesh, mp_policy=mp_policy, ignored_params=ignored)
     fully_shard(model, mesh=mesh, mp_policy=mp_policy, ignored_params=ignored)
     if fp8_all_gather:
-        from fp8.fsdp_allgather import track_fsdp_params
-
         track_fsdp_params(model)
     return model
 
@@ -280,20 +157,22 @@ def init_weights_by_unit(model: nn.Module, template: nn.Module, seed: int, devic
     from models.init import ROOT_UNIT, init_unit, layer_unit
 
     model.to_empty(device=device)
-    outside = [child for name, child in template.named_children() if name != "layers"]
-    template.to_empty(device=device, recurse=False)  # the root's own buffers (RoPE tables)
-    for child in outside:
-        child.to_empty(device=device)
-    if hasattr(template, "tie_weights"):
-        template.tie_weights()  # to_empty per child gives tied weights separate storage
-    init_unit(template, ROOT_UNIT, seed)
-    _copy_unit(model, template, skip_prefix="layers.")
-    template.to("meta")  # the blocks are still there; the root's weights are freed
-    for name, block in template.layers.items():
-        block.to_empty(device=device)
-        init_unit(template, layer_unit(name), seed)
-        _copy_unit(model.layers[name], block)
-        block.to("meta")
+    # The root's own weights first (all but the blocks), then each block: one unit at a time on the device.
+    for name in [None, *template.layers]:
+        if name is None:
+            unit, source, target, skip = ROOT_UNIT, template, model, "layers."
+            template.to_empty(device=device, recurse=False)  # the root's own buffers (RoPE tables)
+            for child_name, child in template.named_children():
+                if child_name != "layers":
+                    child.to_empty(device=device)
+            if hasattr(template, "tie_weights"):
+                template.tie_weights()  # to_empty per child gives tied weights separate storage
+        else:
+            unit, source, target, skip = layer_unit(name), template.layers[name], model.layers[name], None
+            source.to_empty(device=device)
+        init_unit(template, unit, seed)
+        _copy_unit(target, source, skip_prefix=skip)
+        source.to("meta")  # the root: its own weights freed (the blocks are still on meta)
     # FP8 health statistics are written by the first FP8 forward (fp8_health_valid says so); zero, not garbage.
     for module in model.modules():
         if hasattr(module, "fp8_health_stats"):

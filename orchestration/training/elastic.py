@@ -11,7 +11,12 @@ exactly the global batch at any world size.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from orchestration.config import JobConfig
 
 
 @dataclass(frozen=True)
@@ -149,3 +154,17 @@ def plan_layout(world_size: int, sharding: str, shard_group_size: int | None, ex
     if group != wanted:
         notes.append(f"HSDP shard group {wanted} lowered to {group} (it must divide the world size {world_size})")
     return ParallelLayout(world_size, "hsdp", group, ep, tuple(notes))
+
+
+def layout_for(job: JobConfig, world_size: int, n_routed_experts: int) -> ParallelLayout:
+    """The parallel layout this world size runs (plan_layout): at every (re)start, so a resize keeps expert parallelism
+    and HSDP's shard groups dividing the world size. HSDP's group left null is this node's workers."""
+    return plan_layout(world_size, job.train.sharding, job.train.shard_group_size, job.train.expert_parallel,
+                       n_routed_experts, gpus_per_node=workers_per_node(world_size))
+
+
+def workers_per_node(world_size: int) -> int:
+    """The workers of this node (LOCAL_WORLD_SIZE, set by Ray Train and torchrun), or the whole world when that does
+    not divide it (nodes of uneven sizes)."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
+    return local if local > 0 and world_size % local == 0 else world_size

@@ -13,57 +13,31 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from optim import ChunkedAdamW
 from orchestration.data.select import build_datasets
-from orchestration.divergence.agreement import StopRequest
 from orchestration.divergence.guard import StepGuard
-from orchestration.observability.events import CONFIG_FILE, FINAL_STATE_FILE, PREEMPT_FILE, STOP_FILE, RunDir
+from orchestration.observability.events import CONFIG_FILE, FINAL_STATE_FILE, STOP_FILE, RunDir
 from orchestration.training import departure
 from orchestration.training.checkpointing import RunCheckpoints, RunFailed
-from orchestration.training.compile import compile_enabled
 from orchestration.training.decisions import apply_decision, apply_eval_gap_decision
-from orchestration.training.distributed import init_distributed
 from orchestration.training.elastic import count_in_ranges, plan_batch
 from orchestration.training.evaluation import evaluate, validation_sequences
 from orchestration.training.faults import FaultInjector
 from orchestration.training.gc_policy import ManagedGc
-from orchestration.training.model_setup import build_training_model, fp8_kept_in_bf16, import_hf_weights
+from orchestration.training.model_setup import build_training_model, import_hf_weights
 from orchestration.training.observer import RunObserver
 from orchestration.training.optimizer import lr_at, make_optimizer, set_learning_rate
+from orchestration.training.process_group import init_distributed
 from orchestration.training.profiling import PROFILE_DIR, LoopProfiler
 from orchestration.training.state import TrainingState, WorkerContext
 from orchestration.training.step import MicroBatch, StepModel, compute_loss, computing_in_bf16, train_step
-from orchestration.validation import check_preset_device, from_dict
+from orchestration.validation import from_dict
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-class PreemptNotice(StopRequest):
-    """Save and stop at the next step boundary: SIGTERM to this worker (catch_sigterm sets sigterm_received) or, on
-    rank 0, the driver's PREEMPT_FILE. Read by the step's agreement, as late as possible: one stat a step on rank 0
-    for the driver's forwarded SIGTERM (any rank asking is enough)."""
-
-    def __init__(self, run_dir: Path, rank: int, under_ray: bool):
-        super().__init__()
-        self.run_dir = run_dir
-        self.preempt_file = run_dir / PREEMPT_FILE if rank == 0 else None
-        self.under_ray = under_ray
-        self.sigterm_received = False
-
-    def asked(self) -> bool:
-        # A node of the group leaving with notice (training/departure.py) asks too.
-        return (self.sigterm_received or (self.preempt_file is not None and self.preempt_file.exists())
-                or (self.under_ray and departure.notice_info() is not None))
-
-    def driver_asked(self) -> bool:
-        """The stop is the driver's (SIGTERM or its PREEMPT_FILE), not a node's notice: read on every rank."""
-        return self.sigterm_received or (self.run_dir / PREEMPT_FILE).exists()
 
 
 class Trainer:
@@ -71,10 +45,8 @@ class Trainer:
 
     def __init__(self, config: dict[str, Any]):
         t_setup = time.time()
-        job = from_dict(config["job"])
-        dist = init_distributed(job.cluster.device)
-        if dist.device.type == "cuda":  # the config checked explicit devices; device=auto is known only here
-            check_preset_device(job.cluster.env_preset, "rocm" if torch.version.hip is not None else "cuda")
+        dist = init_distributed(config["job"]["cluster"]["device"])  # the driver sends the whole job
+        job = from_dict(config["job"], gpu_vendor=dist.gpu_vendor)
         run_dir = RunDir(config["run_dir"], dist.rank)
         dataset, validation = build_datasets(job)
         # under_ray: set by the Ray driver (orchestration.driver.ray_job); torchrun and in-process tests run without
@@ -87,10 +59,9 @@ class Trainer:
             job.data, validation, job.train.eval_every)
 
         torch.manual_seed(job.train.seed)
-        self.fp8_kept_bf16, self.fp8_eligible = fp8_kept_in_bf16(job, on_gpu=dist.device.type == "cuda")
-        model, recipe = build_training_model(job, dist.world_size, dist.device, dataset.vocab_size,
-                                             keep_bf16=frozenset(self.fp8_kept_bf16))
-        compiled = compile_enabled(job, dist.device)  # the loss follows the blocks
+        built = build_training_model(job, dist.world_size, dist.device, dataset.vocab_size)
+        self.fp8_layers = built.fp8_layers
+        model, recipe, compiled = built.model, built.recipe, built.compiled
         optimizer = make_optimizer(job, dist.device, model.parameters())
         step_model = StepModel(model, optimizer, dist.device, _DTYPES[job.precision.compute_dtype], compiled,
                                compiled and job.model.compile_mode == "reduce-overhead" and dist.device.type == "cuda",
@@ -106,7 +77,7 @@ class Trainer:
         self.faults.attach(step_model, lambda: self.state.step)
         self.stop_requested = False  # agreed by all ranks at a logged step (the driver's Ctrl-C, STOP_FILE)
         # agreed in the step's one collective
-        self.preempt = PreemptNotice(run_dir.path, dist.rank, config.get("launcher") == "ray")
+        self.preempt = departure.PreemptNotice(run_dir.path, dist.rank, config.get("launcher") == "ray")
         self.profiler = LoopProfiler(job.train.profile_from_step, job.train.profile_steps, run_dir.path,
                                      dist.rank, dist.device)
         self.setup_s = time.time() - t_setup
@@ -134,9 +105,9 @@ class Trainer:
                             layout=state.model.parallel_layout.describe())
         if self.eval_unavailable:
             self.observer.event("eval_unavailable", reason=self.eval_unavailable)
-        if self.fp8_eligible:
-            self.observer.event("fp8_layers", converted=self.fp8_eligible - len(self.fp8_kept_bf16),
-                                eligible=self.fp8_eligible, kept_bf16=self.fp8_kept_bf16)
+        if self.fp8_layers is not None:
+            self.observer.event("fp8_layers", converted=self.fp8_layers.converted,
+                                eligible=self.fp8_layers.eligible, kept_bf16=self.fp8_layers.kept_bf16)
         if self.eval_reduced:
             self.observer.event("eval_reduced", reason=self.eval_reduced, eval_sequences=self.eval_sequences)
         self.checkpoints.begin(resumed, self.setup_s)
@@ -183,7 +154,7 @@ class Trainer:
                 eval_s = eval_fields.get("eval_s", 0.0)
                 self.log_metrics(result.weighted_loss, result.weighted_aux, result.grad_norm,
                                  tokens_since_log / max(now - t_last_log - eval_s, 1e-9), now - t0 - eval_s,
-                                 eval_fields)
+                                 eval_fields, steps=tokens_since_log // (job.train.global_batch_size * job.data.seq_len))
                 t_last_log, tokens_since_log = now, 0
                 if self.stop_requested:
                     return "interrupted"
@@ -244,15 +215,19 @@ class Trainer:
         return {**fields, "eval_s": round(time.time() - t0, 4), "eval_sequences": self.eval_sequences}
 
     def log_metrics(self, loss: torch.Tensor, aux: torch.Tensor, grad_norm: torch.Tensor, tokens_per_s: float,
-                    step_time_s: float, eval_fields: dict[str, Any]) -> None:
+                    step_time_s: float, eval_fields: dict[str, Any], steps: int = 1) -> None:
+        """One metrics.jsonl record, averaged over the ranks; `steps`: the steps since the previous record."""
         ctx, state = self.ctx, self.state
         # The driver's stop request (Ctrl-C) rides on this all-reduce, so every rank sees it at the same step.
         asked = float((ctx.run_dir.path / STOP_FILE).exists())
-        values = torch.stack([loss.float(), aux.float(), grad_norm.float(), torch.tensor(asked, device=loss.device)])
+        # Expert parallelism: the bytes this rank's all-to-alls sent to other ranks since the previous record.
+        a2a = getattr(state.model, "expert_all_to_all_bytes", None)
+        values = torch.stack([loss.float(), aux.float(), grad_norm.float(), torch.tensor(asked, device=loss.device),
+                              torch.tensor(float(a2a.total if a2a else 0), device=loss.device)])
         if ctx.world_size > 1:
             torch.distributed.all_reduce(values)
             values /= ctx.world_size
-        loss_v, aux_v, gn_v, stop_v = values.tolist()
+        loss_v, aux_v, gn_v, stop_v, a2a_v = values.tolist()
         self.stop_requested = stop_v > 0
         record = {"step": state.step, "loss": loss_v, "aux_loss": aux_v,
                   "lr": state.optimizer.param_groups[0]["lr"], "grad_norm": gn_v, "tokens_per_s": tokens_per_s,
@@ -264,6 +239,10 @@ class Trainer:
             # Launches of our AdamW kernel, steps the guard gated off included (a step it cannot take goes through
             # torch's AdamW: this shows which).
             record["adamw_kernel_steps"] = state.optimizer.kernel_steps
+        if a2a is not None:
+            # per rank (mean over ranks) per step, both directions and the backward's; evaluation forwards included
+            record["a2a_bytes_per_step"] = a2a_v / max(steps, 1)
+            a2a.reset()
         self.observer.metrics(record, gauges=self.guard.fp8_health_gauges)
 
     def mfu(self, tokens_per_s: float) -> float | None:
@@ -330,7 +309,7 @@ def train_loop(config: dict[str, Any]) -> None:
         os.environ.setdefault(key, str(value))
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     trainer = Trainer(config)
-    restore_sigterm = catch_sigterm(trainer.preempt)
+    restore_sigterm = departure.catch_sigterm(trainer.preempt)
     try:
         trainer.start()
         status = trainer.run()
@@ -348,26 +327,3 @@ def train_loop(config: dict[str, Any]) -> None:
     finally:
         restore_sigterm()
     trainer.finish(status)
-
-
-def catch_sigterm(notice: PreemptNotice) -> Callable[[], None]:
-    """SIGTERM (the notice Kubernetes, Slurm and spot reclaimers give; torchrun forwards its own to the workers) asks
-    for a checkpoint at the next step boundary, then a stop: the handler only sets a flag, which the next step's
-    agreement carries to every rank. A second SIGTERM ends the process at once. Handlers belong to the main thread:
-    under Ray Train the loop runs in another one, and the driver forwards its SIGTERM through PREEMPT_FILE. Returns
-    the function that puts the previous handler back."""
-    import signal
-    import threading
-
-    if threading.current_thread() is not threading.main_thread():
-        return lambda: None
-    previous = signal.getsignal(signal.SIGTERM)
-
-    def on_sigterm(signum: int, frame: Any) -> None:
-        if notice.sigterm_received:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            os.kill(os.getpid(), signal.SIGTERM)
-        notice.sigterm_received = True
-
-    signal.signal(signal.SIGTERM, on_sigterm)
-    return lambda: signal.signal(signal.SIGTERM, previous)

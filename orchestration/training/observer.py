@@ -40,14 +40,13 @@ class RunObserver:
                 log.info("Ray metrics disabled: %s", exc)
         if job.logging.wandb and job.logging.wandb_mode != "disabled":
             from orchestration.config import to_dict
-            from orchestration.observability.wandb_logger import WandbRun, tags_from_config
+            from orchestration.observability.wandb_logger import WandbRun
 
             config = to_dict(job)  # WandbRun drops secrets itself
             if recipe:
                 config["precision"]["recipe"] = recipe  # the resolved recipe, not "auto"
             self.wandb = WandbRun(run_dir, config, project=job.logging.project,
-                                  group=job.logging.group or job.model.name, tags=tags_from_config(config),
-                                  mode=job.logging.wandb_mode)
+                                  group=job.logging.group or job.model.name, mode=job.logging.wandb_mode)
 
     def event(self, name: str, all_ranks: bool = False, step: int | None = None, **fields: Any) -> None:
         """Append to events.jsonl (every worker for agreed decisions, else rank 0) and feed rank 0's loggers."""

@@ -14,8 +14,8 @@ import torch
 from orchestration.config import JobConfig
 from orchestration.divergence.guard import StepGuard
 from orchestration.observability.events import RunDir
-from orchestration.training.distributed import DistInfo
 from orchestration.training.elastic import BatchPlan, merge_ranges
+from orchestration.training.process_group import DistInfo
 from orchestration.training.step import StepModel
 
 # The fields a checkpoint's extra state holds as "train_state" (everything a resume restores besides the tensors).
