@@ -219,6 +219,10 @@ def test_autoscaler_grows_the_run_and_a_drained_node_leaves_without_losing_a_ste
     layouts = {1: "one worker", 2: "FSDP over 2, experts over 2"}
     assert all(layout == layouts[size] for size, layout in groups), groups
     assert [size for size, _ in groups][:2] == [1, 2] and groups[-1][0] == 1, groups
+    # The all-to-alls' bytes (metrics.jsonl a2a_bytes_per_step): sent at 2 workers, no all-to-all at 1.
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    assert all(m["a2a_bytes_per_step"] > 0 for m in metrics if m["world_size"] == 2), metrics[-1]
+    assert not any("a2a_bytes_per_step" in m for m in metrics if m["world_size"] == 1)
 
     # The Train view: one attempt per worker group: 1 worker, then 2 after the grow, then one per departure.
     assert train_run is not None and train_run["status"] == "FINISHED"

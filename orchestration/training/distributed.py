@@ -54,7 +54,7 @@ def shard_and_materialize(model: nn.Module, template: nn.Module, layout, seed: i
     model = parallelize(model, layout.world_size, layout.sharding, param_dtype, reduce_dtype, activation_checkpointing,
                         fp8_all_gather, layout.shard_group_size, layout.expert_parallel, fp8_dispatch)
     model.parallel_layout = layout  # what this (re)start runs, for the worker's events and logs
-    if layout.world_size > 1:
+    if layout.world_size > 1 or layout.notes:
         logger.info("parallel layout at world size %d: %s%s", layout.world_size, layout.describe(),
                     "".join(f"; {note}" for note in layout.notes))
     init_weights_by_unit(model, template, seed, device)

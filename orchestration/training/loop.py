@@ -102,7 +102,8 @@ class Trainer:
                             micro_batch_size=ctx.plan.micro_batch_size, backend=ctx.dist.backend,
                             device=str(ctx.device), group_id=ctx.group_id, precision=state.precision,
                             recipe=state.recipe, adamw=type(state.optimizer).__name__,
-                            layout=state.model.parallel_layout.describe())
+                            layout=state.model.parallel_layout.describe(),
+                            layout_notes=list(state.model.parallel_layout.notes))
         if self.eval_unavailable:
             self.observer.event("eval_unavailable", reason=self.eval_unavailable)
         if self.fp8_layers is not None:
