@@ -37,6 +37,7 @@ LAYOUTS = (
     ("hsdp2x2_ep2", "hsdp", 2, 2, "fp32", False, None),
     ("ep4_fp8", "fsdp", None, 4, "fp8", False, None),
     ("ep4_fp8_dispatch", "fsdp", None, 4, "fp8", True, None),
+    ("ep4_fp8_fallback", "fsdp", None, 4, "fp8_fallback", False, None),
     ("resume_ep2", "fsdp", None, 2, "fp32", False, "ep4"),
     ("resume_fsdp", "fsdp", None, 1, "fp32", False, "hsdp2x2_ep2"),
 )
@@ -80,12 +81,16 @@ def _build(sharding: str, shard_group_size, ep: int, precision: str, fp8_dispatc
     from orchestration.training.distributed import init_weights_by_unit, parallelize
 
     model = build_model(FLAVOR, device="meta", overrides=OVERRIDES)
-    if precision == "fp8":
+    if precision in ("fp8", "fp8_fallback"):
         fp8.convert_to_fp8(model, "rowwise_gw_hp", module_filter=fp8.convert.make_module_filter(experts=True))
     template = copy.deepcopy(model)
     model = parallelize(model, world, sharding, "float32", "float32", shard_group_size=shard_group_size,
                         expert_parallel=ep, fp8_dispatch=fp8_dispatch)
     init_weights_by_unit(model, template, seed=0, device=torch.device("cpu"))
+    if precision == "fp8_fallback":
+        # what the divergence policy's fallback does (TrainingState.follow_policy_precision): the converted layers,
+        # routed experts under expert parallelism included, back on their high-precision path
+        fp8.set_precision(model, "bf16")
     return model
 
 
@@ -231,6 +236,18 @@ def test_fp8_dispatch_keeps_loss_and_gradient_parity(runs):
     d = _diffs(refs["fp8"], ranks["ep4_fp8_dispatch"])
     print("ep4_fp8_dispatch", d)
     assert d["loss"] < 1e-5 and d["grad_norm"] < 1e-4 and d["grads"] < 1e-5, d
+
+
+@pytest.mark.slow
+def test_bf16_fallback_under_expert_parallelism_runs_the_high_precision_path(runs):
+    """The divergence fallback on an FP8 model under EP 4 (fp8.set_precision(model, "bf16"), as the policy switches
+    it): the routed experts, reached by all-to-all, run their high-precision grouped GEMM again, so the run matches
+    the unconverted model in one process as closely as the float32 layouts do (FP8 left on would miss by its
+    rounding, orders of magnitude more)."""
+    refs, ranks = runs
+    d = _diffs(refs["fp32"], ranks["ep4_fp8_fallback"])
+    print("ep4_fp8_fallback", d)
+    assert d["loss"] < 1e-5 and d["grad_norm"] < 1e-5 and d["grads"] < 1e-7 and d["weights"] < 1e-4, d
 
 
 @pytest.mark.slow
