@@ -51,8 +51,8 @@ monitor: setup system-tools
 test: setup system-tools
 	$(BIN)/python -m pytest -q -ra --durations=20 tests $(PYTEST_ARGS)
 
-# Spot nodes joining and leaving an autoscaled cluster on this machine for over ten minutes (tests/test_autoscale_churn.py):
-# too long for `make test`, whose short case of the same events is in tests/test_elastic_e2e.py.
+# Spot nodes joining and leaving an autoscaled cluster on this machine for over ten minutes (tests/test_autoscale_churn.py,
+# part of `make test` too), alone and with its figures printed.
 test-churn: setup
 	$(BIN)/python -m pytest -q -s -ra -m churn tests/test_autoscale_churn.py $(PYTEST_ARGS)
 
