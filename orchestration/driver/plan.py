@@ -179,10 +179,9 @@ def layout_plan(job: JobConfig, w, precision, fabric, world_size: int) -> dict[s
     best, pred, rows = scaling.choose_layout(w, precision, fabric, world_size, experts, memory, activations + buffers)
     configured = job.train.sharding != "fsdp" or job.train.expert_parallel > 1
     if configured:
-        from orchestration.training.elastic import plan_layout
+        from orchestration.training.elastic import layout_for
 
-        chosen = plan_layout(world_size, job.train.sharding, job.train.shard_group_size or fabric.gpus_per_node,
-                             job.train.expert_parallel, experts)
+        chosen = layout_for(job, world_size, experts, gpus_per_node=fabric.gpus_per_node)
         best = scaling.Layout(chosen.shard_group_size if chosen.sharding == "hsdp" else None, chosen.expert_parallel,
                               job.train.expert_dispatch_fp8)
         pred = scaling.predict_step(w, precision, fabric, world_size, best)

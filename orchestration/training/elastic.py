@@ -156,11 +156,13 @@ def plan_layout(world_size: int, sharding: str, shard_group_size: int | None, ex
     return ParallelLayout(world_size, "hsdp", group, ep, tuple(notes))
 
 
-def layout_for(job: JobConfig, world_size: int, n_routed_experts: int) -> ParallelLayout:
+def layout_for(job: JobConfig, world_size: int, n_routed_experts: int,
+               gpus_per_node: int | None = None) -> ParallelLayout:
     """The parallel layout this world size runs (plan_layout): at every (re)start, so a resize keeps expert parallelism
-    and HSDP's shard groups dividing the world size. HSDP's group left null is this node's workers."""
+    and HSDP's shard groups dividing the world size. HSDP's group left null is a node's GPUs: gpus_per_node (the dry
+    run's fabric), else this node's workers."""
     return plan_layout(world_size, job.train.sharding, job.train.shard_group_size, job.train.expert_parallel,
-                       n_routed_experts, gpus_per_node=workers_per_node(world_size))
+                       n_routed_experts, gpus_per_node=gpus_per_node or workers_per_node(world_size))
 
 
 def workers_per_node(world_size: int) -> int:

@@ -128,7 +128,8 @@ class Trainer:
 
     def _run_steps(self, managed_gc: ManagedGc) -> str:
         job, state, checkpoints = self.ctx.job, self.state, self.checkpoints
-        t_last_log, tokens_since_log = time.time(), 0
+        t_last_log, steps_since_log = time.time(), 0
+        tokens_per_step = job.train.global_batch_size * job.data.seq_len
         # The first step of a worker group is logged too: the driver's first progress line comes when it ends.
         first_step = state.step + 1
         while state.step < job.train.steps:
@@ -147,16 +148,16 @@ class Trainer:
             state.advance(job.train.global_batch_size, updated=result.updated)
             set_learning_rate(state.optimizer, job, state.step, state.lr_scale)
             state.scheduler.last_epoch = state.step
-            tokens_since_log += job.train.global_batch_size * job.data.seq_len
+            steps_since_log += 1
             eval_fields = self.maybe_evaluate()
             if eval_fields or state.step % job.train.log_every == 0 or state.step in (first_step, job.train.steps):
                 now = time.time()
                 # The eval's seconds are not training time: left out of tokens/s and of the step's time.
                 eval_s = eval_fields.get("eval_s", 0.0)
                 self.log_metrics(result.weighted_loss, result.weighted_aux, result.grad_norm,
-                                 tokens_since_log / max(now - t_last_log - eval_s, 1e-9), now - t0 - eval_s,
-                                 eval_fields, steps=tokens_since_log // (job.train.global_batch_size * job.data.seq_len))
-                t_last_log, tokens_since_log = now, 0
+                                 steps_since_log * tokens_per_step / max(now - t_last_log - eval_s, 1e-9),
+                                 now - t0 - eval_s, eval_fields, steps=steps_since_log)
+                t_last_log, steps_since_log = now, 0
                 if self.stop_requested:
                     return "interrupted"
             if self.preempt.agreed:  # every rank saw it in this step's agreement: the step is whole, save it
@@ -216,7 +217,7 @@ class Trainer:
         return {**fields, "eval_s": round(time.time() - t0, 4), "eval_sequences": self.eval_sequences}
 
     def log_metrics(self, loss: torch.Tensor, aux: torch.Tensor, grad_norm: torch.Tensor, tokens_per_s: float,
-                    step_time_s: float, eval_fields: dict[str, Any], steps: int = 1) -> None:
+                    step_time_s: float, eval_fields: dict[str, Any], *, steps: int) -> None:
         """One metrics.jsonl record, averaged over the ranks; `steps`: the steps since the previous record."""
         ctx, state = self.ctx, self.state
         # The driver's stop request (Ctrl-C) rides on this all-reduce, so every rank sees it at the same step.
