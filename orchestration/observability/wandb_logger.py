@@ -307,7 +307,7 @@ class WandbRun:
             log.warning("W&B disabled for this run: wandb.init failed: %s", exc)
             self.run = None
             return
-        earlier_events = self._read_events()
+        earlier_events = read_jsonl(self.run_dir / EVENTS_FILE)
         earlier_metrics = read_jsonl(self.run_dir / METRICS_FILE)
         self._counts = count_events(e for e in earlier_events if e.get("time", self._t0) < self._t0)
         backfilled = self._backfill(earlier_metrics, previous) if previous is not None else 0

@@ -89,7 +89,9 @@ def fp8_kept_in_bf16(job: JobConfig, on_gpu: bool) -> tuple[dict[str, str], int]
     if job.precision.name != "fp8":
         return {}, 0
     model = build_model(job.model.name, device="meta", overrides=dict(job.model.overrides))
-    eligible, kept = fp8.convert.conversion_plan(model, job.precision.fp8_output_head, job.precision.fp8_experts,
+    module_filter = fp8.convert.make_module_filter(output_head=job.precision.fp8_output_head,
+                                                   experts=job.precision.fp8_experts)
+    eligible, kept = fp8.convert.conversion_plan(model, module_filter,
                                                  job.train.micro_batch_size * job.data.seq_len if on_gpu else None)
     return kept, eligible
 
