@@ -57,12 +57,12 @@ def fp8_where_it_pays(job: JobConfig) -> list[str]:
     bf16, which is then the faster of the two: said in the plan. CPU jobs emulate FP8 and keep it."""
     from models.registry import MODEL_FLAVORS
     from orchestration.machine_defaults import is_gpu_job
-    from orchestration.training.model_setup import fp8_kept_in_bf16
+    from orchestration.training.model_setup import plan_fp8
 
     if job.precision.name != "fp8" or not is_gpu_job(job) or job.model.name not in MODEL_FLAVORS:
         return []
     try:
-        kept, eligible = fp8_kept_in_bf16(job, on_gpu=True)
+        kept, eligible, _ = plan_fp8(job, on_gpu=True)
     except (ValueError, TypeError):  # a bad model override: validate names it
         return []
     if eligible and len(kept) == eligible:

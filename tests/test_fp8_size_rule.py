@@ -49,9 +49,9 @@ def test_a_gpu_plan_keeps_the_layers_too_small_to_pay_in_bf16_and_the_worker_con
     assert not any(name.startswith("layers.0.feed_forward") or name == "output" for name in kept)  # 256-wide
     assert plan["fp8_layers"]["converted"] == plan["fp8_layers"]["eligible"] - len(kept) > 0
 
-    from orchestration.training.model_setup import build_training_model, fp8_kept_in_bf16
+    from orchestration.training.model_setup import build_training_model, plan_fp8
 
-    again, eligible = fp8_kept_in_bf16(job, on_gpu=True)
+    again, eligible, _ = plan_fp8(job, on_gpu=True)
     assert again == kept and eligible == plan["fp8_layers"]["eligible"]
     model = build_training_model(job, world_size=1, device=torch.device("cpu"), size_rule=True).model
     converted = set(fp8.precision_state(model)["modules"])

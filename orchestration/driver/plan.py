@@ -29,11 +29,10 @@ def build_job_plan(job: JobConfig, machine_notes: list[str] | tuple[str, ...] = 
     world = c.min_workers
     batch = plan_batch(job.train.global_batch_size, job.train.micro_batch_size, world)
     sharding = job.train.sharding if world > 1 else "none"
-    from orchestration.training.model_setup import fp8_kept_in_bf16, planned_weight_copy_bytes
+    from orchestration.training.model_setup import plan_fp8
 
-    kept_bf16, fp8_eligible = fp8_kept_in_bf16(job, on_gpu=is_gpu_job(job))
+    kept_bf16, fp8_eligible, unsharded_copies = plan_fp8(job, on_gpu=is_gpu_job(job))
     # Weights FSDP2 shards get no compute copies (fp8.weight_copies): only unsharded runs carry them.
-    unsharded_copies = planned_weight_copy_bytes(job, set(kept_bf16))
     copies = unsharded_copies if sharding != "fsdp" else 0
     model_plan = plan_model(flavor, world_size=world, seq_len=job.data.seq_len, micro_batch=batch.micro_batch_size,
                             sharding="fsdp" if sharding == "fsdp" else "replicate",

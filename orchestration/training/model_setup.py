@@ -79,37 +79,31 @@ def import_hf_weights(model: torch.nn.Module, job: JobConfig) -> dict:
     return import_weights(model, job.model.init_from, flavor.family, flavor.args)
 
 
-def fp8_kept_in_bf16(job: JobConfig, on_gpu: bool) -> tuple[dict[str, str], int]:
-    """For the plan, before Ray: which layers FP8 would convert but stay in bf16 because their GEMMs are too small to
-    pay at the job's micro-batch x seq_len tokens (fp8.convert.layers_too_small), by name with their sizes; and how
-    many layers FP8 could convert. Only on GPUs, as build_training_model decides."""
-    import fp8
-    from models.registry import build_model
+class Fp8Plan(NamedTuple):
+    """What build_training_model will do with a job's layers, known before Ray (the plan reads it): the layers FP8
+    would convert but keeps in bf16 (too small to pay: fp8.convert.layers_too_small), by name with their sizes; how
+    many layers FP8 could convert; the bytes per worker of the weights' compute copies (fp8.weight_copies) an
+    unsharded run carries."""
 
-    if job.precision.name != "fp8":
-        return {}, 0
-    model = build_model(job.model.name, device="meta", overrides=dict(job.model.overrides))
-    module_filter = fp8.convert.make_module_filter(output_head=job.precision.fp8_output_head,
-                                                   experts=job.precision.fp8_experts)
-    eligible, kept = fp8.convert.conversion_plan(model, module_filter,
-                                                 job.train.micro_batch_size * job.data.seq_len if on_gpu else None)
-    return kept, eligible
+    kept_bf16: dict[str, str]
+    eligible: int
+    unsharded_copy_bytes: int
 
 
-def planned_weight_copy_bytes(job: JobConfig, keep_bf16: frozenset[str] | set[str] = frozenset()) -> int:
-    """Bytes per worker of the weights' compute copies (fp8.weight_copies) of an unsharded run of this job: the
-    model converted as build_training_model converts it (keep_bf16: fp8_kept_in_bf16's layers), on meta."""
+def plan_fp8(job: JobConfig, on_gpu: bool) -> Fp8Plan:
+    """The job's model on meta, converted as build_training_model converts it (the size rule only on GPUs)."""
     import fp8
     from fp8.weight_copies import copy_bytes
     from models.registry import build_model
 
-    if not job.precision.weight_copies:
-        return 0
     model = build_model(job.model.name, device="meta", overrides=dict(job.model.overrides))
-    if job.precision.name == "fp8":
-        eligible = fp8.convert.make_module_filter(output_head=job.precision.fp8_output_head,
-                                                  experts=job.precision.fp8_experts)
+    p = job.precision
+    kept, eligible = {}, 0
+    if p.name == "fp8":
+        module_filter = fp8.convert.make_module_filter(output_head=p.fp8_output_head, experts=p.fp8_experts)
+        eligible, kept = fp8.convert.conversion_plan(model, module_filter,
+                                                     job.train.micro_batch_size * job.data.seq_len if on_gpu else None)
         # The recipe only sizes the scales here (rowwise: a vector, tensorwise: one value): auto counts rowwise's.
-        recipe = "rowwise" if job.precision.recipe == "auto" else job.precision.recipe
-        fp8.convert_to_fp8(model, recipe, module_filter=lambda name, m: eligible(name, m) and name not in keep_bf16)
-    return copy_bytes(model, getattr(torch, job.precision.compute_dtype))
+        fp8.convert.convert_planned(model, "rowwise" if p.recipe == "auto" else p.recipe, module_filter, kept)
+    copies = copy_bytes(model, getattr(torch, p.compute_dtype)) if p.weight_copies else 0
+    return Fp8Plan(kept, eligible, copies)
