@@ -8,12 +8,7 @@ ms per step (CUDA events, median of --reps after warm-up; the clip's scaling pas
 the launch on ours), the bytes each step must move (param, grad, exp_avg, exp_avg_sq read; param and states
 written) over the time, and the largest difference between the two implementations after --check-steps identical
 steps from identical states (relative to the largest parameter change), so a fast wrong kernel cannot pass.
-Block-size candidates for the kernel are timed too (--blocks).
-
-fp32 parameters (the worker's master weights) are timed once more with bf16 compute copies attached
-(fp8.weight_copies: the kernel writes each updated weight rounded to bf16 beside it): `ours_clip_copies_ms`, against
-`torch_cast_ms`, the one cast of every weight to bf16 it stands for (the GEMMs cast at every use without the copies),
-and `copies_bit_equal`: every copy equals torch's cast of its updated master. Writes adamw.json to --out.
+Block-size candidates for the kernel are timed too (--blocks). Writes adamw.json to --out.
 """
 
 from __future__ import annotations
@@ -118,8 +113,6 @@ def run_case(shapes, dtype, args, device) -> dict:
         ours.state.clear()
         torch.cuda.empty_cache()
     adamw.BLOCK, adamw.NUM_WARPS, adamw.HINT_POINTERS = shipped
-    if dtype == torch.float32:
-        out.update(time_copies(params, n, kw, args.reps))
     out["ours_clip_ms_by_tile"] = tiles
     best = min(tiles.values())
     out["best_tile"] = min(tiles, key=tiles.get)
@@ -128,34 +121,6 @@ def run_case(shapes, dtype, args, device) -> dict:
     out["ours_TBps"] = moved / best / 1e9
     out["speedup_with_clip"] = out["torch_fused_clip_ms"] / best
     return out
-
-
-def time_copies(params, n, kw, reps) -> dict:
-    """The shipped kernel writing bf16 compute copies beside fp32 masters, and the cast those copies replace."""
-    from fp8.compute_weight import COPY_ATTR
-    from optim import ChunkedAdamW
-
-    copies = [torch.empty(p.shape, dtype=torch.bfloat16, device=p.device) for p in params]
-
-    def cast_all():
-        torch._foreach_copy_(copies, [p.detach() for p in params])
-
-    for _ in range(3):
-        cast_all()
-    cast_ms = cuda_event_ms(cast_all, reps)
-    for p, c in zip(params, copies):
-        setattr(p, COPY_ATTR, c)
-    try:
-        ours = ChunkedAdamW(params, fused=True, **kw)
-        for _ in range(3):
-            ours.clip_and_step(n, 1.0)
-        ms = cuda_event_ms(lambda: ours.clip_and_step(n, 1.0), reps)
-        bit_equal = all(torch.equal(c, p.detach().to(torch.bfloat16)) for p, c in zip(params, copies))
-        ours.state.clear()
-    finally:
-        for p in params:
-            delattr(p, COPY_ATTR)
-    return {"ours_clip_copies_ms": ms, "torch_cast_ms": cast_ms, "copies_bit_equal": bit_equal}
 
 
 def main() -> None:

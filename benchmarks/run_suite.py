@@ -1,6 +1,6 @@
 """Run a named benchmark suite and write one current JSON per benchmark to benchmarks/results/<name>.json.
 
-    python3 benchmarks/run_suite.py dense|moe|kernels|loop|casts_moe|casts_dense|checkpoint|quality_dense|\
+    python3 benchmarks/run_suite.py dense|moe|kernels|loop|checkpoint|quality_dense|\
         quality_moe|quality_moe_seeds|ray_dense|ray_faults|mission|all [--only NAME ...] [--dry-run]
     make bench-gpu SUITE=dense                       # the same through make (BENCH_ARGS passes more options)
 
@@ -220,24 +220,6 @@ SUITES: dict[str, tuple[Benchmark, ...]] = {
         _quality("quality_moe_seeds", ("model=deepseek_moe16b", "+model.overrides.n_layers=4"), (
             ("bf16", "precision=bf16"), ("bf16_seed1", "precision=bf16", "train.seed=1")), timeout_s=280),
     ),
-    # The weights' compute copies (fp8/weight_copies.py, precision.weight_copies: on by default) against casting the
-    # float32 masters at every use, both precisions, through the product loop with its profile (the "_cast" variants
-    # are the loop without the copies); and the fused AdamW writing the bf16 copies against the cast they replace.
-    "casts_moe": (
-        _loop("loop_moe_casts", MOE_LOOP + ("+model.overrides.n_layers=4",), 24,
-              (("bf16", "precision=bf16"), ("bf16_cast", "precision=bf16", "precision.weight_copies=false"),
-               ("fp8", "precision=fp8"), ("fp8_cast", "precision=fp8", "precision.weight_copies=false")),
-              timeout_s=420, extra=("checkpoint.every_steps=0", "train.profile_from_step=12")),
-        Benchmark("adamw_copies", "adamw.py", ("--models", "deepseek_moe16b:4", "--dtypes", "float32", "--blocks",
-                                               "512", "--warps", "4", "--hints", "pointer"), "adamw.json",
-                  timeout_s=120),
-    ),
-    "casts_dense": (
-        _loop("loop_dense_casts", DENSE_LOOP, 30,
-              (("bf16", "precision=bf16"), ("bf16_cast", "precision=bf16", "precision.weight_copies=false"),
-               ("fp8", "precision=fp8"), ("fp8_cast", "precision=fp8", "precision.weight_copies=false")),
-              timeout_s=440, extra=("checkpoint.every_steps=0", "train.profile_from_step=20")),
-    ),
     "checkpoint": (
         # Training stall per save, background vs synchronous, ~13 GB a save (2 MoE-width layers, fp32 master + AdamW).
         _loop("checkpoint_async", MOE_LOOP + ("+model.overrides.n_layers=2",), 24,
@@ -246,7 +228,7 @@ SUITES: dict[str, tuple[Benchmark, ...]] = {
         Benchmark("pinned_staging", "pinned_staging.py", ("--gib", "13"), "pinned_staging.json", timeout_s=150),
     ),
 }
-SUITES["all"] = tuple(b for suite in ("kernels", "dense", "moe", "loop", "casts_moe", "casts_dense", "mission",
+SUITES["all"] = tuple(b for suite in ("kernels", "dense", "moe", "loop", "mission",
                                       "checkpoint", "quality_dense", "quality_moe", "quality_moe_seeds", "ray_dense",
                                       "ray_faults")
                       for b in SUITES[suite])

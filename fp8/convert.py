@@ -160,7 +160,7 @@ def convert_for_training(model: nn.Module, model_name: str, recipe: str, backend
     speed)."""
     eligible = make_module_filter(output_head=output_head, experts=experts)
     count, kept = conversion_plan(model, eligible, tokens_per_forward)
-    convert_planned(model, recipe, eligible, kept)
+    convert_to_fp8(model, recipe, module_filter=lambda name, m: eligible(name, m) and name not in kept)
     if not any(True for _ in _fp8_modules(model)):
         # An "fp8" run with nothing in fp8 would fail later, at the first shadow check or RetryFP8.
         raise ValueError(
@@ -180,12 +180,6 @@ def conversion_plan(model: nn.Module, eligible: Callable[[str, nn.Module], bool]
     count = sum(1 for name, m in model.named_modules() if name and eligible(name, m)
                 and (type(m) is nn.Linear or _is_grouped(m)))
     return count, layers_too_small(model, eligible, tokens_per_forward) if tokens_per_forward else {}
-
-
-def convert_planned(model: nn.Module, recipe: str, eligible: Callable[[str, nn.Module], bool],
-                    kept: dict[str, str] | set[str]) -> None:
-    """Convert the layers `eligible` accepts except those conversion_plan keeps in bf16."""
-    convert_to_fp8(model, recipe, module_filter=lambda name, m: eligible(name, m) and name not in kept)
 
 
 def layers_too_small(model: nn.Module, module_filter: Callable[[str, nn.Module], bool],

@@ -38,7 +38,6 @@ import torch
 
 from fp8 import quant
 from fp8.backend import Fp8Backend, get_backend
-from fp8.compute_weight import grouped_fp8_operands
 from fp8.linear import health_stats, to_compute_dtype
 from fp8.reference import group_ids
 
@@ -88,32 +87,29 @@ def _wgrad_hp(x_MK, gy_MN, offs_E, out_ENK: bool) -> torch.Tensor:
     return gw.transpose(-2, -1) if out_ENK else gw
 
 
-def _grouped_forward(x_MK, w_EKN, offs_E, e4m3: torch.dtype, use_scaled: bool, w_fp8=None, sw_E1N=None):
+def _grouped_forward(x_MK, w_EKN, offs_E, e4m3: torch.dtype, use_scaled: bool):
     """-> (out_MN, stats, sw_EN): sw_EN the weight's forward scales (per expert and output column, along K), which the
-    grad-input GEMM reuses. w_fp8, sw_E1N: the weight's forward operand made beforehand (fp8.weight_copies: the bytes
-    the cast below would give), else cast here."""
+    grad-input GEMM reuses."""
     x_MK = x_MK.contiguous()
     x_fp8, sx_M1 = quant.quantize_rowwise(x_MK, e4m3, -1, _POW2)
-    if w_fp8 is None:
-        # Per expert, per output column n, scaled along K, column-major (strides (K*N, 1, K)) as the grouped
-        # GEMM's right operand wants: a plain row cast when w is already stored [E, N, K].
-        w_fp8, sw_E1N = quant.quantize_colwise_3d(w_EKN, e4m3, _POW2)
+    # Per expert, per output column n, scaled along K, column-major (strides (K*N, 1, K)) as the grouped
+    # GEMM's right operand wants: a plain row cast when w is already stored [E, N, K].
+    w_fp8, sw_E1N = quant.quantize_colwise_3d(w_EKN, e4m3, _POW2)
     out_MN = _scaled_or_emulated_2d3d(x_fp8, sx_M1, w_fp8, sw_E1N, offs_E, use_scaled)
     stats = health_stats(x_MK, x_fp8, sx_M1, e4m3)
     return out_MN.to(x_MK.dtype), stats, sw_E1N.reshape(sw_E1N.shape[0], -1)
 
 
-def _grouped_backward(gy_MN, w_EKN, offs_E, x_MK, sw_EN, e4m3: torch.dtype, use_scaled: bool, q_EKN=None):
+def _grouped_backward(gy_MN, w_EKN, offs_E, x_MK, sw_EN, e4m3: torch.dtype, use_scaled: bool):
     """-> (gx_MK, gw_EKN) from the forward's input x and its weight scales sw_EN. Both always: expert weights always
-    train. q_EKN: the recast below, made beforehand with the same scales (fp8.weight_copies), else made here."""
+    train."""
     gy_MN = gy_MN.contiguous()
     # The forward's quantized weight, q[e, k, n] = sat(w[e, k, n] * sw[e, n]), recast from w by the saved scales
     # (one read, no amax pass) into the [E, K, N] row-major layout this GEMM reads; its scales lie along N, the
     # contraction dim here, so they move onto gy's columns (exact: powers of two), group by group:
     #   gx[m, k] = sum_n (gy[m, n] / sw[e(m), n]) * q[e(m), k, n]
     # and gy / sw is quantized per row as gy would be.
-    if q_EKN is None:
-        q_EKN = quant.cast_rows_transposed_batched(w_EKN.transpose(-2, -1), sw_EN, e4m3)
+    q_EKN = quant.cast_rows_transposed_batched(w_EKN.transpose(-2, -1), sw_EN, e4m3)
     num_groups = sw_EN.shape[0]
     inv_sw_GN = torch.cat([sw_EN.reciprocal(), sw_EN.new_zeros(1, sw_EN.shape[1])])  # rows past offs[-1]: 0
     # Powers of two are exact in bf16 (fp32's exponent range): half the bytes the cast kernel reads.
@@ -127,17 +123,10 @@ def _grouped_backward(gy_MN, w_EKN, offs_E, x_MK, sw_EN, e4m3: torch.dtype, use_
     return gx_MK, gw_EKN.to(w_EKN.dtype)
 
 
-def _attached(w_EKN: torch.Tensor, e4m3: torch.dtype):
-    """(w_fp8, sw_E1N, q_EKN) of a weight given as the view of its compute copy (fp8.compute_weight), else Nones."""
-    ops = grouped_fp8_operands(w_EKN, e4m3)
-    return (None, None, None) if ops is None else (ops.data.transpose(-2, -1), ops.scale, ops.data_t)
-
-
 class _Fp8GroupedMMFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_MK, w_EKN, offs_E, backend: Fp8Backend, use_scaled: bool):
-        w_fp8, sw_E1N, _ = _attached(w_EKN, backend.e4m3)
-        out_MN, stats, sw_EN = _grouped_forward(x_MK, w_EKN, offs_E, backend.e4m3, use_scaled, w_fp8, sw_E1N)
+        out_MN, stats, sw_EN = _grouped_forward(x_MK, w_EKN, offs_E, backend.e4m3, use_scaled)
         ctx.save_for_backward(w_EKN, offs_E, sw_EN, x_MK)
         ctx.e4m3, ctx.use_scaled = backend.e4m3, use_scaled
         ctx.mark_non_differentiable(stats)
@@ -146,9 +135,7 @@ class _Fp8GroupedMMFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, gy_MN, _grad_stats):
         w_EKN, offs_E, sw_EN, x_MK = ctx.saved_tensors
-        q_EKN = _attached(w_EKN, ctx.e4m3)[2]
-        gx_MK, gw_EKN = _grouped_backward(gy_MN, w_EKN, offs_E, x_MK.contiguous(), sw_EN, ctx.e4m3, ctx.use_scaled,
-                                          q_EKN)
+        gx_MK, gw_EKN = _grouped_backward(gy_MN, w_EKN, offs_E, x_MK.contiguous(), sw_EN, ctx.e4m3, ctx.use_scaled)
         return gx_MK, gw_EKN, None, None, None
 
 
@@ -217,9 +204,7 @@ def _grouped_fwd_op(
     x_MK: torch.Tensor, w_EKN: torch.Tensor, offs_E: torch.Tensor, e4m3: torch.dtype, use_scaled: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> (out_MN, stats, sw_EN)."""
-    w_fp8, sw_E1N, _ = _attached(w_EKN, e4m3)
-    out_MN, stats, sw_EN = _run_body(_grouped_forward, x_MK.is_cuda, x_MK, w_EKN, offs_E, e4m3, use_scaled, w_fp8,
-                                     sw_E1N)
+    out_MN, stats, sw_EN = _run_body(_grouped_forward, x_MK.is_cuda, x_MK, w_EKN, offs_E, e4m3, use_scaled)
     return out_MN, stats, sw_EN.contiguous()
 
 
@@ -241,9 +226,7 @@ def _grouped_bwd_op(
     e4m3: torch.dtype, use_scaled: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (gx_MK, gw) with gw contiguous in the weight's storage layout ([E, N, K] for column-major w)."""
-    q_EKN = _attached(w_EKN, e4m3)[2]
-    gx_MK, gw_EKN = _run_body(_grouped_backward, gy_MN.is_cuda, gy_MN, w_EKN, offs_E, x_MK, sw_EN, e4m3, use_scaled,
-                              q_EKN)
+    gx_MK, gw_EKN = _run_body(_grouped_backward, gy_MN.is_cuda, gy_MN, w_EKN, offs_E, x_MK, sw_EN, e4m3, use_scaled)
     gw = gw_EKN.transpose(-2, -1) if _is_column_major(w_EKN) else gw_EKN
     return gx_MK.contiguous(), gw.contiguous()
 

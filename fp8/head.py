@@ -29,28 +29,22 @@ import torch
 
 from fp8 import quant
 from fp8.backend import Fp8Backend
-from fp8.linear import Float8Linear, fp8_gemm_inputs, health_stats, scaled_mm
+from fp8.linear import Float8Linear, health_stats, scaled_mm, to_compute_dtype
 
 IGNORE_INDEX = -100  # F.cross_entropy's default: such targets count neither in the loss nor in its mean
 
 
 class _Fp8LinearCrossEntropyFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_MK, w_VK, w_ops, targets_M, backend: Fp8Backend, use_scaled_mm: bool, grad_dtype: torch.dtype):
-        """w_ops: the weight's fp8 operands made beforehand (fp8.compute_weight.fp8_operands) or None: cast w_VK."""
+    def forward(ctx, x_MK, w_VK, targets_M, backend: Fp8Backend, use_scaled_mm: bool, grad_dtype: torch.dtype):
         e4m3 = backend.e4m3
         x_fp8, sx = quant.quantize_tensorwise(x_MK, e4m3)
-        if w_ops is None:
-            w_fp8, sw = quant.quantize_tensorwise(w_VK, e4m3)
-            w_gx = w_fp8
-        else:  # the grad-input GEMM reads the weight column-major: the copy's transposed layout, viewed so
-            w_fp8, sw, w_fp8_t_KV, _ = w_ops
-            w_gx = w_fp8_t_KV.t()
+        w_fp8, sw = quant.quantize_tensorwise(w_VK, e4m3)
         logits_MV = scaled_mm(x_fp8, w_fp8.t(), sx, sw, x_MK.dtype, use_scaled_mm, fast_accum=True)
         lse_M, loss_M, gamax_M = quant.cross_entropy_fwd(logits_MV, targets_M, IGNORE_INDEX)
         counted = (targets_M != IGNORE_INDEX).sum().float()
         loss = loss_M.sum() / counted  # all targets ignored: 0 / 0 = NaN, as F.cross_entropy gives
-        ctx.save_for_backward(logits_MV, targets_M, lse_M, gamax_M.amax(), counted, x_fp8, sx, w_gx, sw)
+        ctx.save_for_backward(logits_MV, targets_M, lse_M, gamax_M.amax(), counted, x_fp8, sx, w_fp8, sw)
         ctx.use_scaled_mm, ctx.grad_dtype, ctx.w_dtype = use_scaled_mm, grad_dtype, w_VK.dtype
         stats = health_stats(x_MK, x_fp8, sx, e4m3)
         ctx.mark_non_differentiable(stats)
@@ -67,7 +61,7 @@ class _Fp8LinearCrossEntropyFn(torch.autograd.Function):
         out_dtype = logits_MV.dtype
         gx_MK = scaled_mm(g_fp8, w_fp8, sg, sw, out_dtype, ctx.use_scaled_mm)
         gw_VK = scaled_mm(g_fp8_t, x_fp8, sg, sx, out_dtype, ctx.use_scaled_mm)
-        return gx_MK, gw_VK.to(ctx.w_dtype), None, None, None, None, None
+        return gx_MK, gw_VK.to(ctx.w_dtype), None, None, None, None
 
 
 @torch.compiler.disable
@@ -77,8 +71,8 @@ def fp8_linear_cross_entropy(head: Float8Linear, x: torch.Tensor, targets: torch
     Runs eagerly (outside torch.compile: its work is four large GEMMs and six kernels, nothing for Inductor to
     fuse). Writes the head's health statistics as its forward does.
     """
+    x, w = to_compute_dtype(x, head.weight)
     backend, use_scaled_mm = head.fp8_backend(x.device)
-    x, w, w_ops = fp8_gemm_inputs(head, x, backend.e4m3)
     targets = targets.reshape(-1)
     # The loss kernel does not check targets: an id outside [0, V) would be a wrong loss (it reads a clamped column)
     # and a gradient without its -1. Checked on the device (no host sync): a failure raises at the next
@@ -86,7 +80,7 @@ def fp8_linear_cross_entropy(head: Float8Linear, x: torch.Tensor, targets: torch
     torch._assert_async(((targets >= 0) & (targets < head.out_features) | (targets == IGNORE_INDEX)).all(),
                         "fp8_linear_cross_entropy: a target id lies outside [0, vocab_size) and is not ignore_index")
     grad_dtype = backend.e5m2 if head.recipe.grad_output_e5m2 else backend.e4m3
-    loss, stats = _Fp8LinearCrossEntropyFn.apply(x.reshape(-1, head.in_features), w, w_ops, targets,
+    loss, stats = _Fp8LinearCrossEntropyFn.apply(x.reshape(-1, head.in_features), w, targets,
                                                  backend, use_scaled_mm, grad_dtype)
     head.record_health(stats)
     return loss

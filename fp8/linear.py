@@ -23,7 +23,6 @@ from torch import nn
 
 from fp8 import quant
 from fp8.backend import Fp8Backend, get_backend
-from fp8.compute_weight import compute_dtype, compute_weight, fp8_operands
 from fp8.fsdp_allgather import gathered_fp8
 from fp8.recipes import Recipe, get_recipe
 
@@ -100,40 +99,23 @@ def health_stats(x_hp: torch.Tensor, x_fp8: torch.Tensor, scale: torch.Tensor, d
 def to_compute_dtype(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The high-precision dtype the fp8 casts start from: autocast's when it is on (as the bf16 matmul it replaces
     would run), else x's; the weight follows."""
-    dt = compute_dtype(x)
-    return x.to(dt), w if w.dtype == dt else w.to(dt)
-
-
-def fp8_gemm_inputs(module: torch.nn.Module, x: torch.Tensor, fp8_dtype: torch.dtype):
-    """(x, weight, w_ops) for an FP8 GEMM on module.weight: the weight's fp8 operands where fp8.weight_copies keeps
-    them (made once per weight change; the master then only receives the gradient, x goes to the compute dtype),
-    else None with x and the weight in the compute dtype for the GEMM to cast."""
-    w_ops = fp8_operands(module, "weight", x, fp8_dtype)
-    if w_ops is None:
-        return *to_compute_dtype(x, module.weight), None
-    return x.to(compute_dtype(x)), module.weight, w_ops
+    if torch.is_autocast_enabled(x.device.type):
+        dt = torch.get_autocast_dtype(x.device.type)
+        return x.to(dt), w.to(dt)
+    return x, w if w.dtype == x.dtype else w.to(x.dtype)
 
 
 class _Fp8LinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_MK, w_NK, w_ops, recipe: Recipe, backend: Fp8Backend, use_scaled_mm: bool):
-        """w_ops: the weight's fp8 operands made beforehand (fp8.compute_weight.fp8_operands: (w_fp8_NK, scale,
-        w_fp8_t_KN, scale_t), the casts below would give the same bytes) or None: cast w_NK here. The weight
-        gradient comes back in w_NK's dtype."""
+    def forward(ctx, x_MK, w_NK, recipe: Recipe, backend: Fp8Backend, use_scaled_mm: bool):
         e4m3, pow2 = backend.e4m3, recipe.pow2_scales
         if recipe.granularity == "tensorwise":
             x_fp8, sx = quant.quantize_tensorwise(x_MK, e4m3, pow2)
-            if w_ops is not None:
-                # The grad-input GEMM reads the weight column-major: the copy's transposed layout, viewed so.
-                w_fp8, sw, w_fp8_t_KN, _ = w_ops
-                w_saved = w_fp8_t_KN.t()
-            else:
-                # A weight FSDP2 all-gathered in fp8 (fp8.fsdp_allgather) comes cast, with its global scale.
-                w_fp8, sw = gathered_fp8(w_NK) or quant.quantize_tensorwise(w_NK, e4m3, pow2)
-                w_saved = w_fp8
+            # A weight FSDP2 all-gathered in fp8 (fp8.fsdp_allgather) comes cast, with its global scale.
+            w_fp8, sw = gathered_fp8(w_NK) or quant.quantize_tensorwise(w_NK, e4m3, pow2)
             # One scale serves either layout: keep the fp8 copies for backward (half the bytes of x_hp); backward
-            # transposes the ones stored the other way for the GEMMs that read them so (fp8.quant.transpose).
-            ctx.save_for_backward(x_fp8, sx, w_saved, sw)
+            # transposes them for the GEMMs that read them the other way (fp8.quant.transpose).
+            ctx.save_for_backward(x_fp8, sx, w_fp8, sw)
             sw_1N = sw
         else:
             # Backward contracts over other dims, so it needs other scales: cast both layouts now, from one
@@ -143,7 +125,7 @@ class _Fp8LinearFn(torch.autograd.Function):
                 x_saved, sx_saved = x_MK, sx
             else:
                 x_fp8, sx, x_saved, sx_saved = quant.quantize_rowwise_and_colwise(x_MK, e4m3, pow2)
-            w_fp8, sw_N1, w_fp8_t_KN, sw_1K = w_ops or quant.quantize_rowwise_and_colwise(w_NK, e4m3, pow2)
+            w_fp8, sw_N1, w_fp8_t_KN, sw_1K = quant.quantize_rowwise_and_colwise(w_NK, e4m3, pow2)
             ctx.save_for_backward(x_saved, sx_saved, w_fp8_t_KN, sw_1K)
             sw_1N = sw_N1.reshape(1, -1)
         y_MN = scaled_mm(x_fp8, w_fp8.t(), sx, sw_1N, x_MK.dtype, use_scaled_mm, fast_accum=True)
@@ -165,7 +147,7 @@ class _Fp8LinearFn(torch.autograd.Function):
             x_fp8, sx, w_fp8, sw = ctx.saved_tensors
             gx_MK = scaled_mm(gy_fp8, w_fp8, sg, sw, out_dtype, use)  # scaled_mm makes the transposed copies
             gw_NK = scaled_mm(gy_fp8.t(), x_fp8, sg, sx, out_dtype, use)
-            return gx_MK, gw_NK.to(ctx.w_dtype), None, None, None, None
+            return gx_MK, gw_NK.to(ctx.w_dtype), None, None, None
         x_saved, sx_saved, w_fp8_t_KN, sw_1K = ctx.saved_tensors
         if recipe.grad_weight_hp:
             gy_fp8, sg_M1 = quant.quantize_rowwise(gy_MN, gy_dtype, -1, pow2)
@@ -174,7 +156,7 @@ class _Fp8LinearFn(torch.autograd.Function):
             gy_fp8, sg_M1, gy_fp8_t_NM, sg_1N = quant.quantize_rowwise_and_colwise(gy_MN, gy_dtype, pow2)
             gw_NK = scaled_mm(gy_fp8_t_NM, x_saved.t(), sg_1N.reshape(-1, 1), sx_saved, out_dtype, use)
         gx_MK = scaled_mm(gy_fp8, w_fp8_t_KN.t(), sg_M1, sw_1K, out_dtype, use)
-        return gx_MK, gw_NK.to(ctx.w_dtype), None, None, None, None
+        return gx_MK, gw_NK.to(ctx.w_dtype), None, None, None
 
 
 class Float8Linear(nn.Linear):
@@ -228,11 +210,11 @@ class Float8Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.fp8_enabled:
-            return F.linear(x, compute_weight(self, "weight", x), self.bias)
+            return F.linear(x, self.weight, self.bias)
+        x, w = to_compute_dtype(x, self.weight)
         backend, use_scaled_mm = self.fp8_backend(x.device)
-        x, w, w_ops = fp8_gemm_inputs(self, x, backend.e4m3)
         x_MK = x.reshape(-1, self.in_features)
-        y_MN, stats = _Fp8LinearFn.apply(x_MK, w, w_ops, self.recipe, backend, use_scaled_mm)
+        y_MN, stats = _Fp8LinearFn.apply(x_MK, w, self.recipe, backend, use_scaled_mm)
         self.record_health(stats)
         y = y_MN.reshape(*x.shape[:-1], self.out_features)
         if self.bias is not None:

@@ -31,7 +31,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fp8.compute_weight import compute_weight
 from models.decoder import Decoder, DecoderBlock, RMSNorm
 from models.llama3 import Attention, FeedForward, apply_rope, rope_frequencies
 
@@ -289,9 +288,7 @@ class GroupedExperts(nn.Module):
         return self.w13[:, self.hidden_dim :]
 
     def forward(self, x_RD: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
-        # The weights' compute copies where fp8.weight_copies attached them (cast once per weight change), else the
-        # master weights, which grouped_mm casts.
-        return self.swiglu(x_RD, offs_E, compute_weight(self, "w13", x_RD), compute_weight(self, "w2", x_RD))
+        return self.swiglu(x_RD, offs_E, self.w13, self.w2)
 
     def swiglu(self, x_RD: torch.Tensor, offs_E: torch.Tensor, w13_EJD: torch.Tensor,
                w2_EDI: torch.Tensor) -> torch.Tensor:

@@ -9,11 +9,9 @@ The activation estimate counts, per token and layer, the tensors autograd keeps 
 (see `block_activation_bytes_per_token`); tests/test_planning.py checks it against a measured CPU run.
 What it leaves out: allocator fragmentation, CUDA/NCCL context and communication buffers, temporaries that live
 only inside one kernel's backward: `fits` keeps a reserve fraction of the memory for those.
-Weight copies: unsharded runs keep each GEMM weight's compute copies (bf16, and an FP8 layer's fp8 operands, which
-its backward reads) as `weight_copies` (fp8.weight_copies.copy_bytes); weights FSDP2 shards have none, and their
-FP8 layers' fp8 copies for backward are not counted. FP8: the estimate assumes compute_dtype_bytes for every saved
-activation; measured FP8 runs can peak above bf16 (the max_mem_gib of benchmarks/results/train_step_*.json), so the
-reserve fraction must cover that.
+FP8: the estimate assumes compute_dtype_bytes for every saved activation and does not count the fp8 copies of
+weights an FP8 layer keeps for backward; measured FP8 runs can peak above bf16 (the max_mem_gib of
+benchmarks/results/train_step_*.json), so the reserve fraction must cover that.
 """
 
 from __future__ import annotations
@@ -161,11 +159,10 @@ class MemoryBytes:
     optimizer: int  # AdamW m and v in fp32, plus an fp32 master copy when params are stored below fp32
     fsdp_buffers: int  # unsharded working copies (0 without sharding)
     activations: int
-    weight_copies: int = 0  # compute copies of unsharded weights (bf16 and FP8 operands: fp8/weight_copies.py)
 
     @property
     def total(self) -> int:
-        return self.params + self.grads + self.optimizer + self.fsdp_buffers + self.activations + self.weight_copies
+        return self.params + self.grads + self.optimizer + self.fsdp_buffers + self.activations
 
     def to_dict(self) -> dict[str, int]:
         return {**dataclasses.asdict(self), "total": self.total}
@@ -267,13 +264,11 @@ def plan_model(
     compute_dtype_bytes: int = 2,
     overrides: dict[str, Any] | None = None,
     model: nn.Module | None = None,
-    weight_copy_bytes: int = 0,
 ) -> ModelPlan:
     """Plan one configuration. sharding: "fsdp" shards states over all world_size workers; "hsdp" over groups
     of shard_degree (replicated across groups); "replicate" keeps full copies (DDP). param_dtype_bytes is the
     storage dtype of the parameters (FSDP2's usual setup: 4, fp32 sharded params with bf16 compute);
-    compute_dtype_bytes that of the gathered params and activations. `model`: a meta-built model to reuse.
-    weight_copy_bytes: the weights' compute copies per worker (fp8.weight_copies.copy_bytes; 0 when FSDP shards)."""
+    compute_dtype_bytes that of the gathered params and activations. `model`: a meta-built model to reuse."""
     flavor = resolve_flavor(flavor, overrides)
     if world_size < 1 or seq_len < 1 or micro_batch < 1:
         raise ValueError(f"world_size, seq_len, micro_batch must be >= 1, got {world_size}, {seq_len}, {micro_batch}")
@@ -316,7 +311,6 @@ def plan_model(
         optimizer=sharded(counts.total) * (8 + master),
         fsdp_buffers=fsdp_buffers,
         activations=act_ac if activation_checkpointing else act_no_ac,
-        weight_copies=weight_copy_bytes,
     )
     notes = []
     if flavor.planning_only:

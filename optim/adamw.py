@@ -22,11 +22,6 @@ with t the step count after this step (torch increments it first; here it is inc
 launch, because the chunks of one tensor must all read the same count). `adamw_reference_step` is the same in
 PyTorch (float64 in tests).
 
-Compute copies: a parameter with a bf16 compute copy attached (fp8.weight_copies names it on the parameter) gets the
-updated weight rounded to bf16 (to nearest even, as torch's cast) written to its copy in the same pass, two bytes
-more per element instead of a cast that re-reads the four-byte master before its next GEMM; the copies' version
-counters are then bumped, so that fp8.weight_copies re-derives the FP8 operands from them.
-
 Anything the kernel does not cover - amsgrad, maximize, capturable, differentiable, a tensor lr, a closure, sparse or
 non-contiguous gradients, parameters or states that are not 16-byte aligned, devices other than CUDA (ROCm included:
 unverified), no Triton - goes through torch.optim.AdamW.step unchanged (with clip_grads_with_norm_ first when a clip was asked).
@@ -42,8 +37,6 @@ import os
 from dataclasses import dataclass
 
 import torch
-
-from fp8.compute_weight import COPY_ATTR
 
 try:
     import triton
@@ -61,8 +54,8 @@ except ImportError:  # CPU-only installs: torch's step runs instead
 BLOCK = 512
 NUM_WARPS = 4
 HINT_POINTERS = True  # state 16-byte alignment to the compiler where it holds (see the kernel); False: no hints
-# Columns of the address table, one row per tensor: parameter, exp_avg, exp_avg_sq, step, compute copy (0: none).
-_P, _M, _V, _STEP, _COPY = 0, 1, 2, 3, 4  # (the kernel reads rows of 5)
+# Columns of the address table, one row per tensor.
+_P, _M, _V, _STEP = 0, 1, 2, 3
 
 
 def interpreting() -> bool:
@@ -95,30 +88,20 @@ if HAS_TRITON:
         return p, m, v
 
     @triton.jit
-    def _bf16_round(x):
-        """fp32 -> bf16 rounded to nearest even, as torch's cast, by integer arithmetic: exact in the CPU
-        interpreter too (whose own cast truncates); NaN stays NaN."""
-        bits = x.to(tl.uint32, bitcast=True)
-        rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.uint16)
-        rounded = tl.where((bits & 0x7FFFFFFF) > 0x7F800000, (bits >> 16).to(tl.uint16) | 0x40, rounded)
-        return rounded.to(tl.bfloat16, bitcast=True)
-
-    @triton.jit
     def _adamw_chunks_kernel(addr_ptr, grad_addr_ptr, numel_ptr, chunk_tensor_ptr, chunk_index_ptr, norm_ptr,
                              gate_ptr, lr, beta1, beta2, eps, weight_decay, max_norm,
                              P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, S_DTYPE: tl.constexpr,
                              CLIP: tl.constexpr, GATED: tl.constexpr, BLOCK: tl.constexpr,
-                             ALIGNED_STATES: tl.constexpr, ALIGNED_GRADS: tl.constexpr, COPY: tl.constexpr):
+                             ALIGNED_STATES: tl.constexpr, ALIGNED_GRADS: tl.constexpr):
         chunk = tl.program_id(0)
         t = tl.load(chunk_tensor_ptr + chunk).to(tl.int64)
         # The chunk's first element as index * BLOCK: the compiler then knows it is a multiple of BLOCK and, with the
         # 16-byte aligned addresses below, issues vector loads (a start loaded as such would be of unknown alignment).
         start = tl.load(chunk_index_ptr + chunk).to(tl.int64) * BLOCK
-        row = addr_ptr + t * 5
+        row = addr_ptr + t * 4
         p_ptr = tl.load(row + 0).to(tl.pointer_type(P_DTYPE))
         m_ptr = tl.load(row + 1).to(tl.pointer_type(S_DTYPE))
         v_ptr = tl.load(row + 2).to(tl.pointer_type(S_DTYPE))
-        c_ptr = tl.load(row + 4).to(tl.pointer_type(tl.bfloat16))
         g_ptr = tl.load(grad_addr_ptr + t).to(tl.pointer_type(G_DTYPE))
         # 16-byte alignment stated on the pointers themselves (checked on the host) lets the compiler issue vector
         # accesses; stated on the integer before the cast it never reached the loads (no vector loads in the
@@ -128,7 +111,6 @@ if HAS_TRITON:
             p_ptr = tl.multiple_of(p_ptr, 16)
             m_ptr = tl.multiple_of(m_ptr, 16)
             v_ptr = tl.multiple_of(v_ptr, 16)
-            c_ptr = tl.multiple_of(c_ptr, 16)
         if ALIGNED_GRADS:
             g_ptr = tl.multiple_of(g_ptr, 16)
         step_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
@@ -156,8 +138,6 @@ if HAS_TRITON:
             tl.store(p_ptr + offs, p.to(P_DTYPE))
             tl.store(m_ptr + offs, m.to(S_DTYPE))
             tl.store(v_ptr + offs, v.to(S_DTYPE))
-            if COPY:
-                tl.store(c_ptr + offs, _bf16_round(p))
         else:  # the tensor's last, partial chunk
             mask = offs < n
             p, m, v = _adamw_update(tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32),
@@ -168,8 +148,6 @@ if HAS_TRITON:
             tl.store(p_ptr + offs, p.to(P_DTYPE), mask=mask)
             tl.store(m_ptr + offs, m.to(S_DTYPE), mask=mask)
             tl.store(v_ptr + offs, v.to(S_DTYPE), mask=mask)
-            if COPY:
-                tl.store(c_ptr + offs, _bf16_round(p), mask=mask)
 
     _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 else:
@@ -189,7 +167,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 class _Bucket:
     """The tensors of one parameter group that share (param, grad, state) dtypes, and their device tables."""
     params: list[torch.Tensor]
-    addr: torch.Tensor  # int64 [T, 5] on the device: param, exp_avg, exp_avg_sq, step, compute copy
+    addr: torch.Tensor  # int64 [T, 4] on the device: param, exp_avg, exp_avg_sq, step
     numel: torch.Tensor  # int64 [T]
     numels: list[int]  # the same on the host
     chunk_tensor: torch.Tensor  # int32 [C]
@@ -199,13 +177,7 @@ class _Bucket:
     grad_addr_host: list[int]
     staging: torch.Tensor  # int64 [T], pinned on CUDA: the host side of grad_addr's copies
     copied: torch.cuda.Event | None  # recorded after the last copy out of `staging`
-    dtypes: tuple  # (param, grad, exp_avg, exp_avg_sq, compute copy or None)
-    copies: list[torch.Tensor]  # the compute copies the launch writes
-
-
-def compute_copy(p: torch.Tensor) -> torch.Tensor | None:
-    """The compute copy attached to parameter p (fp8.weight_copies), or None."""
-    return getattr(p, COPY_ATTR, None)
+    dtypes: tuple
 
 
 class ChunkedAdamW(torch.optim.AdamW):
@@ -310,11 +282,6 @@ class ChunkedAdamW(torch.optim.AdamW):
                 return False
             if lp.dtype not in _TL_DTYPES or not lp.is_contiguous() or lp.data_ptr() % 16:
                 return False
-            copy = compute_copy(p)
-            if copy is not None and (copy.dtype != torch.bfloat16 or type(copy) is not torch.Tensor
-                                     or copy.shape != lp.shape or not copy.is_contiguous() or copy.data_ptr() % 16
-                                     or copy.device != lp.device):
-                return False  # torch's step then; the copy is re-made from the master (fp8.weight_copies)
         return True
 
     def _states_supported(self, params: list[torch.Tensor]) -> bool:
@@ -354,7 +321,7 @@ class ChunkedAdamW(torch.optim.AdamW):
         if bucket.chunk_tensor.numel() == 0:  # only empty parameters: nothing to update but the step counts
             torch._foreach_add_(bucket.steps, step_increment)
             return
-        p_dtype, g_dtype, s_dtype, _, copy_dtype = bucket.dtypes
+        p_dtype, g_dtype, s_dtype, _ = bucket.dtypes
         if self._clip is not None:
             norm, max_norm = self._clip[0].detach().reshape(1).float(), self._clip[1]
         else:
@@ -365,12 +332,8 @@ class ChunkedAdamW(torch.optim.AdamW):
             float(group["lr"]), float(beta1), float(beta2), float(group["eps"]), float(group["weight_decay"]),
             float(max_norm), P_DTYPE=_TL_DTYPES[p_dtype], G_DTYPE=_TL_DTYPES[g_dtype], S_DTYPE=_TL_DTYPES[s_dtype],
             CLIP=self._clip is not None, GATED=gate is not None, BLOCK=BLOCK, ALIGNED_STATES=HINT_POINTERS,
-            ALIGNED_GRADS=HINT_POINTERS and grads_aligned, COPY=copy_dtype is not None, num_warps=NUM_WARPS)
+            ALIGNED_GRADS=HINT_POINTERS and grads_aligned, num_warps=NUM_WARPS)
         torch._foreach_add_(bucket.steps, step_increment)
-        # The copies changed outside autograd's view: their version counters say so to whoever derives from them
-        # (fp8.weight_copies re-makes the fp8 operands of a copy whose version moved).
-        for copy in bucket.copies:
-            torch.autograd.graph.increment_version(copy)
 
     def _init_states(self, group: dict, params: list[torch.Tensor]) -> None:
         """Torch's own lazy state initialisation (so the state dict is torch's), for parameters without state; a step
@@ -387,8 +350,7 @@ class ChunkedAdamW(torch.optim.AdamW):
         """The group's buckets for these parameters (None: the kernel cannot step them), rebuilt when the set of
         parameters with gradients or a parameter's address changes; states change only through load_state_dict,
         which forgets the buckets."""
-        key = (tuple(map(id, params)), tuple(map(torch.Tensor.data_ptr, map(_local, params))),
-               tuple(id(compute_copy(p)) for p in params))
+        key = (tuple(map(id, params)), tuple(map(torch.Tensor.data_ptr, map(_local, params))))
         cached = self._buckets.get(id(group))
         if cached is not None and cached[0] == key:
             return cached[1]
@@ -398,11 +360,10 @@ class ChunkedAdamW(torch.optim.AdamW):
             by_dtypes: dict[tuple, list[torch.Tensor]] = {}
             for p in params:
                 state = self.state[p]
-                copy = compute_copy(p)
                 dtypes = (_local(p).dtype, _local(p.grad).dtype, _local(state["exp_avg"]).dtype,
-                          _local(state["exp_avg_sq"]).dtype, None if copy is None else copy.dtype)
+                          _local(state["exp_avg_sq"]).dtype)
                 by_dtypes.setdefault(dtypes, []).append(p)
-            if (all(d[1] in _TL_DTYPES and d[2] in _TL_DTYPES and d[2] == d[3] and d[4] != d[0] for d in by_dtypes)
+            if (all(d[1] in _TL_DTYPES and d[2] in _TL_DTYPES and d[2] == d[3] for d in by_dtypes)
                     and self._states_supported(params)):
                 buckets = [self._make_bucket(ps, dtypes) for dtypes, ps in by_dtypes.items()]
         self._buckets[id(group)] = (key, buckets)
@@ -414,9 +375,7 @@ class ChunkedAdamW(torch.optim.AdamW):
         for i, p in enumerate(params):
             state = self.state[p]
             lp, m, v = _local(p), _local(state["exp_avg"]), _local(state["exp_avg_sq"])
-            copy = compute_copy(p)
-            rows.append([lp.data_ptr(), m.data_ptr(), v.data_ptr(), state["step"].data_ptr(),
-                         0 if copy is None else copy.data_ptr()])
+            rows.append([lp.data_ptr(), m.data_ptr(), v.data_ptr(), state["step"].data_ptr()])
             numels.append(lp.numel())
             chunks = -(-lp.numel() // BLOCK)
             chunk_tensor += [i] * chunks
@@ -429,8 +388,7 @@ class ChunkedAdamW(torch.optim.AdamW):
             chunk_tensor=torch.tensor(chunk_tensor, dtype=torch.int32).to(device),
             chunk_index=torch.tensor(chunk_index, dtype=torch.int32).to(device), steps=steps,
             grad_addr=torch.zeros(len(params), dtype=torch.int64, device=device), grad_addr_host=[],
-            staging=torch.zeros(len(params), dtype=torch.int64, pin_memory=pinned), copied=None, dtypes=dtypes,
-            copies=[c for c in map(compute_copy, params) if c is not None])
+            staging=torch.zeros(len(params), dtype=torch.int64, pin_memory=pinned), copied=None, dtypes=dtypes)
 
     @staticmethod
     def _send_grad_addresses(bucket: _Bucket, addrs: list[int]) -> None:

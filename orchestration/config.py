@@ -155,11 +155,6 @@ class PrecisionConfig:
     # of a bf16 gather, a quarter of float32's; bit-equal to gathering them in high precision and casting after
     # (tests/test_fp8_fsdp_allgather.py). null = on with the tensorwise recipe when FSDP2 shards (world size > 1).
     fp8_all_gather: bool | None = None
-    # Keep each GEMM weight's compute copies beside its float32 master (fp8/weight_copies.py): the compute_dtype copy
-    # and, for FP8 layers, the fp8 operands in the layouts forward and backward read, made once per weight change
-    # (the fused AdamW writes the copy in its update) instead of cast at every use. Costs 2 bytes per weight element
-    # (4 for FP8 layers) that the memory plan counts. Weights FSDP2 shards get none (its all-gather casts them).
-    weight_copies: bool = True
 
 
 @dataclass

@@ -62,7 +62,7 @@ def fp8_where_it_pays(job: JobConfig) -> list[str]:
     if job.precision.name != "fp8" or not is_gpu_job(job) or job.model.name not in MODEL_FLAVORS:
         return []
     try:
-        kept, eligible, _ = plan_fp8(job, on_gpu=True)
+        kept, eligible = plan_fp8(job, on_gpu=True)
     except (ValueError, TypeError):  # a bad model override: validate names it
         return []
     if eligible and len(kept) == eligible:

@@ -15,7 +15,7 @@ from benchmarks import run_suite
 from benchmarks.common import RESULT_KEYS, write_result
 
 REPO = Path(__file__).resolve().parent.parent
-GPU_SUITES = ("kernels", "dense", "moe", "loop", "casts_moe", "casts_dense", "mission", "checkpoint", "quality_dense",
+GPU_SUITES = ("kernels", "dense", "moe", "loop", "mission", "checkpoint", "quality_dense",
               "quality_moe", "quality_moe_seeds", "ray_dense", "ray_faults")
 
 

@@ -51,7 +51,7 @@ def test_a_gpu_plan_keeps_the_layers_too_small_to_pay_in_bf16_and_the_worker_con
 
     from orchestration.training.model_setup import build_training_model, plan_fp8
 
-    again, eligible, _ = plan_fp8(job, on_gpu=True)
+    again, eligible = plan_fp8(job, on_gpu=True)
     assert again == kept and eligible == plan["fp8_layers"]["eligible"]
     model = build_training_model(job, world_size=1, device=torch.device("cpu"), size_rule=True).model
     converted = set(fp8.precision_state(model)["modules"])

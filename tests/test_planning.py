@@ -52,8 +52,7 @@ def test_plan_is_json_serialisable_with_fits():
     assert d["fits"] is True and d["reasons"][0].startswith("fits")
     for key in ("model", "total_params", "active_params", "flops_per_token", "bytes_per_worker"):
         assert key in d
-    assert set(d["bytes_per_worker"]) == {"params", "grads", "optimizer", "fsdp_buffers", "activations", "weight_copies",
-                                         "total"}
+    assert set(d["bytes_per_worker"]) == {"params", "grads", "optimizer", "fsdp_buffers", "activations", "total"}
     assert "fits" not in plan.to_dict()
 
 

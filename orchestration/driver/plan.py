@@ -31,14 +31,11 @@ def build_job_plan(job: JobConfig, machine_notes: list[str] | tuple[str, ...] = 
     sharding = job.train.sharding if world > 1 else "none"
     from orchestration.training.model_setup import plan_fp8
 
-    kept_bf16, fp8_eligible, unsharded_copies = plan_fp8(job, on_gpu=is_gpu_job(job))
-    # Weights FSDP2 shards get no compute copies (fp8.weight_copies): only unsharded runs carry them.
-    copies = unsharded_copies if sharding != "fsdp" else 0
+    kept_bf16, fp8_eligible = plan_fp8(job, on_gpu=is_gpu_job(job))
     model_plan = plan_model(flavor, world_size=world, seq_len=job.data.seq_len, micro_batch=batch.micro_batch_size,
                             sharding="fsdp" if sharding == "fsdp" else "replicate",
                             activation_checkpointing=job.model.activation_checkpointing,
-                            param_dtype_bytes=4,  # float32 master weights, whatever FSDP2 gathers them in
-                            weight_copy_bytes=copies)
+                            param_dtype_bytes=4)  # float32 master weights, whatever FSDP2 gathers them in
     memory_bytes = int(c.memory_per_worker_gb * GIB)
     mp = model_plan.to_dict(memory_bytes)
     bytes_per_worker = int(mp["bytes_per_worker"]["total"])
@@ -48,7 +45,7 @@ def build_job_plan(job: JobConfig, machine_notes: list[str] | tuple[str, ...] = 
                + mp["reasons"][0], *mp["reasons"][1:]]
     workers_needed = None
     if not fits:
-        workers_needed = smallest_fitting_workers(job, batch.micro_batch_size, unsharded_copies)
+        workers_needed = smallest_fitting_workers(job, batch.micro_batch_size)
         reasons.append(_suggestion(job, workers_needed))
     run_name = job.run_name or f"{job.model.name}-{job.precision.name}-<timestamp>"
     return {
@@ -216,11 +213,9 @@ def print_scaling(scaling_plan_: dict[str, Any]) -> None:
         print(f"{row['world_size']:4d}  " + "  ".join(f"{c:>34s}" for c in cells))
 
 
-def smallest_fitting_workers(job: JobConfig, micro_batch: int, weight_copy_bytes: int = 0,
-                             limit: int = 1 << 16) -> int | None:
+def smallest_fitting_workers(job: JobConfig, micro_batch: int, limit: int = 1 << 16) -> int | None:
     """The fewest FSDP workers of this cluster's memory that fit the model at this micro-batch (memory per worker
-    only falls as workers are added: doubling, then bisection), or None when even `limit` do not.
-    weight_copy_bytes: the compute copies one unsharded worker carries (FSDP2's shards carry none)."""
+    only falls as workers are added: doubling, then bisection), or None when even `limit` do not."""
     from models.planning import plan_model
     from models.registry import build_model, resolve_flavor
 
@@ -232,7 +227,7 @@ def smallest_fitting_workers(job: JobConfig, micro_batch: int, weight_copy_bytes
         return plan_model(flavor, world_size=world, seq_len=job.data.seq_len, micro_batch=micro_batch,
                           sharding="fsdp" if world > 1 else "replicate",
                           activation_checkpointing=job.model.activation_checkpointing, param_dtype_bytes=4,
-                          model=model, weight_copy_bytes=weight_copy_bytes if world == 1 else 0).fits(memory)
+                          model=model).fits(memory)
 
     high = 1
     while not fits(high):

@@ -20,8 +20,10 @@ KERNEL_CATEGORIES = (
     ("communication", r"nccl|all_?gather|reduce_?scatter|all_?reduce|c10d"),
     ("attention", r"flash|fmha|attention|sdpa|_attn"),
     ("optimizer", r"adam|multi_tensor_apply|foreach"),
-    # our Triton casts (fp8/kernels) and Inductor's fused ones (amax, then clamp before the fp8 conversion)
-    ("fp8_cast_amax", r"amax|(?<!broad)cast|quant|rowwise|tensorwise|clamp"),  # not CUTLASS's Sm90RowBroadcast
+    # Our Triton casts (fp8/kernels) and Inductor's fused ones (amax, then clamp before the fp8 conversion). Never a
+    # CUTLASS kernel: those are GEMMs, whose template arguments (epilogue broadcasts, scale and clamp types) can name
+    # any of these words; torch's grouped GEMMs (GroupProblemShape) were once counted here as casts.
+    ("fp8_cast_amax", r"^(?!.*cutlass).*(amax|(?<!broad)cast|quant|rowwise|tensorwise|clamp)"),
     ("grouped_gemm", r"group"),
     ("fp8_gemm", r"e4m3|e5m2|f8f8|fp8|scaled_mm|nvjet_sm\d+_[qr][qr]"),
     ("gemm", r"gemm|nvjet|xmma|cutlass|cublas|sm90_|sm80_|aten::(mm|addmm|bmm|baddbmm)$"),

@@ -28,8 +28,7 @@ class TrainingModel(NamedTuple):
 
 def build_training_model(job: JobConfig, world_size: int, device: torch.device,
                          data_vocab_size: int = BYTE_VOCAB_SIZE, size_rule: bool | None = None) -> TrainingModel:
-    """Model -> FP8 conversion -> parallel layout (FSDP2 / HSDP / expert parallelism) -> materialize -> compute
-    copies -> compile.
+    """Model -> FP8 conversion -> parallel layout (FSDP2 / HSDP / expert parallelism) -> materialize -> compile.
 
     size_rule: leave the layers too small for FP8 to pay in bf16 (fp8.convert.layers_too_small); None: on GPUs only
     (on CPU FP8 is emulated for correctness, not speed). The configured micro-batch decides, not a world size's: the
@@ -59,11 +58,6 @@ def build_training_model(job: JobConfig, world_size: int, device: torch.device,
     model = shard_and_materialize(model, template, layout, job.train.seed, device, p.fsdp_param_dtype,
                                   p.fsdp_reduce_dtype, job.model.activation_checkpointing, fp8_all_gather,
                                   job.train.expert_dispatch_fp8)
-    if p.weight_copies:
-        from fp8.weight_copies import attach_weight_copies
-
-        # After the weights exist and before compile traces the layers that read the copies.
-        attach_weight_copies(model, getattr(torch, p.compute_dtype))
     compiled = compile_if_enabled(model, job, device)
     return TrainingModel(model, recipe, conversion, compiled)
 
@@ -82,28 +76,23 @@ def import_hf_weights(model: torch.nn.Module, job: JobConfig) -> dict:
 class Fp8Plan(NamedTuple):
     """What build_training_model will do with a job's layers, known before Ray (the plan reads it): the layers FP8
     would convert but keeps in bf16 (too small to pay: fp8.convert.layers_too_small), by name with their sizes; how
-    many layers FP8 could convert; the bytes per worker of the weights' compute copies (fp8.weight_copies) an
-    unsharded run carries."""
+    many layers FP8 could convert."""
 
     kept_bf16: dict[str, str]
     eligible: int
-    unsharded_copy_bytes: int
 
 
 def plan_fp8(job: JobConfig, on_gpu: bool) -> Fp8Plan:
-    """The job's model on meta, converted as build_training_model converts it (the size rule only on GPUs)."""
+    """The conversion build_training_model will make, read off the job's model on meta (the size rule only on
+    GPUs)."""
     import fp8
-    from fp8.weight_copies import copy_bytes
     from models.registry import build_model
 
-    model = build_model(job.model.name, device="meta", overrides=dict(job.model.overrides))
     p = job.precision
-    kept, eligible = {}, 0
-    if p.name == "fp8":
-        module_filter = fp8.convert.make_module_filter(output_head=p.fp8_output_head, experts=p.fp8_experts)
-        eligible, kept = fp8.convert.conversion_plan(model, module_filter,
-                                                     job.train.micro_batch_size * job.data.seq_len if on_gpu else None)
-        # The recipe only sizes the scales here (rowwise: a vector, tensorwise: one value): auto counts rowwise's.
-        fp8.convert.convert_planned(model, "rowwise" if p.recipe == "auto" else p.recipe, module_filter, kept)
-    copies = copy_bytes(model, getattr(torch, p.compute_dtype)) if p.weight_copies else 0
-    return Fp8Plan(kept, eligible, copies)
+    if p.name != "fp8":
+        return Fp8Plan({}, 0)
+    model = build_model(job.model.name, device="meta", overrides=dict(job.model.overrides))
+    module_filter = fp8.convert.make_module_filter(output_head=p.fp8_output_head, experts=p.fp8_experts)
+    eligible, kept = fp8.convert.conversion_plan(model, module_filter,
+                                                 job.train.micro_batch_size * job.data.seq_len if on_gpu else None)
+    return Fp8Plan(kept, eligible)
