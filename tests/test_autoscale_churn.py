@@ -4,8 +4,9 @@ drain with a deadline, the node killed at the deadline) or without (SIGKILL). Th
 stopped with SIGTERM. Every sample exactly once; no step trained twice after a noticed departure; goodput and each
 recovery's time are printed and written to churn_figures.json (docs/reliability.md has the figures).
 
-Part of `make test` (about 13 minutes of its time); `make test-churn` runs it alone. tests/test_elastic_e2e.py has a
-short case of the same events (a grow, a noticed departure, a grow back, a departure without notice).
+Part of `make test` (its longest test; docs/reliability.md has its run time); `make test-churn` runs it alone.
+tests/test_elastic_e2e.py has a short case of the same events (a grow, a noticed departure, a grow back, a departure
+without notice).
 """
 
 from __future__ import annotations
