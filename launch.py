@@ -33,7 +33,7 @@ def main(cfg: DictConfig) -> None:
         print(f"config error: {exc}", file=sys.stderr, flush=True)
         sys.exit(CONFIG_ERROR_EXIT)
 
-    from orchestration.driver.plan import build_job_plan, print_plan
+    from orchestration.driver.plan import build_job_plan, plan_record, print_plan, start_lines
 
     plan = build_job_plan(job, machine_notes)
     if job.dry_run:
@@ -51,8 +51,10 @@ def main(cfg: DictConfig) -> None:
 
     from orchestration.driver.ray_job import run_job
 
+    for line in start_lines(plan):
+        print(line, flush=True)
     try:
-        summary = run_job(job)
+        summary = run_job(job, plan_record(plan))
     except ConfigError as exc:  # refused before the run directory changed (driver/start_checks.py check_start)
         print(f"config error: {exc}", file=sys.stderr, flush=True)
         sys.exit(CONFIG_ERROR_EXIT)

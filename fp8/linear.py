@@ -69,7 +69,10 @@ def scaled_mm(
         # A forward under bf16 autocast would otherwise run this float32 product as a bf16 matmul: both operands
         # rounded to bf16 (not what _scaled_mm computes), and on CPUs without native bf16 a matmul many times slower.
         with _autocast_off(a32.device.type):
-            return (a32 @ b32).to(out_dtype)
+            out = a32 @ b32
+        # Never a no-op .to(): in torch 2.11, an autograd.Function forward compiled by Dynamo that returned the
+        # tensor .to() handed back unchanged got a zero gradient in backward (every compiled FP8 block on CPU).
+        return out if out.dtype == out_dtype else out.to(out_dtype)
     m, n = a_fp8.shape[0], b_fp8.shape[1]
     tensorwise = inv_a.numel() == 1 and inv_b.numel() == 1
     if tensorwise:

@@ -29,6 +29,22 @@ os.environ[SESSION_MARK_ENV] = SESSION_MARK
 RAY_SERVICES = ("raylet", "gcs_server")
 
 
+def repo_on_path(env: dict[str, str] | None = None) -> dict[str, str]:
+    """`env` (default: this process's) with the repository first on PYTHONPATH and what was there kept: a child
+    `python -c` imports the product from a source checkout, and a Python whose packages come from PYTHONPATH (an
+    offline install with pip --target, as on an air-gapped GPU machine) still finds them."""
+    env = dict(os.environ if env is None else env)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+# The environment of jobs written for the embedded CPU cluster (2 gloo workers, the demo's data shape), on any
+# machine: the GPUs hidden (CUDA_VISIBLE_DEVICES empty, which ROCm's torch honours too), since on a GPU machine the
+# launcher would plan one GPU worker per card instead. The GPU machine's own default job is
+# tests/test_gpu_default_job.py's, which gives the devices back.
+CPU_CLUSTER_ENV = {"CUDA_VISIBLE_DEVICES": ""}
+
+
 def marked_processes(name: str, value: str) -> dict[int, str]:
     """pid -> command line of every process whose environment has name=value (this process left out)."""
     needle = f"{name}={value}".encode()
@@ -97,7 +113,8 @@ def isolated_env(tmp_path):
     Token authentication is off here (RAY_AUTH_MODE=disabled): the elastic tests join `ray start` nodes, which
     need the head's token on every node; the tests of the default setting (token on: tests/test_dashboard_live.py,
     tests/test_hardening_ray.py's Ctrl-C test) remove this key. RAY_TMPDIR is short because Ray's unix sockets live
-    under it and their paths must stay under 107 characters."""
+    under it and their paths must stay under 107 characters.
+    GPUs are hidden (CPU_CLUSTER_ENV)."""
     ray_tmpdir = tempfile.mkdtemp(prefix="rt_", dir="/tmp")
     mark = uuid.uuid4().hex
     env = dict(os.environ)
@@ -105,7 +122,7 @@ def isolated_env(tmp_path):
         "WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path / "wandb"), "WANDB_CACHE_DIR": str(tmp_path / "wandb_cache"),
         "WANDB_CONFIG_DIR": str(tmp_path / "wandb_config"), "WANDB_DATA_DIR": str(tmp_path / "wandb_data"),
         "RAY_AUTH_MODE": "disabled", "PYTHONUNBUFFERED": "1", "RAY_USAGE_STATS_ENABLED": "0",
-        "RAY_TMPDIR": ray_tmpdir, TEST_MARK_ENV: mark,
+        "RAY_TMPDIR": ray_tmpdir, TEST_MARK_ENV: mark, **CPU_CLUSTER_ENV,
     })
     try:
         yield env
@@ -152,10 +169,6 @@ def another_ray_instance_on_the_host():
     finally:
         proc.kill()
         proc.wait(timeout=30)
-
-
-def which_ray() -> str:
-    return shutil.which("ray") or str(Path(sys.executable).parent / "ray")
 
 
 @pytest.fixture(autouse=True)

@@ -49,9 +49,11 @@ def _loop_variants(benchmark):
     return [(v[0], common + [o for o in v[1:] if not o.startswith("launcher=")]) for v in variants]
 
 
-@pytest.mark.parametrize("benchmark", [b for s in GPU_SUITES for b in run_suite.SUITES[s]
+# Not named `benchmark`: the GPU image's pytest has a plugin whose `benchmark` fixture hook, handed this parameter,
+# stopped the whole session with an internal error.
+@pytest.mark.parametrize("suite_benchmark", [b for s in GPU_SUITES for b in run_suite.SUITES[s]
                                        if b.script == "worker_throughput.py"], ids=lambda b: b.name)
-def test_every_product_loop_run_of_the_gpu_suites_is_a_config_the_product_accepts(benchmark, monkeypatch):
+def test_every_product_loop_run_of_the_gpu_suites_is_a_config_the_product_accepts(suite_benchmark, monkeypatch):
     """A setting the product refuses (a renamed key, a profile window past the run's end) fails every row of a GPU
     call in seconds; catch it here."""
     from hydra import compose, initialize_config_dir
@@ -70,12 +72,12 @@ def test_every_product_loop_run_of_the_gpu_suites_is_a_config_the_product_accept
     resolve_data = orchestration.data.select.resolve_data
     monkeypatch.setattr(orchestration.data.select, "resolve_data",
                         lambda job: None if job.data.name == "tokenized" else resolve_data(job))
-    variants = _loop_variants(benchmark)
-    assert variants, benchmark.name
+    variants = _loop_variants(suite_benchmark)
+    assert variants, suite_benchmark.name
     for name, overrides in variants:
         with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
             job, _ = resolve_job(compose(config_name="config", overrides=overrides), one_gpu)
-        assert job.cluster.device == "cuda" and job.cluster.max_workers == 1, (benchmark.name, name)
+        assert job.cluster.device == "cuda" and job.cluster.max_workers == 1, (suite_benchmark.name, name)
 
 
 def test_all_is_every_gpu_suite_in_order_with_unique_result_names():

@@ -142,6 +142,10 @@ class BrowserError(RuntimeError):
     """The browser answered a DevTools call with an error."""
 
 
+class BrowserGone(RuntimeError):
+    """The browser's DevTools connection closed (Chromium crashed or exited): not retried."""
+
+
 class Browser:
     """Headless Chromium driven through the DevTools protocol (its WebSocket, with aiohttp, which ray[default]
     installs): load a page, read its text, type, click, take a screenshot, as a person would."""
@@ -175,7 +179,11 @@ class Browser:
         self.next_id += 1
         await self.ws.send_json({"id": self.next_id, "method": method, "params": params})
         while True:
-            msg = await self.ws.receive_json(timeout=120)
+            try:
+                msg = await self.ws.receive_json(timeout=120)
+            except (TypeError, ValueError) as exc:  # the DevTools socket closed: say how the browser ended
+                raise BrowserGone(f"{method}: the DevTools connection closed ({exc}); Chromium exit code "
+                                   f"{self.proc.poll()}, its last output: {''.join(self.stderr[-20:])}") from exc
             if msg.get("id") == self.next_id:
                 if "error" in msg:
                     raise BrowserError(f"{method}: {msg['error']}")

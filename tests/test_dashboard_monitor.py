@@ -6,7 +6,6 @@ RunDir, Ray's service-discovery file format."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -17,7 +16,7 @@ from pathlib import Path
 
 from orchestration.observability.events import RunDir
 from orchestration.observability.prometheus import SERVICE_DISCOVERY_FILE, TargetFollower, newest_run
-from tests.conftest import REPO, SESSION_MARK, SESSION_MARK_ENV, marked_processes
+from tests.conftest import REPO, SESSION_MARK, SESSION_MARK_ENV, marked_processes, repo_on_path
 from tests.spawned import free_port
 
 
@@ -71,7 +70,7 @@ def monitor(tmp_path: Path, name: str, *args: str) -> tuple[subprocess.Popen, st
     proc = subprocess.Popen([sys.executable, "-m", "orchestration.observability.prometheus", "--run-root",
                              str(tmp_path / "runs"), "--port", str(port), "--data-dir", str(data_dir),
                              "--scrape-interval-s", "1", *args], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+                            stderr=subprocess.STDOUT, text=True, env=repo_on_path())
     out: list[str] = []
     threading.Thread(target=lambda: out.extend(proc.stdout), daemon=True).start()
     return proc, f"http://127.0.0.1:{port}", data_dir, out
@@ -110,5 +109,5 @@ def test_monitor_scrapes_this_run_and_stops_prometheus_on_sigterm_and_sighup(tmp
 def test_a_run_that_does_not_exist_is_refused(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "orchestration.observability.prometheus", "--run-root",
                            str(tmp_path), "--run", "nope"], cwd=REPO, capture_output=True, text=True, check=False,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
+                          env=repo_on_path())
     assert proc.returncode == 2 and "is not a run directory" in proc.stderr, proc.stderr

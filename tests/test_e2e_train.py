@@ -28,6 +28,13 @@ def test_default_job_end_to_end(tmp_path, isolated_env, no_ray_leftovers):
     for name in ("run_start", "worker_group_start", "checkpoint_saved", "run_end"):
         assert name in names, name
     assert all({"time", "event", "step"} <= set(e) for e in events)
+    # The machine's decisions and the FP8 layer count, printed before the run starts and kept in run_start.
+    run_start = next(e for e in events if e["event"] == "run_start")
+    assert run_start["machine"][0].startswith("cluster: 2 CPU workers of 8 GiB (the CPU demo)"), run_start
+    layers = run_start["fp8_layers"]
+    assert layers["converted"] == layers["eligible"] > 0 and not layers["kept_bf16"]  # CPU emulates every layer
+    for line in (run_start["machine"][0], f"fp8: {layers['converted']} of {layers['eligible']} layers"):
+        assert proc.stdout.index(line) < proc.stdout.index("Run directory:"), proc.stdout[:2000]
     start = next(e for e in events if e["event"] == "worker_group_start")
     assert start["world_size"] == 2 and start["grad_accum"] == 2  # 16 sequences / (2 workers x micro 4)
 

@@ -31,7 +31,7 @@ import pytest
 from orchestration.driver.autoscale_local import wait_until
 from orchestration.observability import dashboard as dash
 from orchestration.observability.events import read_jsonl
-from tests.conftest import REPO, launch
+from tests.conftest import CPU_CLUSTER_ENV, REPO, launch
 
 pytestmark = pytest.mark.slow
 
@@ -87,7 +87,7 @@ def tokenized_reference_loss(tmp_path_factory, tokenized_data):
 def _env(tmp: Path) -> dict:
     env = dict(os.environ)
     env.update({"RAY_AUTH_MODE": "disabled", "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1",
-                "RAY_USAGE_STATS_ENABLED": "0", "WANDB_DIR": str(tmp)})
+                "RAY_USAGE_STATS_ENABLED": "0", "WANDB_DIR": str(tmp), **CPU_CLUSTER_ENV})
     return env
 
 

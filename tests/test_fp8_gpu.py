@@ -13,6 +13,7 @@ import os
 import pytest
 import torch
 
+from tests.conftest import repo_on_path
 from tests.numerics import sqnr
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -447,7 +448,7 @@ def test_tensorwise_float8_linear_compiles_to_one_graph_in_a_fresh_process():
     )
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = subprocess.run([sys.executable, "-c", script], check=False, cwd=root, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")})
+                          env=repo_on_path())
     assert proc.returncode == 0 and "ONE GRAPH OK" in proc.stdout, proc.stderr[-3000:]
 
 

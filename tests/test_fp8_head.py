@@ -386,21 +386,7 @@ def test_ce_head_apply_best_reads_both_backward_forms(tmp_path):
 
 
 N_INTERP_CASES = 2
-expose_or_run(globals(), __file__, N_INTERP_CASES, "test_cross_entropy_kernels_in_subprocess")
-
-
-def _interpreter_runs_these_kernels() -> bool:
-    # Triton 3.6's interpreter (the H200 image's) fails on these kernels' loops over a runtime bound ("only
-    # 0-dimensional arrays can be converted to Python scalars"); 3.9 (the
-    # CPU machines') runs them. On a GPU machine the GPU cases above check the same kernels against the references.
-    try:
-        import triton
-    except ImportError:
-        return False
-    return tuple(int(p) for p in triton.__version__.split(".")[:2]) >= (3, 9)
-
-
-if not IN_CHILD:
-    globals()["test_cross_entropy_kernels_in_subprocess"] = pytest.mark.skipif(
-        not _interpreter_runs_these_kernels(), reason="triton < 3.9: its interpreter cannot run these kernels")(
-        globals()["test_cross_entropy_kernels_in_subprocess"])
+# Triton 3.6's interpreter (the GPU image's) fails on these kernels' loops over a runtime bound ("only 0-dimensional
+# arrays can be converted to Python scalars"); 3.8.0 and 3.9.0 run them. On a GPU machine the GPU cases above
+# check the same kernels against the references.
+expose_or_run(globals(), __file__, N_INTERP_CASES, "test_cross_entropy_kernels_in_subprocess", min_triton=(3, 8))

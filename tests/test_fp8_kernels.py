@@ -352,4 +352,6 @@ def _interp_custom_ops_trace_under_torch_compile(interp):
 
 N_INTERP_CASES = 4 + 12 + 8 + 1 + 8 + 2 + 1 + 1 + 1 + 1 + 1  # test_interp_* items the child must pass
 
-expose_or_run(globals(), __file__, N_INTERP_CASES, "test_triton_kernels_in_subprocess")
+# The interpreter of Triton 3.7.1 failed 16 of these cases and 3.6's 23 (no e4m3fnuz/e5m2fnuz types, a 1-element
+# array converted to a Python scalar); 3.8.0 and 3.9.0 pass them all.
+expose_or_run(globals(), __file__, N_INTERP_CASES, "test_triton_kernels_in_subprocess", min_triton=(3, 8))

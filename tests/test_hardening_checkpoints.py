@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from orchestration.checkpoint.manager import CheckpointManager
-from tests.conftest import REPO
+from tests.conftest import REPO, repo_on_path
 
 CAPSH = shutil.which("capsh")
 DROP = "--drop=cap_dac_override,cap_dac_read_search"
@@ -47,7 +47,7 @@ def _save(root: Path, steps, keep_last: int = 5) -> CheckpointManager:
 def _read_without_overrides(root: Path) -> dict:
     proc = subprocess.run([CAPSH, DROP, "--", "-c", f'exec "{sys.executable}" -c "$0" "$1"', READER, str(root)],
                           check=False, capture_output=True, text=True, cwd=REPO, timeout=120,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
+                          env=repo_on_path())
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from orchestration.observability.events import read_jsonl
-from tests.conftest import REPO, launch
+from tests.conftest import CPU_CLUSTER_ENV, REPO, launch
 
 pytestmark = pytest.mark.slow
 
@@ -49,7 +49,7 @@ def _env(tmp: Path) -> dict:
     import os
 
     return {**os.environ, "WANDB_MODE": "offline", "WANDB_DIR": str(tmp / "wandb"), "RAY_AUTH_MODE": "disabled",
-            "PYTHONUNBUFFERED": "1", "RAY_USAGE_STATS_ENABLED": "0"}
+            "PYTHONUNBUFFERED": "1", "RAY_USAGE_STATS_ENABLED": "0", **CPU_CLUSTER_ENV}
 
 
 @pytest.fixture

@@ -6,14 +6,13 @@ Without the store's wrapper the same ranks listen on every interface: the check 
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, repo_on_path
 from tests.spawned import free_port
 from tests.test_hardening_ray import _is_loopback, listening_sockets
 
@@ -39,7 +38,7 @@ dist.destroy_process_group()
 
 @pytest.mark.parametrize("patched", [True, False])
 def test_process_group_listens_on_loopback_only(tmp_path, patched):
-    env = {**os.environ, "PYTHONPATH": str(REPO), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+    env = {**repo_on_path(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
            "WORLD_SIZE": "2", "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
     ranks = [subprocess.Popen([sys.executable, "-c", RANK, "1" if patched else "0", str(tmp_path)], cwd=REPO,
                               env={**env, "RANK": str(r)}, stderr=subprocess.PIPE, text=True) for r in range(2)]

@@ -231,11 +231,15 @@ def test_layout_matches_one_process(runs, layout):
 def test_fp8_dispatch_keeps_loss_and_gradient_parity(runs):
     """FP8 dispatch hands the experts' forward GEMM the operand it would cast anyway; the expert weight gradients
     then read the dequantized rows, so the gradients move by about the e4m3 rounding of x times gy, and AdamW's
-    first steps turn such differences near zero into up to lr per step: weights are not compared."""
+    first steps turn such differences near zero into up to lr per step: weights are not compared. The forward is
+    the same: the first step's loss to float32 summation order. Later losses read those weights (up to 0.011
+    apart after two steps): their difference was 1.9e-6 under torch 2.13 and 1.9e-5 under 2.11, bounded at 1e-4."""
     refs, ranks = runs
-    d = _diffs(refs["fp8"], ranks["ep4_fp8_dispatch"])
+    run, ref = ranks["ep4_fp8_dispatch"], refs["fp8"]
+    d = _diffs(ref, run)
     print("ep4_fp8_dispatch", d)
-    assert d["loss"] < 1e-5 and d["grad_norm"] < 1e-4 and d["grads"] < 1e-5, d
+    assert abs(run["losses"]["0"] - ref["losses"]["0"]) < 1e-6, d
+    assert d["loss"] < 1e-4 and d["grad_norm"] < 1e-4 and d["grads"] < 1e-5, d
 
 
 @pytest.mark.slow

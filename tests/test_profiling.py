@@ -32,10 +32,10 @@ from tests.test_guard import make_trainer, train_to_end
     ("_ZN7cutlass13device_kernelINS_4gemm6kernel13GemmUniversalI8Sm90RowBroadcastILi0EE", "gemm"),
     # torch's grouped GEMMs (the MoE experts' torch._grouped_mm, bf16 and fp8) are CUTLASS kernels with a group
     # problem shape, whatever their epilogue's template arguments name (here a clamp): grouped GEMMs, not casts
-    ("_ZN7cutlass13device_kernelIN2at4cuda6detail25enable_3x_kernel_for_sm9xINS_4gemm6kernel13GemmUniversalINS5_17"
-     "GroupProblemShapeIN4cute5tupleIJiiiEEEEENS5_10collective_LinearCombinationClamp", "grouped_gemm"),
-    ("_ZN7cutlass13device_kernelINS_4gemm6kernel13GemmUniversalINS1_17GroupProblemShapeIN4cute5tupleIJiiiEEEEENS1_10"
-     "collective13CollectiveMmaINS1_39MainloopSm90ArrayTmaGmmaWarpSpecializedFP8ScaleCast", "grouped_gemm"),
+    (("_ZN7cutlass13device_kernelIN2at4cuda6detail25enable_3x_kernel_for_sm9xINS_4gemm6kernel13GemmUniversalINS5_17"
+      "GroupProblemShapeIN4cute5tupleIJiiiEEEEENS5_10collective_LinearCombinationClamp"), "grouped_gemm"),
+    (("_ZN7cutlass13device_kernelINS_4gemm6kernel13GemmUniversalINS1_17GroupProblemShapeIN4cute5tupleIJiiiEEEEENS1_10"
+      "collective13CollectiveMmaINS1_39MainloopSm90ArrayTmaGmmaWarpSpecializedFP8ScaleCast"), "grouped_gemm"),
     ("_rowwise_group_scaled_kernel", "fp8_cast_amax"),  # our cast of a grouped GEMM's gradient, not a GEMM
 ])
 def test_kernel_names_fall_in_their_category(name, category):

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from orchestration.driver.run_lock import LOCK_FILE, Holder, RunLock, RunLocked, read_holder, this_host, why_gone
-from tests.conftest import REPO, launch
+from tests.conftest import REPO, launch, repo_on_path
 
 HOLD = """
 import sys, time
@@ -40,7 +40,7 @@ def hold(run_path: Path, heartbeat_s: float = 10.0, seconds: float = 60.0) -> su
     """A process that takes the run's lease and holds it; returns once it holds it (or was refused)."""
     proc = subprocess.Popen([sys.executable, "-c", HOLD, str(run_path), str(heartbeat_s), str(seconds)], cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(REPO)})
+                            env=repo_on_path())
     first = proc.stdout.readline()
     assert first.startswith(("held", "refused")), first + proc.stderr.read()
     proc.first_line = first  # type: ignore[attr-defined]
@@ -121,7 +121,7 @@ def test_foreign_holder_blocks_until_its_heartbeat_is_stale_and_racing_starts_ge
     racers = [hold(run_path, heartbeat_s=10.0, seconds=3.0) for _ in range(1)]
     racers += [subprocess.Popen([sys.executable, "-c", HOLD, str(run_path), "10", "3"], cwd=REPO, text=True,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                env={**os.environ, "PYTHONPATH": str(REPO)}) for _ in range(3)]
+                                env=repo_on_path()) for _ in range(3)]
     outputs = [racers[0].first_line + racers[0].communicate(timeout=30)[0]]
     outputs += [p.communicate(timeout=30)[0] for p in racers[1:]]
     held = [o for o in outputs if o.startswith("held")]

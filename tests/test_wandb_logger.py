@@ -8,6 +8,7 @@ import pytest
 
 from orchestration.observability import wandb_logger as wl
 from orchestration.observability import wandb_offline
+from tests.conftest import repo_on_path
 
 CONFIG = {
     "model": {"name": "debug_moe", "overrides": {}},
@@ -274,8 +275,8 @@ def test_restart_after_kill_backfills_from_metrics_jsonl(wandb_env):
                           check=False, text=True, timeout=60,
                           # WANDB_SERVICE would make the child share this process's wandb-core, which then
                           # keeps the killed child's stream open ("run ID in use"); Ray workers do not share it.
-                          env={**{k: v for k, v in os.environ.items() if k != "WANDB_SERVICE"},
-                               "PYTHONPATH": str(repo), "TMPDIR": str(wandb_env / "tmp")})
+                          env={**{k: v for k, v in repo_on_path().items() if k != "WANDB_SERVICE"},
+                               "TMPDIR": str(wandb_env / "tmp")})
     assert proc.returncode == -9, proc.stderr
     assert list((wandb_env / "tmp").iterdir()) == []  # wandb's import-time temp dirs went into the run dir
     run_id = proc.stdout.split()[0]

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from orchestration.observability.dashboard import ray_executable
+
 # The fake provider knows its head by this name (the cloud configs call theirs "head").
 HEAD_TYPE = "ray.head.default"
 ONDEMAND_TYPE = "cpu_ondemand"
@@ -95,10 +97,6 @@ class Node:
                    start_time_s=start_ms / 1000 if start_ms else None)
 
 
-def ray_cli() -> str:
-    return str(Path(sys.executable).parent / "ray")
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -160,8 +158,11 @@ class LocalAutoscalingCluster:
         config = self.config_file
         self.set_spot_nodes(self.spot_nodes)  # writes the config file
         dashboard_port = self.dashboard_url.rsplit(":", 1)[1]
+        # The head is the config's HEAD_TYPE, which runs no worker: zero CPUs, and zero GPUs too, since `ray start`
+        # would otherwise offer this machine's GPUs on it and the job would plan GPU workers the nodes do not have.
         self.head = subprocess.Popen(
-            [ray_cli(), "start", "--head", f"--port={self.port}", "--num-cpus=0", f"--autoscaling-config={config}",
+            [ray_executable(), "start", "--head", f"--port={self.port}", "--num-cpus=0", "--num-gpus=0",
+             f"--autoscaling-config={config}",
              "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}",
              "--disable-usage-stats", "--block"],
             env=self.env, stdout=open(self.workdir / f"head-{self.port}.log", "a"),  # noqa: SIM115  # until stop()
@@ -192,7 +193,7 @@ class LocalAutoscalingCluster:
     def drain(self, node_id: str, deadline_s: int, reason: str = "DRAIN_NODE_REASON_PREEMPTION") -> None:
         """What a cloud's preemption notice becomes in Ray (and what the autoscaler itself does before it terminates
         a node): the GCS marks the node draining, with the time it will be gone. Nothing is killed here."""
-        proc = subprocess.run([ray_cli(), "drain-node", f"--address={self.address}", f"--node-id={node_id}",
+        proc = subprocess.run([ray_executable(), "drain-node", f"--address={self.address}", f"--node-id={node_id}",
                                f"--reason={reason}", "--reason-message=autoscale_local: notice before the node goes",
                                f"--deadline-remaining-seconds={int(deadline_s)}"],
                               env=self.env, capture_output=True, text=True, timeout=120, check=False)

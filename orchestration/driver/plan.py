@@ -262,6 +262,30 @@ def _suggestion(job: JobConfig, workers_needed: int | None) -> str:
     return "suggestion: " + "; ".join(options)
 
 
+def fp8_line(plan: dict[str, Any]) -> str | None:
+    """How many layers train in FP8 and why the others stay bf16; None when the job has no FP8-eligible layer."""
+    layers = plan.get("fp8_layers") or {}
+    if not layers.get("eligible"):
+        return None
+    kept = layers["kept_bf16"]
+    line = f"fp8: {layers['converted']} of {layers['eligible']} layers"
+    if kept:
+        sizes = sorted(set(kept.values()))
+        line += (f"; {len(kept)} stay bf16, too small for FP8 to pay at micro-batch x seq_len tokens "
+                 f"({'; '.join(sizes)})")
+    return line
+
+
+def start_lines(plan: dict[str, Any]) -> list[str]:
+    """What a run prints before it starts: what the machine decided (cluster, data shape) and the FP8 layer count."""
+    return [*plan.get("machine", ()), *filter(None, [fp8_line(plan)])]
+
+
+def plan_record(plan: dict[str, Any]) -> dict[str, Any]:
+    """The same facts for the run_start event in events.jsonl."""
+    return {"machine": list(plan.get("machine", ())), "fp8_layers": plan.get("fp8_layers")}
+
+
 def print_plan(plan: dict[str, Any]) -> None:
     for note in plan.get("machine", ()):
         print(note)
@@ -269,14 +293,7 @@ def print_plan(plan: dict[str, Any]) -> None:
           f"{plan['active_params'] / 1e9:.3f}B active")
     print(f"workers {plan['world_size_min']}..{plan['world_size_max']}  global batch {plan['global_batch_tokens']:,} "
           f"tokens  micro-batch {plan['micro_batch_size']} x grad-accum {plan['grad_accum']}")
-    layers = plan.get("fp8_layers") or {}
-    if layers.get("eligible"):
-        kept = layers["kept_bf16"]
-        line = f"fp8: {layers['converted']} of {layers['eligible']} layers"
-        if kept:
-            sizes = sorted(set(kept.values()))
-            line += (f"; {len(kept)} stay bf16, too small for FP8 to pay at micro-batch x seq_len tokens "
-                     f"({'; '.join(sizes)})")
+    if line := fp8_line(plan):
         print(line)
     breakdown = plan["bytes_breakdown"]
     if isinstance(breakdown, dict):

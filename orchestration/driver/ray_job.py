@@ -389,22 +389,23 @@ def in_sweep_directory(job: JobConfig) -> JobConfig:
     return replace(job, run_root=str(resolve_run_root(job) / _SWEEP_NAME), run_name=name)
 
 
-def run_job(job: JobConfig) -> dict[str, Any]:
+def run_job(job: JobConfig, plan_fields: dict[str, Any] | None = None) -> dict[str, Any]:
     """The whole job on Ray; returns summary.json's content. Ctrl-C stops workers and the embedded cluster. The run's
     lease (driver/run_lock.py) is held from before the start checks to after the summary: a second start of a run
-    that is running is refused (RunLocked, a ConfigError: exit 2) before it reads or writes anything of the run."""
+    that is running is refused (RunLocked, a ConfigError: exit 2) before it reads or writes anything of the run.
+    plan_fields: what the launcher's plan decided (driver/plan.py plan_record), kept in the run_start event."""
     from orchestration.driver.run_lock import hold_run_lock
 
     job = in_sweep_directory(job)
     run_name = job.run_name or default_run_name(job)
     with hold_run_lock(resolve_run_root(job) / run_name):
-        return run_job_holding_lock(job, run_name)
+        return run_job_holding_lock(job, run_name, plan_fields or {})
 
 
-def run_job_holding_lock(job: JobConfig, run_name: str) -> dict[str, Any]:
+def run_job_holding_lock(job: JobConfig, run_name: str, plan_fields: dict[str, Any]) -> dict[str, Any]:
     plan = ray_plan(job, run_name, resolve_run_root(job))
     t_start = time.time()
-    run_dir = open_run_dir(job, run_name, ray=plan.to_dict())
+    run_dir = open_run_dir(job, run_name, ray=plan.to_dict(), **plan_fields)
     from orchestration.driver.leftovers import RayProcessRecord, end_leftovers
 
     ended = end_leftovers(run_dir.path)  # a dead start's cluster (driver/leftovers.py); this start holds the lease

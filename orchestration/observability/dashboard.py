@@ -80,12 +80,19 @@ def read_auth_token() -> str | None:
         return None
 
 
+def ray_executable() -> str:
+    """The `ray` program of this Python environment: beside the interpreter (a virtual environment's bin/), else the
+    one on PATH (Ray installed with pip --target or --user puts its scripts elsewhere); "ray" when there is none."""
+    beside = Path(sys.executable).parent / "ray"
+    return str(beside) if beside.exists() else shutil.which("ray") or "ray"
+
+
 def ray_cli() -> str:
     """The `ray` command of this Python environment, as a user types it from the current directory (pure but for
     the lookup): .venv/bin/ray when the project's environment is not activated."""
     beside = Path(sys.executable).parent / "ray"
     if not beside.exists():
-        return shutil.which("ray") or "ray"
+        return ray_executable()
     if shutil.which("ray") == str(beside):
         return "ray"
     try:
