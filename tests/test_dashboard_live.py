@@ -181,7 +181,7 @@ class Browser:
         while True:
             try:
                 msg = await self.ws.receive_json(timeout=120)
-            except (TypeError, ValueError) as exc:  # the DevTools socket closed: say how the browser ended
+            except TypeError as exc:  # a close frame, not text (aiohttp's WSMessageTypeError): say how it ended
                 raise BrowserGone(f"{method}: the DevTools connection closed ({exc}); Chromium exit code "
                                    f"{self.proc.poll()}, its last output: {''.join(self.stderr[-20:])}") from exc
             if msg.get("id") == self.next_id:

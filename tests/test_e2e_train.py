@@ -34,7 +34,7 @@ def test_default_job_end_to_end(tmp_path, isolated_env, no_ray_leftovers):
     layers = run_start["fp8_layers"]
     assert layers["converted"] == layers["eligible"] > 0 and not layers["kept_bf16"]  # CPU emulates every layer
     for line in (run_start["machine"][0], f"fp8: {layers['converted']} of {layers['eligible']} layers"):
-        assert proc.stdout.index(line) < proc.stdout.index("Run directory:"), proc.stdout[:2000]
+        assert line in proc.stdout and proc.stdout.index(line) < proc.stdout.index("Run directory:"), proc.stdout[:2000]
     start = next(e for e in events if e["event"] == "worker_group_start")
     assert start["world_size"] == 2 and start["grad_accum"] == 2  # 16 sequences / (2 workers x micro 4)
 

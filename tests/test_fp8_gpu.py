@@ -8,12 +8,11 @@ results to the eager launchers, and a compiled Float8Linear matches the eager on
 from __future__ import annotations
 
 import functools
-import os
 
 import pytest
 import torch
 
-from tests.conftest import repo_on_path
+from tests.conftest import REPO, repo_on_path
 from tests.numerics import sqnr
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -446,8 +445,7 @@ def test_tensorwise_float8_linear_compiles_to_one_graph_in_a_fresh_process():
         "    torch.testing.assert_close(a, b, rtol=0.02, atol=0.02)\n"
         "print('ONE GRAPH OK')\n"
     )
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run([sys.executable, "-c", script], check=False, cwd=root, capture_output=True, text=True, timeout=300,
+    proc = subprocess.run([sys.executable, "-c", script], check=False, cwd=REPO, capture_output=True, text=True, timeout=300,
                           env=repo_on_path())
     assert proc.returncode == 0 and "ONE GRAPH OK" in proc.stdout, proc.stderr[-3000:]
 

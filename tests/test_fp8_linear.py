@@ -1,8 +1,8 @@
 """Float8Linear numerics: SQNR of output and both gradients vs float64, per recipe, dtype and path.
 
-Inputs have outlier channels and all-zero rows. The emulated path must equal the torch._scaled_mm path
-(on a GPU when there is one, else on CPU, where torch implements _scaled_mm too), and the quantization math must stay finite on zeros and tiny
-values. Thresholds sit a few dB under measured values (fp8 e4m3 is ~28-30 dB on Gaussian data).
+Inputs have outlier channels and all-zero rows. The emulated path must equal the torch._scaled_mm path (on a GPU
+when there is one, else on CPU, where torch implements _scaled_mm too), and the quantization math must stay finite on
+zeros and tiny values. Thresholds sit a few dB under measured values (fp8 e4m3 is ~28-30 dB on Gaussian data).
 """
 
 import pytest

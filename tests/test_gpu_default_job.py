@@ -4,6 +4,7 @@ trains on the GPUs (skipped without CUDA; run on the lent GPU machine). The CPU 
 tests/test_e2e_train.py; every other launching test hides the GPUs (tests/conftest.py's isolated_env says why)."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ import yaml
 
 from models.registry import MODEL_FLAVORS
 from orchestration.observability.events import read_jsonl
-from tests.conftest import launch
+from tests.conftest import CPU_CLUSTER_ENV, launch
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -19,7 +20,9 @@ STEPS = 30
 
 
 def test_default_job_on_a_gpu_machine_trains_on_its_gpus(tmp_path, isolated_env, no_ray_leftovers):
-    env = {k: v for k, v in isolated_env.items() if k != "CUDA_VISIBLE_DEVICES"}  # the machine as its user has it
+    # The machine as its user has it: the GPUs isolated_env hides given back as this process sees them.
+    env = {k: v for k, v in isolated_env.items() if k not in CPU_CLUSTER_ENV}
+    env.update({k: os.environ[k] for k in CPU_CLUSTER_ENV if k in os.environ})
     gpus = torch.cuda.device_count()
     proc = launch(env, f"run_root={tmp_path / 'runs'}", "run_name=gpu_default", f"train.steps={STEPS}")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -29,13 +32,15 @@ def test_default_job_on_a_gpu_machine_trains_on_its_gpus(tmp_path, isolated_env,
     cluster_line = run_start["machine"][0]
     assert cluster_line.startswith(f"cluster: {gpus} cuda worker(s), 1 GPU and "), run_start["machine"]
     assert f"from this machine: {gpus} x {torch.cuda.get_device_name(0)}" in cluster_line
-    assert proc.stdout.index(cluster_line) < proc.stdout.index("Run directory:"), proc.stdout[:3000]
     layers = run_start["fp8_layers"]
     if run_start["precision"] == "fp8":  # some layer large enough for FP8 to pay: the count is printed
-        assert f"fp8: {layers['converted']} of {layers['eligible']} layers" in proc.stdout
-    else:  # none: bf16, and the plan says why
-        assert layers["converted"] == 0 and any(n.startswith("precision bf16: no layer of") and n in proc.stdout
-                                                for n in run_start["machine"]), run_start["machine"]
+        printed = [cluster_line, f"fp8: {layers['converted']} of {layers['eligible']} layers"]
+    else:  # none: bf16, and the plan says why (a bf16 job has no FP8 layer to count)
+        assert layers == {"eligible": 0, "converted": 0, "kept_bf16": {}}, layers
+        printed = [cluster_line, *(n for n in run_start["machine"] if n.startswith("precision bf16: no layer of"))]
+        assert len(printed) == 2, run_start["machine"]
+    for line in printed:
+        assert line in proc.stdout and proc.stdout.index(line) < proc.stdout.index("Run directory:"), proc.stdout[:3000]
 
     config = yaml.safe_load((run_dir / "config.yaml").read_text())
     cluster, data, train = config["cluster"], config["data"], config["train"]

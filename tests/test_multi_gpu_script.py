@@ -43,6 +43,10 @@ def test_multi_gpu_script_restarts_a_killed_worker_through_torchrun_and_ray(tmp_
         events = read_jsonl(out / r["name"] / "events.jsonl")
         names = [e["event"] for e in events if e.get("worker_rank", 0) == 0]
         assert names.count("run_start") == 1 and names.count("run_end") == 1, names
+        # Both launchers record what the plan decided: the FP8 layers (all of them emulated on CPU) and the notes.
+        start = next(e for e in events if e["event"] == "run_start")
+        layers = start["fp8_layers"]
+        assert layers["converted"] == layers["eligible"] > 0 and isinstance(start["machine"], list), start
         assert names.count("worker_group_start") == 2 and names.count("worker_lost") == 1, names
         resume = next(e for e in events if e["event"] == "resume")
         assert resume["origin"] == "restart" and resume["from_step"] == EVERY, resume

@@ -8,7 +8,7 @@ import pytest
 
 from orchestration.observability import wandb_logger as wl
 from orchestration.observability import wandb_offline
-from tests.conftest import repo_on_path
+from tests.conftest import REPO, repo_on_path
 
 CONFIG = {
     "model": {"name": "debug_moe", "overrides": {}},
@@ -270,8 +270,7 @@ def test_restart_after_kill_backfills_from_metrics_jsonl(wandb_env):
     from orchestration.observability.events import RunDir
 
     run_dir = wandb_env / "run"
-    repo = Path(__file__).resolve().parents[1]
-    proc = subprocess.run([sys.executable, "-c", KILLED_SEGMENT, str(run_dir)], cwd=repo, capture_output=True,
+    proc = subprocess.run([sys.executable, "-c", KILLED_SEGMENT, str(run_dir)], cwd=REPO, capture_output=True,
                           check=False, text=True, timeout=60,
                           # WANDB_SERVICE would make the child share this process's wandb-core, which then
                           # keeps the killed child's stream open ("run ID in use"); Ray workers do not share it.

@@ -29,9 +29,6 @@ def build_job_plan(job: JobConfig, machine_notes: list[str] | tuple[str, ...] = 
     world = c.min_workers
     batch = plan_batch(job.train.global_batch_size, job.train.micro_batch_size, world)
     sharding = job.train.sharding if world > 1 else "none"
-    from orchestration.training.model_setup import plan_fp8
-
-    kept_bf16, fp8_eligible = plan_fp8(job, on_gpu=is_gpu_job(job))
     model_plan = plan_model(flavor, world_size=world, seq_len=job.data.seq_len, micro_batch=batch.micro_batch_size,
                             sharding="fsdp" if sharding == "fsdp" else "replicate",
                             activation_checkpointing=job.model.activation_checkpointing,
@@ -67,7 +64,7 @@ def build_job_plan(job: JobConfig, machine_notes: list[str] | tuple[str, ...] = 
         "fits": fits,
         "reasons": reasons,
         "workers_needed": workers_needed,
-        "fp8_layers": {"eligible": fp8_eligible, "converted": fp8_eligible - len(kept_bf16), "kept_bf16": kept_bf16},
+        "fp8_layers": fp8_layer_plan(job),
         "layouts": elastic_layouts(job),
         "machine": list(machine_notes),
         "scaling": scaling_plan(job) if c.fabric != "none" else None,
@@ -262,6 +259,15 @@ def _suggestion(job: JobConfig, workers_needed: int | None) -> str:
     return "suggestion: " + "; ".join(options)
 
 
+def fp8_layer_plan(job: JobConfig) -> dict[str, Any]:
+    """How many layers could train in FP8, how many do, and which stay bf16 with their size
+    (orchestration.training.model_setup.plan_fp8, what the workers convert)."""
+    from orchestration.training.model_setup import plan_fp8
+
+    kept_bf16, eligible = plan_fp8(job, on_gpu=is_gpu_job(job))
+    return {"eligible": eligible, "converted": eligible - len(kept_bf16), "kept_bf16": kept_bf16}
+
+
 def fp8_line(plan: dict[str, Any]) -> str | None:
     """How many layers train in FP8 and why the others stay bf16; None when the job has no FP8-eligible layer."""
     layers = plan.get("fp8_layers") or {}
@@ -277,7 +283,8 @@ def fp8_line(plan: dict[str, Any]) -> str | None:
 
 
 def start_lines(plan: dict[str, Any]) -> list[str]:
-    """What a run prints before it starts: what the machine decided (cluster, data shape) and the FP8 layer count."""
+    """What a run prints before it starts: what the machine decided (cluster, data shape) and the FP8 layer count.
+    `plan`: build_job_plan's, or any dict with its "machine" and "fp8_layers" (the torchrun launcher's)."""
     return [*plan.get("machine", ()), *filter(None, [fp8_line(plan)])]
 
 

@@ -47,11 +47,12 @@ def main(argv: list[str]) -> int:
     # torchrun fixes the world size: the elastic range is this one size.
     cfg.cluster.min_workers = cfg.cluster.max_workers = world
     try:
-        job, _ = resolve_job(cfg, this_process_gpus(world))
+        job, machine_notes = resolve_job(cfg, this_process_gpus(world))
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return CONFIG_ERROR_EXIT
 
+    from orchestration.driver.plan import fp8_layer_plan, plan_record, start_lines
     from orchestration.driver.ray_job import (
         close_run_dir,
         default_run_name,
@@ -96,7 +97,10 @@ def main(argv: list[str]) -> int:
         try:
             lock = RunLock(run_path).acquire()
             if not restarted:
-                run_dir = open_run_dir(job, run_name, launcher="torchrun", world_size=world)
+                plan = {"machine": machine_notes, "fp8_layers": fp8_layer_plan(job)}
+                for line in start_lines(plan):
+                    print(line, flush=True)
+                run_dir = open_run_dir(job, run_name, launcher="torchrun", world_size=world, **plan_record(plan))
         except ConfigError as exc:  # refused before the run directory changed
             if lock is not None:
                 lock.release()

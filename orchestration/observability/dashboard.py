@@ -90,9 +90,9 @@ def ray_executable() -> str:
 def ray_cli() -> str:
     """The `ray` command of this Python environment, as a user types it from the current directory (pure but for
     the lookup): .venv/bin/ray when the project's environment is not activated."""
-    beside = Path(sys.executable).parent / "ray"
-    if not beside.exists():
-        return ray_executable()
+    exe, beside = ray_executable(), Path(sys.executable).parent / "ray"
+    if exe != str(beside):
+        return exe
     if shutil.which("ray") == str(beside):
         return "ray"
     try:
