@@ -70,26 +70,26 @@ def scaled_mm(
         # rounded to bf16 (not what _scaled_mm computes), and on CPUs without native bf16 a matmul many times slower.
         with _autocast_off(a32.device.type):
             out = a32 @ b32
-        # Never a no-op .to(): in torch 2.11, an autograd.Function forward compiled by Dynamo that returned the
-        # tensor .to() handed back unchanged got a zero gradient in backward (every compiled FP8 block on CPU).
-        return out if out.dtype == out_dtype else out.to(out_dtype)
-    m, n = a_fp8.shape[0], b_fp8.shape[1]
-    tensorwise = inv_a.numel() == 1 and inv_b.numel() == 1
-    if tensorwise:
-        inv_a, inv_b = inv_a.reshape(()), inv_b.reshape(())
-        mm_dtype = out_dtype
     else:
-        # Rowwise _scaled_mm needs both scales as vectors and a bf16 output (cuBLASLt/CUTLASS constraint).
-        inv_a, inv_b = _as_col_vec(inv_a, m), _as_row_vec(inv_b, n)
-        mm_dtype = torch.bfloat16
-    out = torch._scaled_mm(
-        _row_major(a_fp8),
-        _col_major(b_fp8),
-        scale_a=inv_a,
-        scale_b=inv_b,
-        out_dtype=mm_dtype,
-        use_fast_accum=fast_accum,
-    )
+        m, n = a_fp8.shape[0], b_fp8.shape[1]
+        tensorwise = inv_a.numel() == 1 and inv_b.numel() == 1
+        if tensorwise:
+            inv_a, inv_b = inv_a.reshape(()), inv_b.reshape(())
+            mm_dtype = out_dtype
+        else:
+            # Rowwise _scaled_mm needs both scales as vectors and a bf16 output (cuBLASLt/CUTLASS constraint).
+            inv_a, inv_b = _as_col_vec(inv_a, m), _as_row_vec(inv_b, n)
+            mm_dtype = torch.bfloat16
+        out = torch._scaled_mm(
+            _row_major(a_fp8),
+            _col_major(b_fp8),
+            scale_a=inv_a,
+            scale_b=inv_b,
+            out_dtype=mm_dtype,
+            use_fast_accum=fast_accum,
+        )
+    # Never a no-op .to(): in torch 2.11, an autograd.Function forward compiled by Dynamo that returned the tensor
+    # .to() handed back unchanged got a zero gradient in backward (every compiled FP8 block on CPU).
     return out if out.dtype == out_dtype else out.to(out_dtype)
 
 

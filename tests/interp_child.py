@@ -51,9 +51,10 @@ def expose_or_run(namespace: dict, test_file: str, n_cases: int, parent_test_nam
         def parent_test():
             import pytest
 
-            if min_triton and installed_triton() < min_triton:
-                pytest.skip(f"Triton {'.'.join(map(str, installed_triton()))}'s interpreter cannot run these "
-                            f"kernels; it needs {'.'.join(map(str, min_triton))} or newer")
+            found = installed_triton()
+            if min_triton and found < min_triton:
+                pytest.skip(f"Triton {'.'.join(map(str, found))}'s interpreter cannot run these kernels; it needs "
+                            f"{'.'.join(map(str, min_triton))} or newer")
             run_child(test_file, n_cases)
 
         parent_test.__name__ = parent_test_name

@@ -50,7 +50,7 @@ def _loop_variants(benchmark):
 
 
 # Not named `benchmark`: the GPU image's pytest has a plugin whose `benchmark` fixture hook, handed this parameter,
-# stopped the whole session with an internal error.
+# stops pytest with an internal error, and the files after this one never run.
 @pytest.mark.parametrize("suite_benchmark", [b for s in GPU_SUITES for b in run_suite.SUITES[s]
                                        if b.script == "worker_throughput.py"], ids=lambda b: b.name)
 def test_every_product_loop_run_of_the_gpu_suites_is_a_config_the_product_accepts(suite_benchmark, monkeypatch):

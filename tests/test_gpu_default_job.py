@@ -28,7 +28,8 @@ def test_default_job_on_a_gpu_machine_trains_on_its_gpus(tmp_path, isolated_env,
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     run_dir = tmp_path / "runs" / "gpu_default"
     # What the machine decided is printed before the run starts and kept in its run_start event.
-    run_start = next(e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "run_start")
+    events = read_jsonl(run_dir / "events.jsonl")
+    run_start = next(e for e in events if e["event"] == "run_start")
     cluster_line = run_start["machine"][0]
     assert cluster_line.startswith(f"cluster: {gpus} cuda worker(s), 1 GPU and "), run_start["machine"]
     assert f"from this machine: {gpus} x {torch.cuda.get_device_name(0)}" in cluster_line
@@ -52,7 +53,7 @@ def test_default_job_on_a_gpu_machine_trains_on_its_gpus(tmp_path, isolated_env,
     assert data["seq_len"] == flavor.args.max_seq_len  # the model's context, not the CPU demo's 128
     assert train["global_batch_size"] == max(1, flavor.tokens_per_gpu_step // data["seq_len"]) * gpus
 
-    start = next(e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "worker_group_start")
+    start = next(e for e in events if e["event"] == "worker_group_start")
     assert start["world_size"] == gpus
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     assert [m["step"] for m in metrics][-1] == STEPS and all(m["mfu"] > 0 for m in metrics)
