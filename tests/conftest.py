@@ -45,6 +45,14 @@ def repo_on_path(env: dict[str, str] | None = None) -> dict[str, str]:
 CPU_CLUSTER_ENV = {"CUDA_VISIBLE_DEVICES": ""}
 
 
+def launch_env(tmp: Path, **extra: str) -> dict:
+    """The environment of a launched job: W&B offline under `tmp`, Ray's token authentication off (isolated_env
+    says why), usage stats off, GPUs hidden (CPU_CLUSTER_ENV); `extra` adds or replaces keys. Module-scoped
+    fixtures use it directly; a test's own jobs get isolated_env, which builds on it."""
+    return {**os.environ, "WANDB_MODE": "offline", "WANDB_DIR": str(tmp / "wandb"), "RAY_AUTH_MODE": "disabled",
+            "PYTHONUNBUFFERED": "1", "RAY_USAGE_STATS_ENABLED": "0", **CPU_CLUSTER_ENV, **extra}
+
+
 def marked_processes(name: str, value: str) -> dict[int, str]:
     """pid -> command line of every process whose environment has name=value (this process left out)."""
     needle = f"{name}={value}".encode()
@@ -117,13 +125,9 @@ def isolated_env(tmp_path):
     GPUs are hidden (CPU_CLUSTER_ENV)."""
     ray_tmpdir = tempfile.mkdtemp(prefix="rt_", dir="/tmp")
     mark = uuid.uuid4().hex
-    env = dict(os.environ)
-    env.update({
-        "WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path / "wandb"), "WANDB_CACHE_DIR": str(tmp_path / "wandb_cache"),
-        "WANDB_CONFIG_DIR": str(tmp_path / "wandb_config"), "WANDB_DATA_DIR": str(tmp_path / "wandb_data"),
-        "RAY_AUTH_MODE": "disabled", "PYTHONUNBUFFERED": "1", "RAY_USAGE_STATS_ENABLED": "0",
-        "RAY_TMPDIR": ray_tmpdir, TEST_MARK_ENV: mark, **CPU_CLUSTER_ENV,
-    })
+    env = launch_env(tmp_path, WANDB_CACHE_DIR=str(tmp_path / "wandb_cache"),
+                     WANDB_CONFIG_DIR=str(tmp_path / "wandb_config"), WANDB_DATA_DIR=str(tmp_path / "wandb_data"),
+                     RAY_TMPDIR=ray_tmpdir, **{TEST_MARK_ENV: mark})
     try:
         yield env
     finally:

@@ -64,7 +64,10 @@ def test_nodes_join_and_leave_at_random_for_ten_minutes(tmp_path):
         driver = subprocess.Popen([sys.executable, str(REPO / "launch.py"), *SETTINGS, f"run_root={tmp_path}",
                                    "run_name=churn", f"cluster.address={cluster.address}"],
                                   cwd=REPO, env=cluster.env, stdout=log, stderr=subprocess.STDOUT)
-        wait_until(lambda: last_step(run_dir) >= 1, 240, "the first step")
+        try:
+            wait_until(lambda: last_step(run_dir) >= 1, 240, "the first step")
+        except TimeoutError as exc:
+            raise AssertionError(f"{exc}; the driver's output: {(tmp_path / 'driver.log').read_text()[-4000:]}") from exc
         t_start = time.time()
         while time.time() - t_start < CHURN_S:
             time.sleep(rng.uniform(30, 70))

@@ -13,6 +13,7 @@ import torch
 
 from benchmarks import run_suite
 from benchmarks.common import RESULT_KEYS, write_result
+from tests.interp_child import QUANTIZE_INTERPRETER_TRITON, skip_if_interpreter_older_than
 
 REPO = Path(__file__).resolve().parent.parent
 GPU_SUITES = ("kernels", "dense", "moe", "loop", "mission", "checkpoint", "quality_dense",
@@ -165,6 +166,7 @@ def test_missing_module_is_installed_from_the_wheel_dir_for_the_runner_and_its_p
 def test_smoke_suite_writes_real_results_through_the_runner(tmp_path):
     """Two programs at tiny shapes on CPU, run by the runner: each file holds the program's own results - the kernels'
     checks against fp8.reference (Triton interpreter), the MoE FFN's SQNR against float64 (emulated FP8)."""
+    skip_if_interpreter_older_than(QUANTIZE_INTERPRETER_TRITON)  # fp8_kernels.py --smoke runs them interpreted
     assert run_suite.main(["smoke", "--results", str(tmp_path), "--scratch", str(tmp_path / "scratch")]) == 0
     kernels = json.loads((tmp_path / "fp8_kernels_smoke.json").read_text())
     assert tuple(kernels) == RESULT_KEYS and kernels["returncode"] == 0

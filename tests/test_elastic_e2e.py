@@ -19,7 +19,6 @@ at a near tie, and from then on the two trajectories part by more than summation
 """
 
 import json
-import os
 import subprocess
 import sys
 import sysconfig
@@ -31,7 +30,7 @@ import pytest
 from orchestration.driver.autoscale_local import wait_until
 from orchestration.observability import dashboard as dash
 from orchestration.observability.events import read_jsonl
-from tests.conftest import CPU_CLUSTER_ENV, REPO, launch
+from tests.conftest import REPO, launch, launch_env
 
 pytestmark = pytest.mark.slow
 
@@ -85,10 +84,8 @@ def tokenized_reference_loss(tmp_path_factory, tokenized_data):
 
 
 def _env(tmp: Path) -> dict:
-    env = dict(os.environ)
-    env.update({"RAY_AUTH_MODE": "disabled", "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1",
-                "RAY_USAGE_STATS_ENABLED": "0", "WANDB_DIR": str(tmp), **CPU_CLUSTER_ENV})
-    return env
+    """W&B off: these runs compare losses and events, not W&B records."""
+    return launch_env(tmp, WANDB_MODE="disabled")
 
 
 def events_of(run_dir: Path, name: str) -> list[dict]:

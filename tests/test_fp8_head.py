@@ -12,7 +12,7 @@ import copy
 import pytest
 import torch
 
-from tests.interp_child import IN_CHILD, expose_or_run
+from tests.interp_child import IN_CHILD, QUANTIZE_INTERPRETER_TRITON, expose_or_run
 
 IGNORE = -100
 
@@ -389,4 +389,5 @@ N_INTERP_CASES = 2
 # Triton 3.6's interpreter (the GPU image's) fails on these kernels' loops over a runtime bound ("only 0-dimensional
 # arrays can be converted to Python scalars"); 3.8.0 and 3.9.0 run them. On a GPU machine the GPU cases above
 # check the same kernels against the references.
-expose_or_run(globals(), __file__, N_INTERP_CASES, "test_cross_entropy_kernels_in_subprocess", min_triton=(3, 8))
+expose_or_run(globals(), __file__, N_INTERP_CASES, "test_cross_entropy_kernels_in_subprocess",
+              min_triton=QUANTIZE_INTERPRETER_TRITON)

@@ -21,7 +21,7 @@ from fp8 import reference as ref
 from fp8.kernels import quantize as fq
 from fp8.kernels import transposed as ft
 from fp8.kernels import triton_fp8
-from tests.interp_child import expose_or_run
+from tests.interp_child import QUANTIZE_INTERPRETER_TRITON, expose_or_run
 
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz]
 EXPECTED_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0, torch.float8_e4m3fnuz: 240.0,
@@ -354,4 +354,5 @@ N_INTERP_CASES = 4 + 12 + 8 + 1 + 8 + 2 + 1 + 1 + 1 + 1 + 1  # test_interp_* ite
 
 # The interpreter of Triton 3.7.1 failed 16 of these cases and 3.6's 23 (no e4m3fnuz/e5m2fnuz types, a 1-element
 # array converted to a Python scalar); 3.8.0 and 3.9.0 pass them all.
-expose_or_run(globals(), __file__, N_INTERP_CASES, "test_triton_kernels_in_subprocess", min_triton=(3, 8))
+expose_or_run(globals(), __file__, N_INTERP_CASES, "test_triton_kernels_in_subprocess",
+              min_triton=QUANTIZE_INTERPRETER_TRITON)

@@ -130,7 +130,11 @@ def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: flo
         if metrics and metrics[-1]["step"] >= step:
             return metrics[-1]["step"]
         time.sleep(0.2)
-    raise AssertionError(f"step {step} not reached; output: {proc.stdout.read()[-3000:] if proc.poll() else ''}")
+    if proc.poll() is None:  # still running: end it, so that its output so far can be read and shown
+        kill_tree(process_tree(proc.pid))
+    out, _ = proc.communicate(timeout=60)
+    raise AssertionError(f"step {step} not reached in {timeout:.0f} s (exit code {proc.returncode}); output: "
+                         f"{out[-3000:]}")
 
 
 # -- the tests ----------------------------------------------------------------------------------------------------
@@ -151,7 +155,7 @@ def test_disk_full_fails_once_with_its_cause_and_keeps_the_last_checkpoint(small
     # The preflight saw that three checkpoints (keep_last) and the next one do not fit in 14 MiB.
     assert "free on" in out and "checkpoint needs" in out, out[-4000:]
     assert f"no space left on {small_disk}" in out and "or point run_root elsewhere" in out, out[-4000:]
-    assert "Error executing job" not in out and "Traceback" not in proc.stderr
+    assert "Error executing job" not in out and "Traceback" not in proc.stderr, out[-6000:]
 
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "failed"

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from orchestration.observability.events import read_jsonl
-from tests.conftest import CPU_CLUSTER_ENV, REPO, launch
+from tests.conftest import REPO, launch, launch_env
 
 pytestmark = pytest.mark.slow
 
@@ -37,19 +37,13 @@ def torchrun(env: dict, run_root: Path, *overrides: str, timeout: float = 300) -
 @pytest.fixture(scope="module")
 def saved_run(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("saved_root")
-    proc = torchrun(_env(root), root, "train.steps=10")
+    proc = torchrun(launch_env(root), root, "train.steps=10")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     steps = sorted(p.name for p in (root / RUN / "checkpoints").iterdir())
     assert steps == ["step_000000", "step_000005", "step_000010"], steps
     return root
 
 
-def _env(tmp: Path) -> dict:
-    """tests.conftest.isolated_env for a module-scoped fixture."""
-    import os
-
-    return {**os.environ, "WANDB_MODE": "offline", "WANDB_DIR": str(tmp / "wandb"), "RAY_AUTH_MODE": "disabled",
-            "PYTHONUNBUFFERED": "1", "RAY_USAGE_STATS_ENABLED": "0", **CPU_CLUSTER_ENV}
 
 
 @pytest.fixture
