@@ -5,9 +5,12 @@ Legend: sd = state dict; full sd = unsharded tensors gathered on rank 0.
 
 from __future__ import annotations
 
+import errno
 import json
 import random
 import re
+import subprocess
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -16,10 +19,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
+from torch.distributed.checkpoint import CheckpointException
 
 from orchestration.checkpoint.directory import MANIFEST, CheckpointError, CheckpointInfo, ray_checkpoint_dir
 from orchestration.checkpoint.manager import CheckpointManager
 from orchestration.checkpoint.rng import derive_rng_seed
+from orchestration.training.checkpointing import is_out_of_space
 from tests.spawned import free_port, rank_process_group
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -399,6 +404,78 @@ def test_corrupt_checkpoint_is_skipped_with_event(tmp_path, kind):
     assert bad.is_dir()
     with pytest.raises(CheckpointError, match=f"checkpoint {bad}"):
         mgr.verify(bad)
+
+
+@pytest.fixture
+def escaped_thread_errors(monkeypatch) -> list:
+    """The exceptions that reach the process's thread exception hook (Python's default prints them; pytest's own
+    plugin keeps them from the console, so the test stands in a recorder for it)."""
+    escaped: list = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: escaped.append(args.exc_value))
+    return escaped
+
+
+def _writer_threads(monkeypatch, n: int) -> None:
+    """Saves write from n threads (io_threads() is the machine's: min(8, CPUs per local rank), 2 on a 2-core CI
+    machine, 8 on a 16-core GPU node)."""
+    from orchestration.checkpoint import writer
+
+    monkeypatch.setattr(writer, "io_threads", lambda: n)
+
+
+def test_a_failed_dcp_writer_thread_fails_the_save_and_the_last_checkpoint_stays_latest(tmp_path, monkeypatch,
+                                                                                         escaped_thread_errors):
+    """DCP's FileSystemWriter writes from threads of its own besides the caller's; an exception in one ends only that
+    thread: Python printed its traceback and dcp.save returned normally without that thread's files, so the save
+    published a checkpoint that did not load. A disk error in those threads (injected: an EIO cannot be had on
+    demand here) now fails the save with its cause, prints no traceback, and the previous checkpoint stays latest."""
+    import torch.distributed.checkpoint.filesystem as dcp_filesystem
+
+    mgr, _events, (model, opt, sched) = _saved(tmp_path, [1])
+    _writer_threads(monkeypatch, 4)
+    write_item, side_thread_wrote = dcp_filesystem._write_item, threading.Event()
+
+    def failing_off_the_caller_thread(*args, **kwargs):
+        if threading.current_thread() is threading.main_thread():
+            side_thread_wrote.wait(10)  # a side thread takes a file first, however the threads are scheduled
+            return write_item(*args, **kwargs)
+        side_thread_wrote.set()
+        raise OSError(errno.EIO, "Input/output error (injected)")
+
+    monkeypatch.setattr(dcp_filesystem, "_write_item", failing_off_the_caller_thread)
+    with pytest.raises(CheckpointError, match=r"writing .*step_000002 failed: rank 0: OSError: \[Errno 5\] Input/"):
+        mgr.save(2, model, opt, sched, {"data": {"next_index": 8}})
+    assert side_thread_wrote.is_set() and escaped_thread_errors == []
+    assert [step for step, _ in mgr.finalized()] == [1] and mgr.latest().step == 1
+    model2, opt2, sched2 = build(seed=5)
+    assert mgr.load(mgr.latest(), model2, opt2, sched2) == {"data": {"next_index": 4}}
+
+
+def test_a_full_disk_under_several_writer_threads_fails_the_save_without_a_traceback(tmp_path, monkeypatch,
+                                                                                    escaped_thread_errors):
+    """A real full disk (a 1 MiB tmpfs; root mounts it, as CI runs) and eight writer threads, as on a 16-core node:
+    the save fails naming the full disk, and no writer thread's traceback reaches the console (a worker's console
+    showed them on an H100 node)."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], check=False,
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a size-limited tmpfs here (needs root): {proc.stderr.strip()}")
+    try:
+        _writer_threads(monkeypatch, 8)
+        mgr = CheckpointManager(mount / "ck", rank=0, world_size=1)
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Linear(128, 128) for _ in range(16)])  # 16 x 66 KB of weights: more than 1 MiB
+        # DCP's own CheckpointException when the caller's thread failed too, CheckpointError when only other threads
+        # did: the training loop takes both, and tells a full disk by is_out_of_space.
+        with pytest.raises((CheckpointError, CheckpointException)) as failure:
+            mgr.save(1, model, None, None, {})
+        assert is_out_of_space(failure.value), failure.value
+        assert escaped_thread_errors == []
+        assert mgr.finalized() == []
+    finally:
+        subprocess.run(["umount", "--lazy", str(mount)], check=False)
 
 
 def test_partial_dir_with_only_some_files_and_no_valid_checkpoint(tmp_path):

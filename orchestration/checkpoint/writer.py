@@ -3,10 +3,12 @@ Runs on the training thread (synchronous saves) or in the save thread (backgroun
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -62,6 +64,45 @@ def describe_error(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
 
 
+@contextlib.contextmanager
+def dcp_writer_thread_errors() -> Iterator[list[BaseException]]:
+    """What DCP's writer threads raise during one dcp.save. FileSystemWriter(thread_count=n) writes from n - 1
+    threads of its own besides the caller; an exception in one of them ends that thread only: Python's default
+    hook prints its traceback and dcp.save returns normally, without the files that thread held (torch 2.11 and
+    2.13: an EIO injected into the side threads gave a normal return and a checkpoint that failed to load; a full
+    disk printed the threads' tracebacks in a worker's console on a 16-core machine, where io_threads() is 8).
+    While this is open, threading.excepthook keeps those exceptions in the list it yields; any other thread's
+    exception goes to the hook that was there before, which is put back at the end. One save at a time (a lock)."""
+    errors: list[BaseException] = []
+    with _WRITER_ERRORS_LOCK:
+        previous = threading.excepthook
+
+        def keep_dcp_writer_errors(args: threading.ExceptHookArgs) -> None:
+            if args.exc_value is not None and _raised_in_dcp_writer(args.exc_traceback):
+                errors.append(args.exc_value)
+            else:
+                previous(args)
+
+        threading.excepthook = keep_dcp_writer_errors
+        try:
+            yield errors
+        finally:
+            if threading.excepthook is keep_dcp_writer_errors:  # unless something replaced it meanwhile
+                threading.excepthook = previous
+
+
+_WRITER_ERRORS_LOCK = threading.Lock()
+
+
+def _raised_in_dcp_writer(tb: Any) -> bool:
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if code.co_name == "_write_files_from_queue" and "checkpoint" in code.co_filename:
+            return True
+        tb = tb.tb_next
+    return False
+
+
 def deleted_events(deleted: list[tuple[int, Path]], reason: str = "retention") -> list[tuple[str, dict]]:
     return [("checkpoint_deleted", {"step": step, "path": str(path), "reason": reason}) for step, path in deleted]
 
@@ -75,9 +116,11 @@ def write_and_finalize(job: SaveJob, *, rank: int, world_size: int, checksum: st
     # Several writer threads (each rank then writes that many files): one thread could not fill the disk's bandwidth
     # (BENCHMARKS.md "Checkpoint stall"). DCP's single-process warning is filtered at import (warnings.catch_warnings is not
     # thread-safe, and this runs in the save thread).
-    dcp.save(job.tensors, storage_writer=dcp.FileSystemWriter(tmp / DCP_DIR, thread_count=io_threads()),
-             process_group=group)
-    error = None
+    with dcp_writer_thread_errors() as thread_errors:
+        dcp.save(job.tensors, storage_writer=dcp.FileSystemWriter(tmp / DCP_DIR, thread_count=io_threads()),
+                 process_group=group)
+    # A writer thread that failed left its files unwritten while dcp.save returned: this save fails on every rank.
+    error = describe_error(thread_errors[0]) if thread_errors else None
     try:
         (tmp / rng_file_name(rank)).write_bytes(job.rng_bytes)
         if rank == 0:
@@ -86,7 +129,7 @@ def write_and_finalize(job: SaveJob, *, rank: int, world_size: int, checksum: st
                 (tmp / SCHEDULER).write_bytes(job.sched_bytes)
             (tmp / EXTRA_STATE).write_text(job.extra_json, encoding="ascii")
     except OSError as e:
-        error = describe_error(e)
+        error = error or describe_error(e)
     sync_errors(error, f"writing {tmp}", group)
 
     # Hash in parallel: rank 0's listing is the truth (directory caches may lag on network filesystems).
