@@ -1,3 +1,4 @@
+import contextlib
 import os
 import shutil
 import signal
@@ -6,6 +7,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -36,6 +38,21 @@ def repo_on_path(env: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ if env is None else env)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
     return env
+
+
+@contextlib.contextmanager
+def size_limited_tmpfs(mount: Path, size: str) -> Iterator[Path]:
+    """A real small disk: a tmpfs of `size` (mount's -o size=, e.g. "14m") at `mount`, unmounted at the end; the
+    test is skipped where mounting needs root and this is not root (CI runs as root)."""
+    mount.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)], check=False,
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a size-limited tmpfs here (needs root): {proc.stderr.strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "--lazy", str(mount)], check=False)
 
 
 # The environment of jobs written for the embedded CPU cluster (2 gloo workers, the demo's data shape), on any

@@ -9,7 +9,6 @@ import errno
 import json
 import random
 import re
-import subprocess
 import threading
 from pathlib import Path
 
@@ -25,6 +24,7 @@ from orchestration.checkpoint.directory import MANIFEST, CheckpointError, Checkp
 from orchestration.checkpoint.manager import CheckpointManager
 from orchestration.checkpoint.rng import derive_rng_seed
 from orchestration.training.checkpointing import is_out_of_space
+from tests.conftest import size_limited_tmpfs
 from tests.spawned import free_port, rank_process_group
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -456,13 +456,7 @@ def test_a_full_disk_under_several_writer_threads_fails_the_save_without_a_trace
     """A real full disk (a 1 MiB tmpfs; root mounts it, as CI runs) and eight writer threads, as on a 16-core node:
     the save fails naming the full disk, and no writer thread's traceback reaches the console (a worker's console
     showed them on an H100 node)."""
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], check=False,
-                          capture_output=True, text=True)
-    if proc.returncode != 0:
-        pytest.skip(f"cannot mount a size-limited tmpfs here (needs root): {proc.stderr.strip()}")
-    try:
+    with size_limited_tmpfs(tmp_path / "disk", "1m") as mount:
         _writer_threads(monkeypatch, 8)
         mgr = CheckpointManager(mount / "ck", rank=0, world_size=1)
         torch.manual_seed(0)
@@ -474,8 +468,6 @@ def test_a_full_disk_under_several_writer_threads_fails_the_save_without_a_trace
         assert is_out_of_space(failure.value), failure.value
         assert escaped_thread_errors == []
         assert mgr.finalized() == []
-    finally:
-        subprocess.run(["umount", "--lazy", str(mount)], check=False)
 
 
 def test_partial_dir_with_only_some_files_and_no_valid_checkpoint(tmp_path):

@@ -16,7 +16,7 @@ import pytest
 
 from orchestration.driver.run_lock import process_start_ticks
 from orchestration.observability.events import read_jsonl
-from tests.conftest import REPO, launch, ray_services_still_up
+from tests.conftest import REPO, launch, ray_services_still_up, size_limited_tmpfs
 
 pytestmark = pytest.mark.slow
 
@@ -29,16 +29,8 @@ DENSE = ["model=debug_dense", "logging.wandb=false", "train.log_every=1", "check
 @pytest.fixture
 def small_disk(tmp_path):
     """A 14 MiB tmpfs (debug_dense checkpoints are 5.53 MB: two fit, a third does not); unmounted afterwards."""
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=14m", "tmpfs", str(mount)], check=False,
-                          capture_output=True, text=True)
-    if proc.returncode != 0:
-        pytest.skip(f"cannot mount a size-limited tmpfs here (needs root): {proc.stderr.strip()}")
-    try:
+    with size_limited_tmpfs(tmp_path / "disk", "14m") as mount:
         yield mount
-    finally:
-        subprocess.run(["umount", "--lazy", str(mount)], check=False)
 
 
 def process_tree(root_pid: int) -> list[int]:
@@ -177,16 +169,8 @@ def test_disk_full_fails_once_with_its_cause_and_keeps_the_last_checkpoint(small
 
 
 def test_preflight_refuses_a_disk_that_cannot_hold_one_checkpoint(tmp_path, isolated_env):
-    mount = tmp_path / "tiny"
-    mount.mkdir()
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)], check=False,
-                          capture_output=True, text=True)
-    if proc.returncode != 0:
-        pytest.skip(f"cannot mount a size-limited tmpfs here (needs root): {proc.stderr.strip()}")
-    try:
+    with size_limited_tmpfs(tmp_path / "tiny", "2m") as mount:
         refused = launch(isolated_env, f"run_root={mount}", "run_name=tiny", *DENSE, "train.steps=10", timeout=120)
-    finally:
-        subprocess.run(["umount", "--lazy", str(mount)], check=False)
     assert refused.returncode == 2, refused.stdout[-2000:] + refused.stderr[-2000:]
     assert "checkpoint needs" in refused.stderr and "point run_root elsewhere" in refused.stderr
     assert "Ray dashboard" not in refused.stdout
