@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import random
 import re
 import threading
@@ -423,32 +424,95 @@ def _writer_threads(monkeypatch, n: int) -> None:
     monkeypatch.setattr(writer, "io_threads", lambda: n)
 
 
+def _failing_dcp_writes(*, caller_fails: bool) -> None:
+    """Make DCP's writes fail (injected: a disk error cannot be had on demand here). Its own writer threads raise
+    EIO; the caller's thread writes normally, once a side thread has taken a file (however the threads are
+    scheduled). caller_fails: the caller's thread raises ENOSPC instead, and the side threads fail 0.2 s after it,
+    when dcp.save is already raising without having joined them."""
+    import time
+
+    import torch.distributed.checkpoint.filesystem as dcp_filesystem
+
+    write_item, side_started, caller_failed = dcp_filesystem._write_item, threading.Event(), threading.Event()
+
+    def write(*args, **kwargs):
+        if threading.current_thread() is threading.main_thread():
+            assert side_started.wait(10), "no DCP writer thread took a file"
+            if caller_fails:
+                caller_failed.set()
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return write_item(*args, **kwargs)
+        side_started.set()
+        if caller_fails:
+            caller_failed.wait(10)
+            time.sleep(0.2)
+        raise OSError(errno.EIO, "Input/output error (injected)")
+
+    dcp_filesystem._write_item = write
+
+
+def _dcp_writer_threads_alive() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.endswith("(_write_files_from_queue)")]
+
+
+@pytest.mark.parametrize("caller_fails", [False, True], ids=["side_threads_fail", "caller_fails_first"])
 def test_a_failed_dcp_writer_thread_fails_the_save_and_the_last_checkpoint_stays_latest(tmp_path, monkeypatch,
-                                                                                         escaped_thread_errors):
+                                                                                         escaped_thread_errors,
+                                                                                         caller_fails):
     """DCP's FileSystemWriter writes from threads of its own besides the caller's; an exception in one ends only that
     thread: Python printed its traceback and dcp.save returned normally without that thread's files, so the save
-    published a checkpoint that did not load. A disk error in those threads (injected: an EIO cannot be had on
-    demand here) now fails the save with its cause, prints no traceback, and the previous checkpoint stays latest."""
+    published a checkpoint that did not load. Such a failure now fails the save with its cause; when the caller's
+    thread fails first (DCP's own CheckpointException), its threads are joined before the save returns. Either way
+    no exception escapes to the process's hook and the previous checkpoint stays the latest."""
     import torch.distributed.checkpoint.filesystem as dcp_filesystem
 
     mgr, _events, (model, opt, sched) = _saved(tmp_path, [1])
     _writer_threads(monkeypatch, 4)
-    write_item, side_thread_wrote = dcp_filesystem._write_item, threading.Event()
-
-    def failing_off_the_caller_thread(*args, **kwargs):
-        if threading.current_thread() is threading.main_thread():
-            side_thread_wrote.wait(10)  # a side thread takes a file first, however the threads are scheduled
-            return write_item(*args, **kwargs)
-        side_thread_wrote.set()
-        raise OSError(errno.EIO, "Input/output error (injected)")
-
-    monkeypatch.setattr(dcp_filesystem, "_write_item", failing_off_the_caller_thread)
-    with pytest.raises(CheckpointError, match=r"writing .*step_000002 failed: rank 0: OSError: \[Errno 5\] Input/"):
-        mgr.save(2, model, opt, sched, {"data": {"next_index": 8}})
-    assert side_thread_wrote.is_set() and escaped_thread_errors == []
+    monkeypatch.setattr(dcp_filesystem, "_write_item", dcp_filesystem._write_item)  # put back at the end
+    _failing_dcp_writes(caller_fails=caller_fails)
+    if caller_fails:
+        with pytest.raises(CheckpointException) as failure:
+            mgr.save(2, model, opt, sched, {"data": {"next_index": 8}})
+        assert is_out_of_space(failure.value), failure.value
+    else:
+        with pytest.raises(CheckpointError, match=r"writing .*step_000002 failed: rank 0: OSError: \[Errno 5\] Inp"):
+            mgr.save(2, model, opt, sched, {"data": {"next_index": 8}})
+    assert _dcp_writer_threads_alive() == [] and escaped_thread_errors == []
     assert [step for step, _ in mgr.finalized()] == [1] and mgr.latest().step == 1
     model2, opt2, sched2 = build(seed=5)
     assert mgr.load(mgr.latest(), model2, opt2, sched2) == {"data": {"next_index": 4}}
+
+
+def _side_thread_failure_worker(rank: int, world: int, port: int, root: str, out: str) -> None:
+    from orchestration.checkpoint import writer
+
+    torch.set_num_threads(1)
+    with rank_process_group("gloo", f"tcp://127.0.0.1:{port}", rank, world):
+        model, opt, sched = build(seed=0)
+        mgr = CheckpointManager(root, rank=rank, world_size=world)
+        mgr.save(1, model, opt, sched, {})
+        writer.io_threads = lambda: 4  # type: ignore[assignment]  # as on a node with CPUs to spare
+        if rank == 1:
+            _failing_dcp_writes(caller_fails=False)
+        try:
+            mgr.save(2, model, opt, sched, {})
+            outcome = "saved"
+        except CheckpointError as e:
+            outcome = str(e)
+        Path(out, f"rank{rank}.json").write_text(json.dumps({"outcome": outcome,
+                                                             "finalized": [s for s, _ in mgr.finalized()]}))
+
+
+def test_a_writer_thread_failing_on_one_rank_fails_the_save_on_every_rank(tmp_path):
+    """Only rank 1's writer threads fail: both ranks raise the same error, naming rank 1, and step 1 stays."""
+    out = tmp_path / "out"
+    out.mkdir()
+    mp.spawn(_side_thread_failure_worker, args=(2, free_port(), str(tmp_path / "ck"), str(out)), nprocs=2, join=True)
+    outcomes = [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    for got in outcomes:
+        assert re.fullmatch(r"writing .*step_000002 failed: rank 1: OSError: \[Errno 5\] Input/output error \(injected\)",
+                            got["outcome"]), got
+        assert got["finalized"] == [1]
 
 
 def test_a_full_disk_under_several_writer_threads_fails_the_save_without_a_traceback(tmp_path, monkeypatch,
@@ -460,13 +524,13 @@ def test_a_full_disk_under_several_writer_threads_fails_the_save_without_a_trace
         _writer_threads(monkeypatch, 8)
         mgr = CheckpointManager(mount / "ck", rank=0, world_size=1)
         torch.manual_seed(0)
-        model = nn.Sequential(*[nn.Linear(128, 128) for _ in range(16)])  # 16 x 66 KB of weights: more than 1 MiB
+        model = nn.Sequential(*[nn.Linear(128, 128) for _ in range(24)])  # 24 x 66 KB of weights: 1.5 MiB
         # DCP's own CheckpointException when the caller's thread failed too, CheckpointError when only other threads
         # did: the training loop takes both, and tells a full disk by is_out_of_space.
         with pytest.raises((CheckpointError, CheckpointException)) as failure:
             mgr.save(1, model, None, None, {})
         assert is_out_of_space(failure.value), failure.value
-        assert escaped_thread_errors == []
+        assert _dcp_writer_threads_alive() == [] and escaped_thread_errors == []
         assert mgr.finalized() == []
 
 

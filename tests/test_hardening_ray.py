@@ -124,7 +124,10 @@ def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: flo
         time.sleep(0.2)
     if proc.poll() is None:  # still running: end it, so that its output so far can be read and shown
         kill_tree(process_tree(proc.pid))
-    out, _ = proc.communicate(timeout=60)
+    try:
+        out, _ = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired as exc:  # a process outside the tree still holds the pipe
+        out = (exc.output or b"").decode(errors="replace") if isinstance(exc.output, bytes) else exc.output or ""
     raise AssertionError(f"step {step} not reached in {timeout:.0f} s (exit code {proc.returncode}); output: "
                          f"{out[-3000:]}")
 

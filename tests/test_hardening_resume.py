@@ -44,8 +44,6 @@ def saved_run(tmp_path_factory) -> Path:
     return root
 
 
-
-
 @pytest.fixture
 def run_copy(saved_run, tmp_path) -> Path:
     """A private copy of the saved run's root; returns the run root."""

@@ -72,10 +72,12 @@ def dcp_writer_thread_errors() -> Iterator[list[BaseException]]:
     2.13: an EIO injected into the side threads gave a normal return and a checkpoint that failed to load; a full
     disk printed the threads' tracebacks in a worker's console on a 16-core machine, where io_threads() is 8).
     While this is open, threading.excepthook keeps those exceptions in the list it yields; any other thread's
-    exception goes to the hook that was there before, which is put back at the end. One save at a time (a lock)."""
+    exception goes to the hook that was there before, which is put back at the end. When the caller's own writes
+    fail, dcp.save raises without joining its threads: they are joined here first, so that none is left writing
+    into the directory being removed or reports its error after the hook is gone. One save at a time (a lock)."""
     errors: list[BaseException] = []
     with _WRITER_ERRORS_LOCK:
-        previous = threading.excepthook
+        previous, threads_before = threading.excepthook, set(threading.enumerate())
 
         def keep_dcp_writer_errors(args: threading.ExceptHookArgs) -> None:
             if args.exc_value is not None and _raised_in_dcp_writer(args.exc_traceback):
@@ -87,17 +89,22 @@ def dcp_writer_thread_errors() -> Iterator[list[BaseException]]:
         try:
             yield errors
         finally:
+            for thread in set(threading.enumerate()) - threads_before:
+                if thread.name.endswith(f"({DCP_WRITER_FUNCTION})"):  # Python's default name: "Thread-N (target)"
+                    thread.join()  # as dcp.save itself does when its own writes succeed
             if threading.excepthook is keep_dcp_writer_errors:  # unless something replaced it meanwhile
                 threading.excepthook = previous
 
 
+# The function DCP's FileSystemWriter runs in each of its writer threads (torch 2.11 to 2.13).
+DCP_WRITER_FUNCTION = "_write_files_from_queue"
 _WRITER_ERRORS_LOCK = threading.Lock()
 
 
 def _raised_in_dcp_writer(tb: Any) -> bool:
     while tb is not None:
         code = tb.tb_frame.f_code
-        if code.co_name == "_write_files_from_queue" and "checkpoint" in code.co_filename:
+        if code.co_name == DCP_WRITER_FUNCTION and "checkpoint" in code.co_filename:
             return True
         tb = tb.tb_next
     return False
@@ -119,8 +126,10 @@ def write_and_finalize(job: SaveJob, *, rank: int, world_size: int, checksum: st
     with dcp_writer_thread_errors() as thread_errors:
         dcp.save(job.tensors, storage_writer=dcp.FileSystemWriter(tmp / DCP_DIR, thread_count=io_threads()),
                  process_group=group)
-    # A writer thread that failed left its files unwritten while dcp.save returned: this save fails on every rank.
-    error = describe_error(thread_errors[0]) if thread_errors else None
+    # A writer thread that failed left its files unwritten while dcp.save returned: this save fails on every rank,
+    # with an OSError where one was raised (a full disk's errno; torch's zip writer then adds "unexpected pos ...").
+    first = next((e for e in thread_errors if isinstance(e, OSError)), thread_errors[0]) if thread_errors else None
+    error = describe_error(first) if first is not None else None
     try:
         (tmp / rng_file_name(rank)).write_bytes(job.rng_bytes)
         if rank == 0:
