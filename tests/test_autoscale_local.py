@@ -109,6 +109,37 @@ def test_the_autoscale_local_preset_spans_the_fake_clusters_nodes():
     assert preset["device"] == "cpu" and preset["gpus_per_worker"] == 0
 
 
+def test_ports_are_picked_free_and_below_the_ephemeral_range_and_again_for_each_try(tmp_path, monkeypatch):
+    """Outgoing connections take their local ports from the ephemeral range: a listener's port picked there may be
+    taken before `ray start` binds it. Given ports are kept on every try."""
+    import socket
+
+    low, high = al.ephemeral_ports()
+    assert al.PORT_FLOOR < low <= high
+    ports = {al.free_port() for _ in range(20)}
+    assert all(al.PORT_FLOOR <= port < low for port in ports) and len(ports) > 1
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", ports.pop()))  # free: it binds
+    def ports_of_two_failed_tries(cluster: al.LocalAutoscalingCluster) -> list[tuple[int, str]]:
+        tries = []
+
+        def failing_start(timeout_s: float) -> al.LocalAutoscalingCluster:
+            tries.append((cluster.port, cluster.dashboard_url))
+            raise TimeoutError("the on-demand node was not up")
+
+        monkeypatch.setattr(cluster, "_start_once", failing_start)
+        with pytest.raises(TimeoutError):
+            cluster.start(attempts=2)
+        return tries
+
+    picked = al.LocalAutoscalingCluster(tmp_path, spot_nodes=0)
+    first = (picked.port, picked.dashboard_url)
+    tries = ports_of_two_failed_tries(picked)
+    assert tries[0] == first and tries[1][0] != first[0] and tries[1][1] != first[1]
+    given = al.LocalAutoscalingCluster(tmp_path, spot_nodes=0, port=23456, dashboard_port=23457)
+    assert ports_of_two_failed_tries(given) == [(23456, "http://127.0.0.1:23457")] * 2
+
+
 def test_a_node_record_of_the_state_api_gives_its_type():
     record = {"node_id": "ab" * 28, "state": "ALIVE", "labels": {al.NODE_TYPE_LABEL: al.SPOT_TYPE},
               "start_time_ms": 1_700_000_000_500, "is_head_node": False}

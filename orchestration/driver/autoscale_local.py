@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -98,9 +99,33 @@ class Node:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free on loopback now, for `ray start` to bind a moment later: below the kernel's ephemeral range. A port
+    that bind(0) hands out lies in that range, where any process's outgoing connection may take it first; in a CI
+    run the dashboard's port, picked so, was in use on both tries of one start, a minute apart, and free after."""
+    low = ephemeral_ports()[0]
+    for _ in range(1000):
+        port = random.randint(PORT_FLOOR, max(PORT_FLOOR, low - 1))
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port on 127.0.0.1 between {PORT_FLOOR} and {low - 1}")
+
+
+# Ports below this are Ray's own by default (workers 10002-19999, its client server 10001; `ray start` refused a GCS
+# port of 10909: "worker_ports is trying to use a port number 10909") or a machine's services (Prometheus 9090 ...).
+PORT_FLOOR = 20000
+
+
+def ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range for outgoing connections' local ports (Linux's default where it cannot be read)."""
+    try:
+        low, high = (int(v) for v in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        return 32768, 60999
+    return low, high
 
 
 class LocalAutoscalingCluster:
@@ -111,8 +136,8 @@ class LocalAutoscalingCluster:
                  dashboard_port: int | None = None):
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.port = port or free_port()
-        self.dashboard_url = f"http://127.0.0.1:{dashboard_port or free_port()}"
+        self.given_ports = (port, dashboard_port)
+        self._pick_ports()
         self.spot_nodes = spot_nodes
         self.env = dict(os.environ if env is None else env)
         # The fake nodes join without Ray's token (they are started with the monitor's environment).
@@ -123,6 +148,12 @@ class LocalAutoscalingCluster:
                          "RAY_enable_autoscaler_v2": "1", "RAY_CLOUD_INSTANCE_ID": FAKE_HEAD_NODE_ID,
                          "RAY_OVERRIDE_NODE_ID_FOR_TESTING": FAKE_HEAD_NODE_ID})
         self.head: subprocess.Popen | None = None
+
+    def _pick_ports(self) -> None:
+        """The ports given, else free ones: picked again for each try of a start, in case one was taken meanwhile."""
+        port, dashboard_port = self.given_ports
+        self.port = port or free_port()
+        self.dashboard_url = f"http://127.0.0.1:{dashboard_port or free_port()}"
 
     @property
     def address(self) -> str:
@@ -152,6 +183,7 @@ class LocalAutoscalingCluster:
                 self.stop()
                 if attempt == attempts:
                     raise
+                self._pick_ports()
         return self
 
     def _start_once(self, timeout_s: float) -> LocalAutoscalingCluster:
