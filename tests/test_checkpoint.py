@@ -452,7 +452,9 @@ def _failing_dcp_writes(*, caller_fails: bool) -> None:
 
 
 def _dcp_writer_threads_alive() -> list[str]:
-    return [t.name for t in threading.enumerate() if t.name.endswith("(_write_files_from_queue)")]
+    from orchestration.checkpoint.writer import DCP_WRITER_FUNCTION
+
+    return [t.name for t in threading.enumerate() if t.name.endswith(f"({DCP_WRITER_FUNCTION})")]
 
 
 @pytest.mark.parametrize("caller_fails", [False, True], ids=["side_threads_fail", "caller_fails_first"])

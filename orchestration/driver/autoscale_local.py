@@ -98,13 +98,15 @@ class Node:
                    start_time_s=start_ms / 1000 if start_ms else None)
 
 
-def free_port() -> int:
+def free_port(taken: int | None = None) -> int:
     """A port free on loopback now, for `ray start` to bind a moment later: below the kernel's ephemeral range. A port
     that bind(0) hands out lies in that range, where any process's outgoing connection may take it first; in a CI
     run the dashboard's port, picked so, was in use on both tries of one start, a minute apart, and free after."""
     low = ephemeral_ports()[0]
     for _ in range(1000):
         port = random.randint(PORT_FLOOR, max(PORT_FLOOR, low - 1))
+        if port == taken:  # already picked for another of the head's services, not yet bound
+            continue
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
@@ -153,7 +155,7 @@ class LocalAutoscalingCluster:
         """The ports given, else free ones: picked again for each try of a start, in case one was taken meanwhile."""
         port, dashboard_port = self.given_ports
         self.port = port or free_port()
-        self.dashboard_url = f"http://127.0.0.1:{dashboard_port or free_port()}"
+        self.dashboard_url = f"http://127.0.0.1:{dashboard_port or free_port(taken=self.port)}"
 
     @property
     def address(self) -> str:
