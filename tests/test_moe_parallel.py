@@ -204,11 +204,18 @@ def runs(tmp_path_factory):
     return {"fp32": _reference("fp32"), "fp8": _reference("fp8")}, ranks
 
 
+def _relative_diff(a, b) -> float:
+    """|a - b| / |b| over the whole tensor (Frobenius norms)."""
+    a, b = torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64)
+    return float((a - b).norm() / b.norm())
+
+
 def _diffs(ref: dict, run: dict) -> dict:
     d = {"loss": max(abs(run["losses"][s] - ref["losses"][s]) for s in run["losses"]),
          # the global gradient norm: replicated shards (HSDP, expert replicas) counted once
          "grad_norm": max(abs(run["grad_norms"][s] - ref["grad_norms"][s]) for s in run["grad_norms"]),
-         "weights": max(_max_diff(run["weights"][n], ref["weights"][n]) for n in ref["weights"])}
+         "weights": max(_max_diff(run["weights"][n], ref["weights"][n]) for n in ref["weights"]),
+         "weights_rel": max(_relative_diff(run["weights"][n], ref["weights"][n]) for n in ref["weights"])}
     if "grads" in run:
         d["grads"] = max(_max_diff(run["grads"][n], ref["grads"][n]) for n in ref["grads"])
     return d
@@ -218,13 +225,25 @@ def _diffs(ref: dict, run: dict) -> dict:
 @pytest.mark.parametrize("layout", ["ep4", "hsdp2x2_ep2", "ep4_fp8"])
 def test_layout_matches_one_process(runs, layout):
     """Loss of every step, gradients of the first, weights after the last (3 AdamW steps, which turn a gradient
-    difference near zero into one of up to the learning rate) within float32 summation-order tolerance."""
+    difference near zero into one of up to the learning rate) within float32 summation-order tolerance.
+
+    Under FP8 the weights are compared tensor by tensor, relative to their norm, not element by element: a last-bit
+    difference in a float32 sum moves an element across an e4m3 rounding boundary (3 mantissa bits), and the
+    steps after the first read those casts. On a 2-core AVX-512 Xeon the same code gave elementwise differences up
+    to 7.4e-4 (the experts' w2, 1185 of 65536 elements over 1e-5) at 4.3e-4 of the tensor's norm, while the first
+    step's gradients agreed to 1.7e-8; on the CI machine under 1e-4. What this test exists to catch (a wrong expert
+    slice, a lost or double-counted gradient) moves whole tensors: a lost update is 3 steps of lr = 3e-3 against
+    weights of std 0.02-0.2, a relative difference of 0.04 or more."""
     refs, ranks = runs
     spec = next(x for x in LAYOUTS if x[0] == layout)
     d = _diffs(refs[spec[4]], ranks[layout])
     print(layout, d)
     assert set(ranks[layout]["losses"]) == {str(s) for s in range(STEPS)}
-    assert d["loss"] < 1e-5 and d["grad_norm"] < 1e-5 and d["grads"] < 1e-7 and d["weights"] < 1e-4, d
+    assert d["loss"] < 1e-5 and d["grad_norm"] < 1e-5 and d["grads"] < 1e-7, d
+    if spec[4] == "fp8":
+        assert d["weights_rel"] < 1e-3, d
+    else:
+        assert d["weights"] < 1e-4, d
 
 
 @pytest.mark.slow
