@@ -205,6 +205,35 @@ def permute_by_expert(expert_SA: torch.Tensor, n_experts: int):
     return token_R, slot_R, counts_E.cumsum(0).to(torch.int32)
 
 
+class _GatherRows(torch.autograd.Function):
+    """out_MD = src_ND[index_M], whose gradient is a gather too: every output row copies one source row, and
+    copies_NK[n] lists the K output rows that copied row n, so grad_src[n] = sum_k grad_out[copies_NK[n, k]] (summed
+    in float32, one rounding). Autograd's own gradient of an index is a zero-filled scatter-add: on an H100 it took
+    0.80 ms per DeepSeek-MoE-16B layer for the tokens' un-permute (6 copies of each token) and 0.40 ms for the
+    outputs' (a permutation); as gathers the fp8 product loop's routing went from 7.46 to 3.87 ms a step, +2.5 %
+    tokens/s (BENCHMARKS.md, the product loop)."""
+
+    @staticmethod
+    def forward(ctx, src_ND: torch.Tensor, index_M: torch.Tensor, copies_NK: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(copies_NK)
+        return src_ND[index_M]
+
+    @staticmethod
+    def backward(ctx, grad_MD: torch.Tensor):
+        (copies_NK,) = ctx.saved_tensors
+        N, K = copies_NK.shape
+        if K == 1:
+            return grad_MD[copies_NK[:, 0]], None, None
+        grad_NKD = grad_MD[copies_NK.reshape(-1)].view(N, K, -1)
+        return grad_NKD.sum(1, dtype=torch.float32).to(grad_MD.dtype), None, None
+
+
+def gather_rows(src_ND: torch.Tensor, index_M: torch.Tensor, copies_NK: torch.Tensor) -> torch.Tensor:
+    """src_ND[index_M], differentiable in src through gathers (see _GatherRows); copies_NK[n] must list every row m
+    with index_M[m] == n, each output row exactly once."""
+    return _GatherRows.apply(src_ND, index_M, copies_NK)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Grouped expert compute
 
@@ -393,12 +422,14 @@ class MoE(nn.Module):
         """permute -> grouped SwiGLU -> un-permute by a gather -> weighted sum over the A slots of each token."""
         S, A = expert_SA.shape
         token_R, slot_R, offs_E = permute_by_expert(expert_SA, self.experts.n_experts)
-        x_RD = x_SD[token_R]
-        y_RD = self.experts(x_RD, offs_E) if self.expert_compute is None else self.expert_compute(x_RD, offs_E)
-        # Row of y holding assignment (s, a): invert the sort (a scatter of positions).
+        # Row of y holding assignment (s, a): invert the sort (a scatter of positions). Each index and its inverse
+        # make both un-permutes of the backward gathers.
+        assignment_R = token_R * A + slot_R
         arange_R = torch.arange(S * A, device=token_R.device)
-        sorted_pos_SA = torch.empty_like(token_R).scatter_(0, token_R * A + slot_R, arange_R)
-        y_SAD = y_RD[sorted_pos_SA].view(S, A, -1)
+        sorted_pos_SA = torch.empty_like(token_R).scatter_(0, assignment_R, arange_R).view(S, A)
+        x_RD = gather_rows(x_SD, token_R, sorted_pos_SA)
+        y_RD = self.experts(x_RD, offs_E) if self.expert_compute is None else self.expert_compute(x_RD, offs_E)
+        y_SAD = gather_rows(y_RD, sorted_pos_SA.reshape(-1), assignment_R[:, None]).view(S, A, -1)
         # Mix in fp32 (one rounding at the end). A gather plus a weighted sum keeps only y and the weights for
         # backward, where an index_add un-permute would keep an extra fp32 copy.
         return (y_SAD.float() * weight_SA[..., None]).sum(1).to(x_SD.dtype)

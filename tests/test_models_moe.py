@@ -12,6 +12,7 @@ from models.deepseek_moe import (
     MoE,
     apply_capacity,
     expert_capacity,
+    gather_rows,
     grouped_mm_reference,
     load_balance_loss,
     permute_by_expert,
@@ -76,6 +77,38 @@ def test_permutation_layout():
     assert expert_SA[token_R, slot_R].tolist() == [0, 0, 1, 2, 2, 2]  # sorted by expert
     assert token_R.tolist() == [0, 2, 1, 0, 1, 2]  # earlier tokens first inside an expert
     assert offs_E.dtype == torch.int32 and offs_E.tolist() == [2, 3, 6, 6]  # cumulative ends; expert 3 empty
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gather_rows_gradients_equal_autograds_scatter_add(dtype):
+    """Both un-permutes of the routed path: tokens copied A times (x_SD[token_R]) and a permutation of the expert
+    outputs (y_RD[sorted_pos]); the gathered gradient equals the sum in float64 (rounded once) and, for the
+    permutation, exactly autograd's gradient of plain indexing."""
+    torch.manual_seed(0)
+    S, A, E, D = 40, 3, 5, 24
+    expert_SA = torch.stack([torch.randperm(E)[:A] for _ in range(S)])
+    token_R, slot_R, _ = permute_by_expert(expert_SA, E)
+    assignment_R = token_R * A + slot_R
+    sorted_pos_SA = torch.empty_like(token_R).scatter_(0, assignment_R, torch.arange(S * A)).view(S, A)
+    x_SD = torch.randn(S, D, dtype=dtype, requires_grad=True)
+    grad_RD = torch.randn(S * A, D, dtype=dtype)
+    x_RD = gather_rows(x_SD, token_R, sorted_pos_SA)
+    assert torch.equal(x_RD, x_SD[token_R])
+    x_RD.backward(grad_RD)
+    want = torch.zeros(S, D, dtype=torch.float64).index_add_(0, token_R, grad_RD.double())
+    if dtype == torch.bfloat16:  # three bf16 terms add exactly in float32: one rounding, as in float64
+        assert torch.equal(x_SD.grad, want.to(dtype))
+    else:
+        torch.testing.assert_close(x_SD.grad.double(), want, rtol=2e-7, atol=1e-7)
+
+    y_RD = torch.randn(S * A, D, dtype=dtype, requires_grad=True)
+    grad_SAD = torch.randn(S, A, D, dtype=dtype)
+    y_SAD = gather_rows(y_RD, sorted_pos_SA.reshape(-1), assignment_R[:, None]).view(S, A, D)
+    assert torch.equal(y_SAD, y_RD[sorted_pos_SA])
+    y_SAD.backward(grad_SAD)
+    y_ref = y_RD.detach().clone().requires_grad_(True)
+    y_ref[sorted_pos_SA].backward(grad_SAD)
+    assert torch.equal(y_RD.grad, y_ref.grad)
 
 
 def test_route_topk_weights_bias_and_groups():
