@@ -208,10 +208,10 @@ def permute_by_expert(expert_SA: torch.Tensor, n_experts: int):
 class _GatherRows(torch.autograd.Function):
     """out_MD = src_ND[index_M], whose gradient is a gather too: every output row copies one source row, and
     copies_NK[n] lists the K output rows that copied row n, so grad_src[n] = sum_k grad_out[copies_NK[n, k]] (summed
-    in float32, one rounding). Autograd's own gradient of an index is a zero-filled scatter-add: on an H100 it took
-    0.80 ms per DeepSeek-MoE-16B layer for the tokens' un-permute (6 copies of each token) and 0.40 ms for the
-    outputs' (a permutation); as gathers the fp8 product loop's routing went from 7.46 to 3.87 ms a step, +2.5 %
-    tokens/s (BENCHMARKS.md, the product loop)."""
+    in float32 or wider). Autograd's own gradient of an index is a zero-filled scatter-add: in the fp8 product loop's
+    profile on an H100 (benchmarks/results/loop_moe.json) it took 0.80 ms per DeepSeek-MoE-16B layer for the tokens'
+    un-permute (6 copies of each token) and 0.40 ms for the outputs' (a permutation); as gathers that loop's routing
+    went from 7.46 to 3.87 ms a step, +2.5 % tokens/s (BENCHMARKS.md, the product loop)."""
 
     @staticmethod
     def forward(ctx, src_ND: torch.Tensor, index_M: torch.Tensor, copies_NK: torch.Tensor) -> torch.Tensor:
@@ -224,8 +224,9 @@ class _GatherRows(torch.autograd.Function):
         N, K = copies_NK.shape
         if K == 1:
             return grad_MD[copies_NK[:, 0]], None, None
-        grad_NKD = grad_MD[copies_NK.reshape(-1)].view(N, K, -1)
-        return grad_NKD.sum(1, dtype=torch.float32).to(grad_MD.dtype), None, None
+        grad_NKD = grad_MD[copies_NK.reshape(-1)].view(N, K, *grad_MD.shape[1:])
+        accumulate = torch.promote_types(grad_MD.dtype, torch.float32)
+        return grad_NKD.sum(1, dtype=accumulate).to(grad_MD.dtype), None, None
 
 
 def gather_rows(src_ND: torch.Tensor, index_M: torch.Tensor, copies_NK: torch.Tensor) -> torch.Tensor:
@@ -422,8 +423,8 @@ class MoE(nn.Module):
         """permute -> grouped SwiGLU -> un-permute by a gather -> weighted sum over the A slots of each token."""
         S, A = expert_SA.shape
         token_R, slot_R, offs_E = permute_by_expert(expert_SA, self.experts.n_experts)
-        # Row of y holding assignment (s, a): invert the sort (a scatter of positions). Each index and its inverse
-        # make both un-permutes of the backward gathers.
+        # Row of y holding assignment (s, a): invert the sort (a scatter of positions). token_R / sorted_pos_SA and
+        # sorted_pos_SA / assignment_R are inverse pairs, so both un-permutes' backward passes are gathers.
         assignment_R = token_R * A + slot_R
         arange_R = torch.arange(S * A, device=token_R.device)
         sorted_pos_SA = torch.empty_like(token_R).scatter_(0, assignment_R, arange_R).view(S, A)

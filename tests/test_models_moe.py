@@ -82,8 +82,9 @@ def test_permutation_layout():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gather_rows_gradients_equal_autograds_scatter_add(dtype):
     """Both un-permutes of the routed path: tokens copied A times (x_SD[token_R]) and a permutation of the expert
-    outputs (y_RD[sorted_pos]); the gathered gradient equals the sum in float64 (rounded once) and, for the
-    permutation, exactly autograd's gradient of plain indexing."""
+    outputs (y_RD[sorted_pos]); the gathered gradient matches the sum in float64 (bf16: bit for bit; float32:
+    within its rounding) and, for the permutation, equals autograd's gradient of plain indexing. Float64 gradients
+    are summed in float64, and an empty source works."""
     torch.manual_seed(0)
     S, A, E, D = 40, 3, 5, 24
     expert_SA = torch.stack([torch.randperm(E)[:A] for _ in range(S)])
@@ -96,7 +97,7 @@ def test_gather_rows_gradients_equal_autograds_scatter_add(dtype):
     assert torch.equal(x_RD, x_SD[token_R])
     x_RD.backward(grad_RD)
     want = torch.zeros(S, D, dtype=torch.float64).index_add_(0, token_R, grad_RD.double())
-    if dtype == torch.bfloat16:  # three bf16 terms add exactly in float32: one rounding, as in float64
+    if dtype == torch.bfloat16:  # three bf16 normal draws add exactly in float32: one rounding, as in float64
         assert torch.equal(x_SD.grad, want.to(dtype))
     else:
         torch.testing.assert_close(x_SD.grad.double(), want, rtol=2e-7, atol=1e-7)
@@ -109,6 +110,15 @@ def test_gather_rows_gradients_equal_autograds_scatter_add(dtype):
     y_ref = y_RD.detach().clone().requires_grad_(True)
     y_ref[sorted_pos_SA].backward(grad_SAD)
     assert torch.equal(y_RD.grad, y_ref.grad)
+
+    x64_SD = torch.randn(S, D, dtype=torch.float64, requires_grad=True)
+    gather_rows(x64_SD, token_R, sorted_pos_SA).backward(grad_RD.double())
+    want64 = torch.zeros(S, D, dtype=torch.float64).index_add_(0, token_R, grad_RD.double())
+    torch.testing.assert_close(x64_SD.grad, want64, rtol=1e-12, atol=1e-12)  # a float32 sum is off by ~1e-8
+    empty = torch.zeros(0, D, dtype=dtype, requires_grad=True)
+    none = torch.zeros(0, dtype=torch.long)
+    gather_rows(empty, none, none.view(0, A)).sum().backward()
+    assert empty.grad.shape == (0, D)
 
 
 def test_route_topk_weights_bias_and_groups():
