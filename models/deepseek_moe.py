@@ -208,10 +208,8 @@ def permute_by_expert(expert_SA: torch.Tensor, n_experts: int):
 class _GatherRows(torch.autograd.Function):
     """out_MD = src_ND[index_M], whose gradient is a gather too: every output row copies one source row, and
     copies_NK[n] lists the K output rows that copied row n, so grad_src[n] = sum_k grad_out[copies_NK[n, k]] (summed
-    in float32 or wider). Autograd's own gradient of an index is a zero-filled scatter-add: in the fp8 product loop's
-    profile on an H100 (benchmarks/results/loop_moe.json) it took 0.80 ms per DeepSeek-MoE-16B layer for the tokens'
-    un-permute (6 copies of each token) and 0.40 ms for the outputs' (a permutation); as gathers that loop's routing
-    went from 7.46 to 3.87 ms a step, +2.5 % tokens/s (BENCHMARKS.md, the product loop)."""
+    in float32 or wider). Autograd's own gradient of an index is a zero-filled scatter-add, several times slower on
+    the GPU for the routed experts' un-permutes (BENCHMARKS.md, "MoE routing's gradients as gathers")."""
 
     @staticmethod
     def forward(ctx, src_ND: torch.Tensor, index_M: torch.Tensor, copies_NK: torch.Tensor) -> torch.Tensor:
