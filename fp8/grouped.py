@@ -11,20 +11,23 @@ contracts over the token dim.
 
 The three GEMMs (scales always along the contraction dim, powers of two so scaling is exact):
     forward      out  = x @ w[e]          x rowwise (M,), w per expert per column (E, N)
-    grad_input   gx   = gy @ w[e]^T       on the weight exactly as forward quantized it: w recast by the forward's
-                                          saved scales into the [E, K, N] layout this GEMM reads (one read of w, no
-                                          amax pass), those scales folded into gy's row cast (exact: powers of two).
-                                          Faster than a second column cast of w and than bf16 for DeepSeek-MoE-16B's
-                                          routed experts, gx as accurate (BENCHMARKS.md, "MoE grouped FFN").
+    grad_input   gx   = gy @ w[e]^T       on the weight exactly as forward quantized it: the forward's fp8 weight,
+                                          transposed by the forward into the [E, K, N] row-major layout this GEMM
+                                          reads and kept for backward (one byte read and written per element), its
+                                          scales folded into gy's row cast (exact: powers of two). Faster than a
+                                          second column cast of w and than bf16 for DeepSeek-MoE-16B's routed
+                                          experts, gx as accurate (BENCHMARKS.md, "MoE grouped FFN").
     grad_weight  gw[e] = x_e^T @ gy_e     in the activations' precision (bf16 grouped GEMM): the fp8 grouped GEMM
                                           that contracts over the jagged token dim is barely faster than bf16 at
                                           DeepSeek-MoE-16B shapes or slower, so fp8 there only adds casts and the
                                           whole FFN ran slower; the weight gradient keeps bf16 accuracy
                                           (BENCHMARKS.md, "Tried, did not pay").
 
-The weight may be any [E, K, N] layout. Stored [E, N, K] (nn.Linear's out x in, passed as the column-major view
-w.transpose(-2, -1)), the forward cast is a plain row cast of that storage and grad_weight is computed directly
-in the storage layout (gw^T = gy^T x), so no transposed copy of a weight-sized tensor is made.
+The weight may be any [E, K, N] layout and any float dtype. Stored [E, N, K] (nn.Linear's out x in, passed as the
+column-major view w.transpose(-2, -1)), the forward cast is a plain row cast of that storage and grad_weight is
+computed directly in the storage layout (gw^T = gy^T x), so no high-precision transposed copy is made. Only the tokens
+take autocast's dtype: float32 master weights are cast to fp8 as they are stored, so no bf16 copy of the experts is
+written, read back and kept for backward (BENCHMARKS.md, "Expert weights cast from float32").
 
 Paths: torch._scaled_grouped_mm on CUDA sm90 and on ROCm (torch routes it to Composable Kernel); on any
 other device an emulated path runs the same fp8 operands dequantized to float32 through torch._grouped_mm.
@@ -38,7 +41,7 @@ import torch
 
 from fp8 import quant
 from fp8.backend import Fp8Backend, get_backend
-from fp8.linear import health_stats, to_compute_dtype
+from fp8.linear import compute_dtype, health_stats
 from fp8.reference import group_ids
 
 # Power-of-two scales: scaling is exact, so only the fp8 cast rounds, and the grad-input GEMM can move the weight's
@@ -88,8 +91,8 @@ def _wgrad_hp(x_MK, gy_MN, offs_E, out_ENK: bool) -> torch.Tensor:
 
 
 def _grouped_forward(x_MK, w_EKN, offs_E, e4m3: torch.dtype, use_scaled: bool):
-    """-> (out_MN, stats, sw_EN): sw_EN the weight's forward scales (per expert and output column, along K), which the
-    grad-input GEMM reuses."""
+    """-> (out_MN, stats, sw_EN, q_EKN): sw_EN the weight's forward scales (per expert and output column, along K) and
+    q_EKN the forward's fp8 weight as a row-major [E, K, N] copy, which the grad-input GEMM reuses."""
     x_MK = x_MK.contiguous()
     x_fp8, sx_M1 = quant.quantize_rowwise(x_MK, e4m3, -1, _POW2)
     # Per expert, per output column n, scaled along K, column-major (strides (K*N, 1, K)) as the grouped
@@ -97,19 +100,21 @@ def _grouped_forward(x_MK, w_EKN, offs_E, e4m3: torch.dtype, use_scaled: bool):
     w_fp8, sw_E1N = quant.quantize_colwise_3d(w_EKN, e4m3, _POW2)
     out_MN = _scaled_or_emulated_2d3d(x_fp8, sx_M1, w_fp8, sw_E1N, offs_E, use_scaled)
     stats = health_stats(x_MK, x_fp8, sx_M1, e4m3)
-    return out_MN.to(x_MK.dtype), stats, sw_E1N.reshape(sw_E1N.shape[0], -1)
+    # The same fp8 bytes transposed, row-major [E, K, N]: kept for the grad-input GEMM instead of the weight.
+    q_EKN = quant.transpose(w_fp8.transpose(-2, -1))
+    return out_MN.to(x_MK.dtype), stats, sw_E1N.reshape(sw_E1N.shape[0], -1), q_EKN
 
 
-def _grouped_backward(gy_MN, w_EKN, offs_E, x_MK, sw_EN, e4m3: torch.dtype, use_scaled: bool):
-    """-> (gx_MK, gw_EKN) from the forward's input x and its weight scales sw_EN. Both always: expert weights always
-    train."""
+def _grouped_backward(gy_MN, q_EKN, offs_E, x_MK, sw_EN, w_column_major: bool, w_dtype: torch.dtype,
+                      e4m3: torch.dtype, use_scaled: bool):
+    """-> (gx_MK, gw_EKN) from the forward's input x, its fp8 weight q_EKN and that weight's scales sw_EN; gw_EKN in
+    w_dtype, a view of the weight's storage layout (w_column_major: stored [E, N, K]). Both always: expert weights
+    always train."""
     gy_MN = gy_MN.contiguous()
-    # The forward's quantized weight, q[e, k, n] = sat(w[e, k, n] * sw[e, n]), recast from w by the saved scales
-    # (one read, no amax pass) into the [E, K, N] row-major layout this GEMM reads; its scales lie along N, the
-    # contraction dim here, so they move onto gy's columns (exact: powers of two), group by group:
+    # The forward's quantized weight q[e, k, n] = sat(w[e, k, n] * sw[e, n]) has its scales along N, the contraction
+    # dim here, so they move onto gy's columns (exact: powers of two), group by group:
     #   gx[m, k] = sum_n (gy[m, n] / sw[e(m), n]) * q[e(m), k, n]
     # and gy / sw is quantized per row as gy would be.
-    q_EKN = quant.cast_rows_transposed_batched(w_EKN.transpose(-2, -1), sw_EN, e4m3)
     num_groups = sw_EN.shape[0]
     inv_sw_GN = torch.cat([sw_EN.reciprocal(), sw_EN.new_zeros(1, sw_EN.shape[1])])  # rows past offs[-1]: 0
     # Powers of two are exact in bf16 (fp32's exponent range): half the bytes the cast kernel reads.
@@ -119,23 +124,25 @@ def _grouped_backward(gy_MN, w_EKN, offs_E, x_MK, sw_EN, e4m3: torch.dtype, use_
     ones_E1K = sw_EN.new_ones(num_groups, 1, q_EKN.shape[1])
     gx_MK = _scaled_or_emulated_2d3d(gy_fp8, sg_M1, q_EKN.transpose(-2, -1), ones_E1K, offs_E,
                                      use_scaled).to(gy_MN.dtype)
-    gw_EKN = _wgrad_hp(x_MK, gy_MN, offs_E, _is_column_major(w_EKN))
-    return gx_MK, gw_EKN.to(w_EKN.dtype)
+    gw_EKN = _wgrad_hp(x_MK, gy_MN, offs_E, w_column_major)
+    return gx_MK, gw_EKN.to(w_dtype)
 
 
 class _Fp8GroupedMMFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_MK, w_EKN, offs_E, backend: Fp8Backend, use_scaled: bool):
-        out_MN, stats, sw_EN = _grouped_forward(x_MK, w_EKN, offs_E, backend.e4m3, use_scaled)
-        ctx.save_for_backward(w_EKN, offs_E, sw_EN, x_MK)
+        out_MN, stats, sw_EN, q_EKN = _grouped_forward(x_MK, w_EKN, offs_E, backend.e4m3, use_scaled)
+        ctx.save_for_backward(q_EKN, offs_E, sw_EN, x_MK)
+        ctx.w_column_major, ctx.w_dtype = _is_column_major(w_EKN), w_EKN.dtype
         ctx.e4m3, ctx.use_scaled = backend.e4m3, use_scaled
         ctx.mark_non_differentiable(stats)
         return out_MN, stats
 
     @staticmethod
     def backward(ctx, gy_MN, _grad_stats):
-        w_EKN, offs_E, sw_EN, x_MK = ctx.saved_tensors
-        gx_MK, gw_EKN = _grouped_backward(gy_MN, w_EKN, offs_E, x_MK.contiguous(), sw_EN, ctx.e4m3, ctx.use_scaled)
+        q_EKN, offs_E, sw_EN, x_MK = ctx.saved_tensors
+        gx_MK, gw_EKN = _grouped_backward(gy_MN, q_EKN, offs_E, x_MK.contiguous(), sw_EN, ctx.w_column_major,
+                                          ctx.w_dtype, ctx.e4m3, ctx.use_scaled)
         return gx_MK, gw_EKN, None, None, None
 
 
@@ -202,53 +209,51 @@ def _run_body(fn, on_cuda: bool, *args):
 @torch.library.custom_op("elastic_fp8::grouped_mm_fwd", mutates_args=())
 def _grouped_fwd_op(
     x_MK: torch.Tensor, w_EKN: torch.Tensor, offs_E: torch.Tensor, e4m3: torch.dtype, use_scaled: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """-> (out_MN, stats, sw_EN)."""
-    out_MN, stats, sw_EN = _run_body(_grouped_forward, x_MK.is_cuda, x_MK, w_EKN, offs_E, e4m3, use_scaled)
-    return out_MN, stats, sw_EN.contiguous()
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> (out_MN, stats, sw_EN, q_EKN)."""
+    out_MN, stats, sw_EN, q_EKN = _run_body(_grouped_forward, x_MK.is_cuda, x_MK, w_EKN, offs_E, e4m3, use_scaled)
+    return out_MN, stats, sw_EN.contiguous(), q_EKN
 
 
 @_grouped_fwd_op.register_fake
 def _(x_MK, w_EKN, offs_E, e4m3, use_scaled):
     M, _ = x_MK.shape
-    E, _, N = w_EKN.shape
-    return x_MK.new_empty(M, N), x_MK.new_empty(3, dtype=torch.float32), x_MK.new_empty(E, N, dtype=torch.float32)
-
-
-def _gw_storage_shape(w_EKN: torch.Tensor) -> tuple[int, int, int]:
     E, K, N = w_EKN.shape
-    return (E, N, K) if _is_column_major(w_EKN) else (E, K, N)
+    return (x_MK.new_empty(M, N), x_MK.new_empty(3, dtype=torch.float32), x_MK.new_empty(E, N, dtype=torch.float32),
+            x_MK.new_empty(E, K, N, dtype=e4m3))
 
 
 @torch.library.custom_op("elastic_fp8::grouped_mm_bwd", mutates_args=())
 def _grouped_bwd_op(
-    gy_MN: torch.Tensor, w_EKN: torch.Tensor, offs_E: torch.Tensor, x_MK: torch.Tensor, sw_EN: torch.Tensor,
-    e4m3: torch.dtype, use_scaled: bool,
+    gy_MN: torch.Tensor, q_EKN: torch.Tensor, offs_E: torch.Tensor, x_MK: torch.Tensor, sw_EN: torch.Tensor,
+    w_column_major: bool, w_dtype: torch.dtype, e4m3: torch.dtype, use_scaled: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> (gx_MK, gw) with gw contiguous in the weight's storage layout ([E, N, K] for column-major w)."""
-    gx_MK, gw_EKN = _run_body(_grouped_backward, gy_MN.is_cuda, gy_MN, w_EKN, offs_E, x_MK, sw_EN, e4m3, use_scaled)
-    gw = gw_EKN.transpose(-2, -1) if _is_column_major(w_EKN) else gw_EKN
+    """-> (gx_MK, gw) with gw contiguous in the weight's storage layout ([E, N, K] for column-major w) and dtype."""
+    gx_MK, gw_EKN = _run_body(_grouped_backward, gy_MN.is_cuda, gy_MN, q_EKN, offs_E, x_MK, sw_EN, w_column_major,
+                              w_dtype, e4m3, use_scaled)
+    gw = gw_EKN.transpose(-2, -1) if w_column_major else gw_EKN
     return gx_MK.contiguous(), gw.contiguous()
 
 
 @_grouped_bwd_op.register_fake
-def _(gy_MN, w_EKN, offs_E, x_MK, sw_EN, e4m3, use_scaled):
-    return gy_MN.new_empty(gy_MN.shape[0], w_EKN.shape[1]), gy_MN.new_empty(_gw_storage_shape(w_EKN), dtype=w_EKN.dtype)
+def _(gy_MN, q_EKN, offs_E, x_MK, sw_EN, w_column_major, w_dtype, e4m3, use_scaled):
+    E, K, N = q_EKN.shape
+    return gy_MN.new_empty(gy_MN.shape[0], K), gy_MN.new_empty((E, N, K) if w_column_major else (E, K, N), dtype=w_dtype)
 
 
 def _grouped_op_setup(ctx, inputs, output):
     x_MK, w_EKN, offs_E, e4m3, use_scaled = inputs
-    _, _, sw_EN = output
-    # Backward re-reads x for the bf16 weight gradient.
-    ctx.save_for_backward(w_EKN, offs_E, x_MK, sw_EN)
-    ctx.args = (e4m3, use_scaled)
-    ctx.w_column_major = _is_column_major(w_EKN)
+    _, _, sw_EN, q_EKN = output
+    # Backward re-reads x for the bf16 weight gradient; the weight itself is not kept (q_EKN serves the grad input).
+    ctx.save_for_backward(q_EKN, offs_E, x_MK, sw_EN)
+    ctx.args = (_is_column_major(w_EKN), w_EKN.dtype, e4m3, use_scaled)
 
 
-def _grouped_op_backward(ctx, gy_MN, _g_stats, _g_sw):
-    w_EKN, offs_E, x_MK, sw_EN = ctx.saved_tensors
-    gx_MK, gw = _grouped_bwd_op(gy_MN, w_EKN, offs_E, x_MK, sw_EN, *ctx.args)
-    gw_EKN = gw.transpose(-2, -1) if ctx.w_column_major else gw
+def _grouped_op_backward(ctx, gy_MN, _g_stats, _g_sw, _g_q):
+    q_EKN, offs_E, x_MK, sw_EN = ctx.saved_tensors
+    w_column_major = ctx.args[0]
+    gx_MK, gw = _grouped_bwd_op(gy_MN, q_EKN, offs_E, x_MK, sw_EN, *ctx.args)
+    gw_EKN = gw.transpose(-2, -1) if w_column_major else gw
     return gx_MK, gw_EKN, None, None, None
 
 
@@ -283,7 +288,8 @@ class Fp8GroupedMM:
     def _prepare(self, x_MK: torch.Tensor, w_EKN: torch.Tensor, offs_E: torch.Tensor):
         if offs_E.dtype != torch.int32:
             raise ValueError(f"grouped_mm offsets must be int32 cumulative ends, got {offs_E.dtype}")
-        x_MK, w_EKN = to_compute_dtype(x_MK, w_EKN)
+        # Only the tokens take the compute dtype: the weights are cast to fp8 from their stored dtype (module docstring).
+        x_MK = x_MK.to(compute_dtype(x_MK))
         backend = get_backend(x_MK.device)
         use_scaled = backend.has_scaled_grouped_mm if self.emulate is None else not self.emulate
         return x_MK, w_EKN, backend, use_scaled
@@ -298,7 +304,7 @@ class Fp8GroupedMM:
 
     def _call_opaque(self, x_MK: torch.Tensor, w_EKN: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
         x_MK, w_EKN, backend, use_scaled = self._prepare(x_MK, w_EKN, offs_E)
-        out_MN, stats, _ = _grouped_fwd_op(x_MK, w_EKN, offs_E, backend.e4m3, use_scaled)
+        out_MN, stats, _, _ = _grouped_fwd_op(x_MK, w_EKN, offs_E, backend.e4m3, use_scaled)
         self.last_stats = stats
         return out_MN
 

@@ -99,13 +99,16 @@ def health_stats(x_hp: torch.Tensor, x_fp8: torch.Tensor, scale: torch.Tensor, d
     return quant.health_stats(x_hp.detach(), x_fp8, scale.detach(), dtype)
 
 
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The high-precision dtype the fp8 casts of activations start from: autocast's when it is on (as the bf16 matmul
+    it replaces would run), else x's."""
+    return torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+
+
 def to_compute_dtype(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The high-precision dtype the fp8 casts start from: autocast's when it is on (as the bf16 matmul it replaces
-    would run), else x's; the weight follows."""
-    if torch.is_autocast_enabled(x.device.type):
-        dt = torch.get_autocast_dtype(x.device.type)
-        return x.to(dt), w.to(dt)
-    return x, w if w.dtype == x.dtype else w.to(x.dtype)
+    """x and w in compute_dtype(x)."""
+    dt = compute_dtype(x)
+    return x.to(dt), w.to(dt)
 
 
 class _Fp8LinearFn(torch.autograd.Function):

@@ -56,13 +56,12 @@ CASTS: dict[str, Cast] = {
         Cast("quantize_rowwise_and_colwise", kernel_when_compiled=True),
         Cast("transpose", kernel_when_compiled=True),
         Cast("quantize_rowwise_group_scaled", kernel_when_compiled=True),
-        Cast("cast_rows_transposed_batched", kernel_when_compiled=True),
         # The fused FP8 head's loss: eager only (fp8.head runs outside torch.compile), so no op.
         Cast("cross_entropy_fwd", kernel_when_compiled=False),
         Cast("cross_entropy_grad_cast", kernel_when_compiled=False),
     )
 }
-_TENSORWISE, _ROWWISE, _ROW_COL, _TRANSPOSE, _GROUP_SCALED, _ROWS_T_BATCHED, _CE_FWD, _CE_GRAD = CASTS.values()
+_TENSORWISE, _ROWWISE, _ROW_COL, _TRANSPOSE, _GROUP_SCALED, _CE_FWD, _CE_GRAD = CASTS.values()
 
 # ------------------------------------------------------------------------------------------------ the one policy
 
@@ -221,11 +220,12 @@ def quantize_rowwise_and_colwise(x_MN: torch.Tensor, dtype: torch.dtype, pow2: b
     return _dispatch(_ROW_COL, x_MN, (x_MN, dtype, pow2), use_triton)
 
 
-def transpose(x_MN: torch.Tensor, *, use_triton: bool | None = None) -> torch.Tensor:
-    """x^T as a contiguous [N, M] tensor (any 2D input, any dtype): the fp8 operand layouts torch._scaled_mm wants."""
-    if x_MN.dim() != 2:
-        raise ValueError(f"transpose expects a 2D tensor, got shape {tuple(x_MN.shape)}")
-    return _dispatch(_TRANSPOSE, x_MN, (x_MN,), use_triton)
+def transpose(x: torch.Tensor, *, use_triton: bool | None = None) -> torch.Tensor:
+    """x [M, N] or [B, M, N] (any strides, any dtype) with its last two dims swapped, contiguous: the fp8 operand
+    layouts torch._scaled_mm and torch._scaled_grouped_mm want."""
+    if x.dim() not in (2, 3):
+        raise ValueError(f"transpose expects a 2D or 3D tensor, got shape {tuple(x.shape)}")
+    return _dispatch(_TRANSPOSE, x, (x,), use_triton)
 
 
 def quantize_rowwise_group_scaled(x_MN: torch.Tensor, mul_GN: torch.Tensor, gid_M: torch.Tensor, dtype: torch.dtype,
@@ -243,16 +243,6 @@ def quantize_rowwise_group_scaled(x_MN: torch.Tensor, mul_GN: torch.Tensor, gid_
         if out is not None:
             return out
     return _reference(_GROUP_SCALED, x_MN)(x_MN, mul_GN, gid_M, dtype, pow2)
-
-
-def cast_rows_transposed_batched(x_BRC: torch.Tensor, scale_BR: torch.Tensor, dtype: torch.dtype, *,
-                                 use_triton: bool | None = None) -> torch.Tensor:
-    """[B, R, C] (any strides) cast by given per-(b, r) scales, written [B, C, R] contiguous (no amax pass)."""
-    check_fp8_dtype(dtype)
-    if x_BRC.dim() != 3 or scale_BR.shape != x_BRC.shape[:2]:
-        raise ValueError(f"cast_rows_transposed_batched: x must be [B, R, C] and scale [B, R], got "
-                         f"{tuple(x_BRC.shape)} and {tuple(scale_BR.shape)}")
-    return _dispatch(_ROWS_T_BATCHED, x_BRC, (x_BRC, scale_BR, dtype), use_triton)
 
 
 def quantize_colwise_3d(w_EKN: torch.Tensor, dtype: torch.dtype, pow2: bool = True):

@@ -72,14 +72,15 @@ def test_kernel_failure_falls_back_to_reference(monkeypatch):
         assert torch.equal(a, b)
 
 
-def test_stored_enk_backward_weight_cast_reads_the_storage_in_place(monkeypatch):
-    """The grad-input recast of an [E, N, K]-stored weight goes through the batched kernel on the storage itself (no
-    transposed bf16 copy), and gives the same result as the references."""
+def test_stored_enk_expert_weight_is_cast_once_and_transposed_in_fp8(monkeypatch):
+    """An [E, N, K]-stored weight: the forward's row cast reads the storage itself (no transposed high-precision copy),
+    and the grad-input GEMM's operand is that fp8 weight transposed as bytes (no second cast of the weight); the same
+    results as the references."""
     calls = []
 
     def spy(cast, x, use_triton):
         def wrapped(x, *args, **kwargs):
-            calls.append((cast.name, x.is_contiguous()))
+            calls.append((cast.name, tuple(x.shape), x.dtype, x.is_contiguous()))
             return cast.reference(x, *args, **kwargs)
 
         return wrapped
@@ -87,7 +88,9 @@ def test_stored_enk_backward_weight_cast_reads_the_storage_in_place(monkeypatch)
     ref = grouped_run(stored_enk=True)
     monkeypatch.setattr(quant, "_kernel_for", spy)
     got = grouped_run(stored_enk=True)
-    assert ("cast_rows_transposed_batched", True) in calls  # the [E, N, K] storage, contiguous as stored
+    assert ("quantize_rowwise", (3 * 48, 32), torch.bfloat16, True) in calls  # the storage's rows, as stored
+    assert ("transpose", (3, 48, 32), torch.float8_e4m3fn, True) in calls  # the fp8 weight, [E, N, K] -> [E, K, N]
+    assert sum(c[1] == (3 * 48, 32) for c in calls) == 1  # the weight is cast once
     for a, b in zip(got, ref, strict=True):
         assert torch.equal(a, b)
 

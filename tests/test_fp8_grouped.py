@@ -168,13 +168,14 @@ def test_op_bodies_trace_without_graph_breaks(monkeypatch):
     offs = torch.tensor([32, 64, 96, 128], dtype=torch.int32)
     e4m3 = torch.float8_e4m3fn
     fwd = torch.compile(g._grouped_forward, backend="eager", fullgraph=True, dynamic=False)
-    out, stats, sw = fwd(x, w, offs, e4m3, False)
-    out_ref, stats_ref, sw_ref = g._grouped_forward(x, w, offs, e4m3, False)
+    out, stats, sw, q = fwd(x, w, offs, e4m3, False)
+    out_ref, stats_ref, sw_ref, q_ref = g._grouped_forward(x, w, offs, e4m3, False)
     assert torch.equal(out, out_ref) and torch.equal(stats, stats_ref) and torch.equal(sw, sw_ref)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
     bwd = torch.compile(g._grouped_backward, backend="eager", fullgraph=True, dynamic=False)
-    gx, gw = bwd(gy, w, offs, x, sw, e4m3, False)
-    gx_ref, gw_ref = g._grouped_backward(gy, w, offs, x, sw, e4m3, False)
-    assert torch.equal(gx, gx_ref) and torch.equal(gw, gw_ref)
+    gx, gw = bwd(gy, q, offs, x, sw, True, torch.float32, e4m3, False)
+    gx_ref, gw_ref = g._grouped_backward(gy, q, offs, x, sw, True, torch.float32, e4m3, False)
+    assert torch.equal(gx, gx_ref) and torch.equal(gw, gw_ref) and gw.dtype == torch.float32
 
 
 def test_body_mode_switch_and_compile_blocks_sets_it():
@@ -256,3 +257,41 @@ def test_dgrad_is_the_fp8_dgrad_on_the_forwards_quantized_weight(stored_enk):
         ref[lo:hi] = gy[lo:hi].double() @ w_EKN[e].double().t()
         lo = hi
     assert sqnr(gx[:128], ref[:128]) > 25
+
+
+def test_float32_master_weights_are_cast_to_fp8_as_stored_under_autocast():
+    """Under bf16 autocast with float32 expert weights (one worker's master weights), only the tokens take bf16: the
+    forward quantizes the float32 storage itself (no bf16 copy of the weight, so no double rounding: the fp8 bytes
+    differ from those of the bf16-rounded weight), the grad-input GEMM reads those same bytes transposed, and the
+    weight gradient comes back float32 in the parameter's layout, equal to the bf16 weight-gradient GEMM's."""
+    import fp8.grouped as g
+    from fp8 import reference
+
+    E, K, N, M = 4, 64, 96, 128
+    gen = torch.Generator().manual_seed(7)
+    storage = torch.randn(E, N, K, generator=gen) / K**0.5  # [E, N, K] float32, the models' layout
+    x = torch.randn(M, K, generator=gen)
+    gy = torch.randn(M, N, generator=gen)
+    offs = torch.tensor([32, 64, 96, 128], dtype=torch.int32)
+    e4m3 = torch.float8_e4m3fn
+    rows_fp8, _ = reference.quantize_rowwise_ref(storage.reshape(E * N, K), e4m3)
+    rows_fp8_of_bf16, _ = reference.quantize_rowwise_ref(storage.bfloat16().reshape(E * N, K), e4m3)
+    assert not torch.equal(rows_fp8.view(torch.uint8), rows_fp8_of_bf16.view(torch.uint8))  # the test can tell
+
+    _, _, _, q_EKN = g._grouped_forward(x.bfloat16(), storage.transpose(-2, -1), offs, e4m3, False)
+    want_q = rows_fp8.reshape(E, N, K).transpose(-2, -1).contiguous()
+    assert q_EKN.is_contiguous() and torch.equal(q_EKN.view(torch.uint8), want_q.view(torch.uint8))
+
+    leaf = storage.clone().requires_grad_()
+    xi = x.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = Fp8GroupedMM(emulate=True)(xi, leaf.transpose(-2, -1), offs)
+    assert out.dtype == torch.bfloat16
+    out.backward(gy.bfloat16())
+    assert leaf.grad.dtype == torch.float32 and leaf.grad.is_contiguous()
+    lo = 0
+    for e, hi in enumerate(offs.tolist()):
+        # gw^T = gy^T x in the activations' precision (bf16 operands, float32 accumulation), then float32
+        want_gw = (gy[lo:hi].bfloat16().double().t() @ x[lo:hi].bfloat16().double()).float()
+        torch.testing.assert_close(leaf.grad[e], want_gw, rtol=1e-5, atol=1e-5)
+        lo = hi

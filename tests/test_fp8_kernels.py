@@ -220,12 +220,23 @@ def _interp_rowwise_and_colwise(interp, fp8_dtype, shape):
 def _interp_transpose(interp, monkeypatch, dtype):
     """Partial tiles on both dims, a strided (column-major) input, and a 1-byte float moved bit for bit."""
     monkeypatch.setattr(ft, "TRANSPOSE_TILE", (16, 32))
+
+    def bits(t):
+        return t.view(torch.uint8) if dtype.itemsize == 1 else t
+
     x = make_x(37, 70, seed=31).to(dtype)
     for src, what in ((x, "row-major"), (x.t().contiguous().t(), "column-major")):
         got = quant.transpose(src, use_triton=True)
         assert got.is_contiguous() and got.shape == (70, 37), what
-        assert torch.equal(got.view(torch.uint8) if dtype.itemsize == 1 else got,
-                           x.t().contiguous().view(torch.uint8) if dtype.itemsize == 1 else x.t().contiguous()), what
+        assert torch.equal(bits(got), bits(x.t().contiguous())), what
+    # Batched (the experts' fp8 weights): each batch its own transpose, read in place and through the strided
+    # [E, K, N] view of [E, N, K] storage that fp8.grouped passes.
+    w = torch.stack([make_x(37, 45, seed=40 + e) * 10.0 ** (e - 1) for e in range(3)]).to(dtype)
+    for src, what in ((w, "batched"), (w.transpose(-2, -1).contiguous().transpose(-2, -1), "batched, strided")):
+        got = quant.transpose(src, use_triton=True)
+        assert got.is_contiguous() and got.shape == (3, 45, 37), what
+        for e in range(3):
+            assert torch.equal(bits(got[e]), bits(w[e].t().contiguous())), (what, e)
 
 
 def _interp_rowwise_group_scaled(interp, monkeypatch):
@@ -250,21 +261,6 @@ def _interp_rowwise_group_scaled(interp, monkeypatch):
         got16, s16 = quant.quantize_rowwise_group_scaled(x, mul.bfloat16(), gid, torch.float8_e4m3fn, use_triton=True)
         assert_scale_equal(s16, s_ref, f"group-scaled scale, bf16 multipliers, looped={looped}")
         assert_fp8_equal(got16, want, f"group-scaled data, bf16 multipliers, looped={looped}")
-
-
-def _interp_cast_rows_transposed_batched(interp, monkeypatch):
-    """Expert weights [E, N, K] cast by given row scales and written [E, K, N], read in place and as a strided view;
-    partial tiles; equal to the forward's rowwise cast transposed when given the forward's scales."""
-    monkeypatch.setattr(ft, "BATCHED_ROW_CAST_TILE", (16, 32))
-    w = torch.stack([make_x(37, 45, seed=40 + e) * 10.0 ** (e - 1) for e in range(3)])
-    for x, what in ((w, "contiguous"), (w.transpose(-2, -1).contiguous().transpose(-2, -1), "column-major")):
-        row_fp8, scale_M1 = ref.quantize_rowwise_ref(x.reshape(-1, 45), torch.float8_e4m3fn)
-        scale_BR = scale_M1.reshape(3, 37)
-        got = quant.cast_rows_transposed_batched(x, scale_BR, torch.float8_e4m3fn, use_triton=True)
-        want = ref.cast_rows_transposed_batched_ref(x, scale_BR, torch.float8_e4m3fn)
-        assert got.shape == (3, 45, 37) and got.is_contiguous()
-        assert_fp8_equal(got, want, f"{what} data")
-        assert_fp8_equal(got, row_fp8.reshape(3, 37, 45).transpose(-2, -1).contiguous(), f"{what} vs the row cast")
 
 
 def _interp_nan_is_loud(interp):
@@ -350,7 +346,7 @@ def _interp_custom_ops_trace_under_torch_compile(interp):
 
 # ----------------------------------------------------------------------------- interpreter child process
 
-N_INTERP_CASES = 4 + 12 + 8 + 1 + 8 + 2 + 1 + 1 + 1 + 1 + 1  # test_interp_* items the child must pass
+N_INTERP_CASES = 4 + 12 + 8 + 1 + 8 + 2 + 1 + 1 + 1 + 1  # test_interp_* items the child must pass
 
 # The interpreter of Triton 3.7.1 failed 16 of these cases and 3.6's 23 (no e4m3fnuz/e5m2fnuz types, a 1-element
 # array converted to a Python scalar); 3.8.0 and 3.9.0 pass them all.
