@@ -41,7 +41,7 @@ import torch
 
 from fp8 import quant
 from fp8.backend import Fp8Backend, get_backend
-from fp8.linear import compute_dtype, health_stats
+from fp8.linear import health_stats, to_compute_dtype
 from fp8.reference import group_ids
 
 # Power-of-two scales: scaling is exact, so only the fp8 cast rounds, and the grad-input GEMM can move the weight's
@@ -288,8 +288,7 @@ class Fp8GroupedMM:
     def _prepare(self, x_MK: torch.Tensor, w_EKN: torch.Tensor, offs_E: torch.Tensor):
         if offs_E.dtype != torch.int32:
             raise ValueError(f"grouped_mm offsets must be int32 cumulative ends, got {offs_E.dtype}")
-        # Only the tokens take the compute dtype: the weights are cast to fp8 from their stored dtype (module docstring).
-        x_MK = x_MK.to(compute_dtype(x_MK))
+        x_MK = to_compute_dtype(x_MK)  # the weight is cast to fp8 from its stored dtype (module docstring)
         backend = get_backend(x_MK.device)
         use_scaled = backend.has_scaled_grouped_mm if self.emulate is None else not self.emulate
         return x_MK, w_EKN, backend, use_scaled

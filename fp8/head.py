@@ -71,7 +71,7 @@ def fp8_linear_cross_entropy(head: Float8Linear, x: torch.Tensor, targets: torch
     Runs eagerly (outside torch.compile: its work is four large GEMMs and six kernels, nothing for Inductor to
     fuse). Writes the head's health statistics as its forward does.
     """
-    x, w = to_compute_dtype(x, head.weight)
+    x = to_compute_dtype(x)
     backend, use_scaled_mm = head.fp8_backend(x.device)
     targets = targets.reshape(-1)
     # The loss kernel does not check targets: an id outside [0, V) would be a wrong loss (it reads a clamped column)
@@ -80,7 +80,7 @@ def fp8_linear_cross_entropy(head: Float8Linear, x: torch.Tensor, targets: torch
     torch._assert_async(((targets >= 0) & (targets < head.out_features) | (targets == IGNORE_INDEX)).all(),
                         "fp8_linear_cross_entropy: a target id lies outside [0, vocab_size) and is not ignore_index")
     grad_dtype = backend.e5m2 if head.recipe.grad_output_e5m2 else backend.e4m3
-    loss, stats = _Fp8LinearCrossEntropyFn.apply(x.reshape(-1, head.in_features), w, targets,
+    loss, stats = _Fp8LinearCrossEntropyFn.apply(x.reshape(-1, head.in_features), head.weight, targets,
                                                  backend, use_scaled_mm, grad_dtype)
     head.record_health(stats)
     return loss
