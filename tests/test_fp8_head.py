@@ -205,6 +205,32 @@ def test_fused_head_computes_the_unfused_heads_loss_and_gradients():
 
 
 @pytest.mark.skipif(IN_CHILD, reason="parent-process test")
+def test_float32_master_weight_under_autocast_is_cast_as_stored_and_gets_a_float32_gradient():
+    """One worker's float32 master weight under bf16 autocast: both heads cast the stored weight to fp8 (no bf16 copy,
+    so a dynamic scale from the float32 amax), compute the same loss, and return a float32 weight gradient as accurate
+    against float64 as the unfused head's; the fused head's is the bf16 GEMM result converted by autograd."""
+    from models.loss import token_cross_entropy
+
+    lin, unfused, fused = _heads(seed=3)
+    x = torch.randn(96, 64) * 3
+    t = torch.randint(0, 272, (96,))
+    assert fused.weight.dtype == torch.float32
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss_a = token_cross_entropy(unfused(xa)[None], t[None])
+        loss_b = fused(xb, targets=t)
+    loss_a.backward()
+    loss_b.backward()
+    torch.testing.assert_close(loss_b.float(), loss_a.float(), rtol=1e-6, atol=1e-6)
+    assert fused.weight.grad.dtype == unfused.weight.grad.dtype == torch.float32
+    assert torch.equal(fused.weight.grad, fused.weight.grad.bfloat16().float())  # a bf16 GEMM result, converted
+    x64 = x.bfloat16().double().requires_grad_()
+    w64 = lin.weight.detach().double().requires_grad_()
+    torch.nn.functional.cross_entropy(x64 @ w64.t(), t).backward()
+    assert _sqnr_db(w64.grad, fused.weight.grad) >= _sqnr_db(w64.grad, unfused.weight.grad) - 0.5 > 20
+
+
+@pytest.mark.skipif(IN_CHILD, reason="parent-process test")
 def test_fused_head_applies_only_where_it_can_and_says_why_not():
     from fp8 import set_precision
 
