@@ -12,8 +12,9 @@ costs 25-30 us, more than the small shapes' kernels run; inputs rotated so that 
   the two-pass designs really read (tensorwise without amax and rowwise+colwise read x twice).
 - kernel-only rows: the single cast kernels (tensorwise with a given amax, the rowwise+colwise cast pass with
   given amaxes) at their real traffic, and the fp8 transpose against torch's .t().contiguous().
-- the MoE grad-input operands of fp8.grouped: the gradient's group-scaled row cast and the experts' fp8 weight
-  transposed into the grad-input layout, at DeepSeek-MoE-16B's shapes.
+- the MoE grad-input operands of fp8.grouped: the gradient's group-scaled row cast, and the experts' weight in the
+  grad-input layout (recast from bf16 by the forward's scales, or its fp8 form transposed), at DeepSeek-MoE-16B's
+  shapes.
 - correctness: every Triton output against the reference, counting mismatched elements and the largest
   difference in fp8 grid steps (outputs are poisoned first, so unwritten elements show up).
 - sweep: candidate tile sizes / warps per kernel and shape (the autotune key is the row length and dtype).
@@ -38,8 +39,7 @@ DENSE_SHAPES = [(8192, 4096), (8192, 14336), (16384, 2048)]
 # DeepSeek-MoE-16B routed experts at 16384 tokens x top-6: the gradients of w13's and w2's outputs (98304 rows,
 # 2816 and 2048 columns, 64 experts) for the group-scaled row cast of the grad input.
 GRADIENT_SHAPES = [(98304, 2816, 64), (98304, 2048, 64)]
-# Its expert weights as stored [E, out, in]: w13 [64, 2816, 2048] and w2 [64, 2048, 1408], their fp8 forms transposed
-# for the grad input.
+# Its expert weights as stored [E, out, in]: w13 [64, 2816, 2048] and w2 [64, 2048, 1408], in the grad input's layout.
 EXPERT_WEIGHT_SHAPES = [(64, 2816, 2048), (64, 2048, 1408)]
 SMOKE_DENSE = [(37, 70), (64, 33)]
 SMOKE_GRADIENTS = [(50, 20, 4)]
@@ -342,8 +342,8 @@ def main():
 
     # ------------------------------------------------------------------ MoE grad input (fp8.grouped)
     # The gradient's row cast with the forward weight's power-of-two row scales folded onto its columns, expert by
-    # expert (one multiplier row per group), and the forward's fp8 expert weight transposed into the [E, K, N] layout
-    # the grad-input GEMM reads: what fp8.grouped runs in place of a second amax + cast of the weight.
+    # expert (one multiplier row per group), and the expert weight recast by those scales (or its fp8 form transposed)
+    # into the [E, K, N] layout the grad-input GEMM reads: what fp8.grouped runs in place of a second amax + cast.
     def pow2_scales(*shape, seed):
         g = torch.Generator(device=dev).manual_seed(seed)
         return torch.exp2(torch.randint(-4, 5, shape, generator=g, device=dev).float())
@@ -369,6 +369,24 @@ def main():
                 lambda f, x: f(x, mul, gid, dt8), reference.quantize_rowwise_group_scaled_ref, 3 * M * N + 4 * M,
                 3 * M * N + 4 * M, {"experts": E})
 
+    def run_recast(E, N, K):
+        key = f"{E}x{N}x{K}"
+        measure_copy(E * N, K)
+        copy_gbps[key] = copy_gbps[f"{E * N}x{K}"]
+        scale = pow2_scales(E, N, seed=2)
+        xs = rotated(lambda i, E=E, N=N, K=K: make_x(E * N, K, seed=30 + i).view(E, N, K), E * N * K * 2)
+        for d in check_dtypes:
+            poison(((E, K, N), torch.float8_e4m3fn))
+            rec = compare((fk.cast_rows_transposed_batched(xs[0], scale, d, use_triton=use_triton),),
+                          (reference.cast_rows_transposed_batched_ref(xs[0], scale, d),))
+            rec.update(op="cast_rows_transposed_batched", shape=key, dtype=str(d))
+            checks.append(rec)
+            if not rec["ok"]:
+                print("  MISMATCH", rec)
+        time_op("cast_rows_transposed_batched", key, E * N, K, xs,
+                lambda w: fk.cast_rows_transposed_batched(w, scale, dt8, use_triton=use_triton),
+                lambda f, w: f(w, scale, dt8), reference.cast_rows_transposed_batched_ref, 3 * E * N * K, 3 * E * N * K)
+
     def run_weight_transpose(E, N, K):
         # The experts' fp8 weights [E, N, K] as the forward cast them, copied [E, K, N] for the grad-input GEMM.
         key = f"{E}x{N}x{K}"
@@ -390,6 +408,7 @@ def main():
     for M, N, E in gradients:
         run_group_scaled(M, N, E)
     for E, N, K in (SMOKE_EXPERT_WEIGHTS if args.smoke else EXPERT_WEIGHT_SHAPES):
+        run_recast(E, N, K)
         run_weight_transpose(E, N, K)
 
     # ------------------------------------------------------------------ fp8 transposed copies (_scaled_mm layouts)

@@ -1,6 +1,6 @@
 """Tile sweeps of the Triton casts the MoE step runs most, alone on one GPU, each tile checked against the shipped one.
 
-    PYTHONUNBUFFERED=1 python3 benchmarks/tile_sweeps.py --out $OUT [--sections rowcast,group,transpose]
+    PYTHONUNBUFFERED=1 python3 benchmarks/tile_sweeps.py --out $OUT [--sections rowcast,group,recast,transpose]
 
 Shapes: DeepSeek-MoE-16B routed experts at 16384 tokens x top-6 (98304 rows, 64 experts): the gradients of w13's
 output (98304 x 2816) and of w2's (98304 x 2048), and w2's input width (1408); the weights w13 [64, 2816, 2048] and
@@ -11,6 +11,8 @@ GB/s against each op's least traffic):
 - group: the gradient's group-scaled row cast of fp8.grouped's grad input, with fp32 multipliers and with bf16 ones
   (exact for powers of two: must give the same bytes), over tile budgets and warps. In a profiled MoE step it took
   0.30 ms a call against ~0.17 for the plain row cast of the same tensors;
+- recast: the expert weight cast by the forward's row scales into the grad-input layout
+  (cast_rows_transposed_batched), over tiles and warps (0.19 ms a call in that profile);
 - transpose: the fp8 transpose of the tensorwise linears' backward operands (87 calls, 2.52 ms of that profile) at
   the MoE model's activation and weight shapes, next to a copy of the same bytes.
 Writes tile_sweeps.json to --out.
@@ -33,7 +35,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--reps", type=int, default=9)
-    all_sections = ("rowcast", "group", "transpose")
+    all_sections = ("rowcast", "group", "recast", "transpose")
     ap.add_argument("--sections", default=",".join(all_sections), help=f"comma-separated subset of {all_sections}")
     args = ap.parse_args()
     sections = set(args.sections.split(","))
@@ -87,6 +89,20 @@ def main() -> None:
                     lambda gy=gy, mul=mul: q.quantize_rowwise_group_scaled_triton(gy, mul, gid, e4m3), nbytes * 3 // 2)
         q.ROWWISE_MAX_TILE, q.ROWWISE_MAX_ROW, q.ROWWISE_WARPS = shipped
 
+    tile_shipped, warps_shipped = t.BATCHED_ROW_CAST_TILE, t.TRANSPOSE_WARPS
+    for N, K in ((2816, 2048), (2048, 1408)) if "recast" in sections else ():
+        w_ENK = (torch.randn(E, N, K, device="cuda", generator=g) * 0.02).bfloat16()
+        scale = torch.exp2(torch.randint(4, 12, (E, N), device="cuda", generator=g).float())
+        ref = t.cast_rows_transposed_batched_triton(w_ENK, scale, e4m3)
+        for tile, warps in (((64, 128), 4), ((32, 128), 4), ((64, 64), 4), ((128, 64), 4), ((64, 256), 8),
+                            ((128, 128), 8), ((32, 256), 4)):
+            t.BATCHED_ROW_CAST_TILE, t.TRANSPOSE_WARPS = tile, warps
+            out = t.cast_rows_transposed_batched_triton(w_ENK, scale, e4m3)
+            same = torch.equal(out.view(torch.int8), ref.view(torch.int8))
+            row(f"recast w [{E},{N},{K}] tile={tile} warps={warps} same={same}",
+                lambda w_ENK=w_ENK, scale=scale: t.cast_rows_transposed_batched_triton(w_ENK, scale, e4m3),
+                w_ENK.numel() * 3)
+        t.BATCHED_ROW_CAST_TILE, t.TRANSPOSE_WARPS = tile_shipped, warps_shipped
     # Activations [16384 tokens, width] (x and the output gradient of the MLA, shared-expert and dense-FFN linears of the
     # MoE 4-layer step) and weights [out, in]; every transpose moves 1 byte in and 1 out per element.
     transpose_shipped = (t.TRANSPOSE_TILE, t.TRANSPOSE_WARPS)

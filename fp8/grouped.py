@@ -11,12 +11,18 @@ contracts over the token dim.
 
 The three GEMMs (scales always along the contraction dim, powers of two so scaling is exact):
     forward      out  = x @ w[e]          x rowwise (M,), w per expert per column (E, N)
-    grad_input   gx   = gy @ w[e]^T       on the weight exactly as forward quantized it: the forward's fp8 weight,
-                                          transposed by the forward into the [E, K, N] row-major layout this GEMM
-                                          reads and kept for backward (one byte read and written per element), its
-                                          scales folded into gy's row cast (exact: powers of two). Faster than a
-                                          second column cast of w and than bf16 for DeepSeek-MoE-16B's routed
-                                          experts, gx as accurate (BENCHMARKS.md, "MoE grouped FFN").
+    grad_input   gx   = gy @ w[e]^T       on the weight exactly as forward quantized it, in the [E, K, N] row-major
+                                          layout this GEMM reads, its scales folded into gy's row cast (exact: powers
+                                          of two). Faster than a second column cast of w and than bf16 for
+                                          DeepSeek-MoE-16B's routed experts, gx as accurate (BENCHMARKS.md, "MoE
+                                          grouped FFN"). Where that weight comes from (_keeps_fp8_weight):
+                                          - w stored wider than the tokens' dtype (float32 master weights under bf16
+                                            autocast): the forward's fp8 bytes, transposed by the forward and kept
+                                            (1 byte a weight; a bf16 copy for backward would be 2);
+                                          - w in the tokens' dtype (FSDP2's bf16 gather): w itself is kept, which
+                                            costs nothing (FSDP2 frees it after the forward and gathers it again for
+                                            the backward), and recast there by the forward's saved scales (one read,
+                                            no amax pass).
     grad_weight  gw[e] = x_e^T @ gy_e     in the activations' precision (bf16 grouped GEMM): the fp8 grouped GEMM
                                           that contracts over the jagged token dim is barely faster than bf16 at
                                           DeepSeek-MoE-16B shapes or slower, so fp8 there only adds casts and the
@@ -90,9 +96,15 @@ def _wgrad_hp(x_MK, gy_MN, offs_E, out_ENK: bool) -> torch.Tensor:
     return gw.transpose(-2, -1) if out_ENK else gw
 
 
-def _grouped_forward(x_MK, w_EKN, offs_E, e4m3: torch.dtype, use_scaled: bool):
+def _keeps_fp8_weight(w_EKN: torch.Tensor, x_MK: torch.Tensor) -> bool:
+    """Whether the forward keeps its fp8 weight for backward rather than the weight itself (module docstring)."""
+    return w_EKN.dtype != x_MK.dtype
+
+
+def _grouped_forward(x_MK, w_EKN, offs_E, e4m3: torch.dtype, use_scaled: bool, keep_fp8_weight: bool):
     """-> (out_MN, stats, sw_EN, q_EKN): sw_EN the weight's forward scales (per expert and output column, along K) and
-    q_EKN the forward's fp8 weight as a row-major [E, K, N] copy, which the grad-input GEMM reuses."""
+    q_EKN the forward's fp8 weight as a row-major [E, K, N] copy when keep_fp8_weight (else an empty tensor), which the
+    grad-input GEMM reuses."""
     x_MK = x_MK.contiguous()
     x_fp8, sx_M1 = quant.quantize_rowwise(x_MK, e4m3, -1, _POW2)
     # Per expert, per output column n, scaled along K, column-major (strides (K*N, 1, K)) as the grouped
@@ -101,20 +113,22 @@ def _grouped_forward(x_MK, w_EKN, offs_E, e4m3: torch.dtype, use_scaled: bool):
     out_MN = _scaled_or_emulated_2d3d(x_fp8, sx_M1, w_fp8, sw_E1N, offs_E, use_scaled)
     stats = health_stats(x_MK, x_fp8, sx_M1, e4m3)
     # The same fp8 bytes transposed, row-major [E, K, N]: kept for the grad-input GEMM instead of the weight.
-    q_EKN = quant.transpose(w_fp8.transpose(-2, -1))
+    q_EKN = quant.transpose(w_fp8.transpose(-2, -1)) if keep_fp8_weight else w_fp8.new_empty(0)
     return out_MN.to(x_MK.dtype), stats, sw_E1N.reshape(sw_E1N.shape[0], -1), q_EKN
 
 
-def _grouped_backward(gy_MN, q_EKN, offs_E, x_MK, sw_EN, w_column_major: bool, w_dtype: torch.dtype,
-                      e4m3: torch.dtype, use_scaled: bool):
-    """-> (gx_MK, gw_EKN) from the forward's input x, its fp8 weight q_EKN and that weight's scales sw_EN; gw_EKN in
-    w_dtype, a view of the weight's storage layout (w_column_major: stored [E, N, K]). Both always: expert weights
-    always train."""
+def _grouped_backward(gy_MN, kept_EKN, offs_E, x_MK, sw_EN, kept_is_fp8: bool, w_column_major: bool,
+                      w_dtype: torch.dtype, e4m3: torch.dtype, use_scaled: bool):
+    """-> (gx_MK, gw_EKN) from the forward's input x, what it kept of the weight (its fp8 weight q_EKN when
+    kept_is_fp8, else the weight w_EKN) and the weight's scales sw_EN; gw_EKN in w_dtype, a view of the weight's
+    storage layout (w_column_major: stored [E, N, K]). Both always: expert weights always train."""
     gy_MN = gy_MN.contiguous()
-    # The forward's quantized weight q[e, k, n] = sat(w[e, k, n] * sw[e, n]) has its scales along N, the contraction
-    # dim here, so they move onto gy's columns (exact: powers of two), group by group:
+    # The forward's quantized weight q[e, k, n] = sat(w[e, k, n] * sw[e, n]), kept or recast from w by the saved scales
+    # into the [E, K, N] row-major layout this GEMM reads; its scales lie along N, the contraction dim here, so they
+    # move onto gy's columns (exact: powers of two), group by group:
     #   gx[m, k] = sum_n (gy[m, n] / sw[e(m), n]) * q[e(m), k, n]
     # and gy / sw is quantized per row as gy would be.
+    q_EKN = kept_EKN if kept_is_fp8 else quant.cast_rows_transposed_batched(kept_EKN.transpose(-2, -1), sw_EN, e4m3)
     num_groups = sw_EN.shape[0]
     inv_sw_GN = torch.cat([sw_EN.reciprocal(), sw_EN.new_zeros(1, sw_EN.shape[1])])  # rows past offs[-1]: 0
     # Powers of two are exact in bf16 (fp32's exponent range): half the bytes the cast kernel reads.
@@ -131,18 +145,19 @@ def _grouped_backward(gy_MN, q_EKN, offs_E, x_MK, sw_EN, w_column_major: bool, w
 class _Fp8GroupedMMFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_MK, w_EKN, offs_E, backend: Fp8Backend, use_scaled: bool):
-        out_MN, stats, sw_EN, q_EKN = _grouped_forward(x_MK, w_EKN, offs_E, backend.e4m3, use_scaled)
-        ctx.save_for_backward(q_EKN, offs_E, sw_EN, x_MK)
-        ctx.w_column_major, ctx.w_dtype = _is_column_major(w_EKN), w_EKN.dtype
+        keep_fp8 = _keeps_fp8_weight(w_EKN, x_MK)
+        out_MN, stats, sw_EN, q_EKN = _grouped_forward(x_MK, w_EKN, offs_E, backend.e4m3, use_scaled, keep_fp8)
+        ctx.save_for_backward(q_EKN if keep_fp8 else w_EKN, offs_E, sw_EN, x_MK)
+        ctx.keep_fp8, ctx.w_column_major, ctx.w_dtype = keep_fp8, _is_column_major(w_EKN), w_EKN.dtype
         ctx.e4m3, ctx.use_scaled = backend.e4m3, use_scaled
         ctx.mark_non_differentiable(stats)
         return out_MN, stats
 
     @staticmethod
     def backward(ctx, gy_MN, _grad_stats):
-        q_EKN, offs_E, sw_EN, x_MK = ctx.saved_tensors
-        gx_MK, gw_EKN = _grouped_backward(gy_MN, q_EKN, offs_E, x_MK.contiguous(), sw_EN, ctx.w_column_major,
-                                          ctx.w_dtype, ctx.e4m3, ctx.use_scaled)
+        kept_EKN, offs_E, sw_EN, x_MK = ctx.saved_tensors
+        gx_MK, gw_EKN = _grouped_backward(gy_MN, kept_EKN, offs_E, x_MK.contiguous(), sw_EN, ctx.keep_fp8,
+                                          ctx.w_column_major, ctx.w_dtype, ctx.e4m3, ctx.use_scaled)
         return gx_MK, gw_EKN, None, None, None
 
 
@@ -209,52 +224,55 @@ def _run_body(fn, on_cuda: bool, *args):
 @torch.library.custom_op("elastic_fp8::grouped_mm_fwd", mutates_args=())
 def _grouped_fwd_op(
     x_MK: torch.Tensor, w_EKN: torch.Tensor, offs_E: torch.Tensor, e4m3: torch.dtype, use_scaled: bool,
+    keep_fp8_weight: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> (out_MN, stats, sw_EN, q_EKN)."""
-    out_MN, stats, sw_EN, q_EKN = _run_body(_grouped_forward, x_MK.is_cuda, x_MK, w_EKN, offs_E, e4m3, use_scaled)
+    out_MN, stats, sw_EN, q_EKN = _run_body(_grouped_forward, x_MK.is_cuda, x_MK, w_EKN, offs_E, e4m3, use_scaled,
+                                            keep_fp8_weight)
     return out_MN, stats, sw_EN.contiguous(), q_EKN
 
 
 @_grouped_fwd_op.register_fake
-def _(x_MK, w_EKN, offs_E, e4m3, use_scaled):
+def _(x_MK, w_EKN, offs_E, e4m3, use_scaled, keep_fp8_weight):
     M, _ = x_MK.shape
     E, K, N = w_EKN.shape
+    q_shape = (E, K, N) if keep_fp8_weight else (0,)
     return (x_MK.new_empty(M, N), x_MK.new_empty(3, dtype=torch.float32), x_MK.new_empty(E, N, dtype=torch.float32),
-            x_MK.new_empty(E, K, N, dtype=e4m3))
+            x_MK.new_empty(q_shape, dtype=e4m3))
 
 
 @torch.library.custom_op("elastic_fp8::grouped_mm_bwd", mutates_args=())
 def _grouped_bwd_op(
-    gy_MN: torch.Tensor, q_EKN: torch.Tensor, offs_E: torch.Tensor, x_MK: torch.Tensor, sw_EN: torch.Tensor,
-    w_column_major: bool, w_dtype: torch.dtype, e4m3: torch.dtype, use_scaled: bool,
+    gy_MN: torch.Tensor, kept_EKN: torch.Tensor, offs_E: torch.Tensor, x_MK: torch.Tensor, sw_EN: torch.Tensor,
+    kept_is_fp8: bool, w_column_major: bool, w_dtype: torch.dtype, e4m3: torch.dtype, use_scaled: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (gx_MK, gw) with gw contiguous in the weight's storage layout ([E, N, K] for column-major w) and dtype."""
-    gx_MK, gw_EKN = _run_body(_grouped_backward, gy_MN.is_cuda, gy_MN, q_EKN, offs_E, x_MK, sw_EN, w_column_major,
-                              w_dtype, e4m3, use_scaled)
+    gx_MK, gw_EKN = _run_body(_grouped_backward, gy_MN.is_cuda, gy_MN, kept_EKN, offs_E, x_MK, sw_EN, kept_is_fp8,
+                              w_column_major, w_dtype, e4m3, use_scaled)
     gw = gw_EKN.transpose(-2, -1) if w_column_major else gw_EKN
     return gx_MK.contiguous(), gw.contiguous()
 
 
 @_grouped_bwd_op.register_fake
-def _(gy_MN, q_EKN, offs_E, x_MK, sw_EN, w_column_major, w_dtype, e4m3, use_scaled):
-    E, K, N = q_EKN.shape
+def _(gy_MN, kept_EKN, offs_E, x_MK, sw_EN, kept_is_fp8, w_column_major, w_dtype, e4m3, use_scaled):
+    E, K, N = kept_EKN.shape
     return gy_MN.new_empty(gy_MN.shape[0], K), gy_MN.new_empty((E, N, K) if w_column_major else (E, K, N), dtype=w_dtype)
 
 
 def _grouped_op_setup(ctx, inputs, output):
-    x_MK, w_EKN, offs_E, e4m3, use_scaled = inputs
+    x_MK, w_EKN, offs_E, e4m3, use_scaled, keep_fp8_weight = inputs
     _, _, sw_EN, q_EKN = output
-    # Backward re-reads x for the bf16 weight gradient; the weight itself is not kept (q_EKN serves the grad input).
-    ctx.save_for_backward(q_EKN, offs_E, x_MK, sw_EN)
-    ctx.args = (_is_column_major(w_EKN), w_EKN.dtype, e4m3, use_scaled)
+    # Backward re-reads x for the bf16 weight gradient, and the fp8 weight or the weight for the grad input.
+    ctx.save_for_backward(q_EKN if keep_fp8_weight else w_EKN, offs_E, x_MK, sw_EN)
+    ctx.args = (keep_fp8_weight, _is_column_major(w_EKN), w_EKN.dtype, e4m3, use_scaled)
 
 
 def _grouped_op_backward(ctx, gy_MN, _g_stats, _g_sw, _g_q):
-    q_EKN, offs_E, x_MK, sw_EN = ctx.saved_tensors
-    w_column_major = ctx.args[0]
-    gx_MK, gw = _grouped_bwd_op(gy_MN, q_EKN, offs_E, x_MK, sw_EN, *ctx.args)
+    kept_EKN, offs_E, x_MK, sw_EN = ctx.saved_tensors
+    w_column_major = ctx.args[1]
+    gx_MK, gw = _grouped_bwd_op(gy_MN, kept_EKN, offs_E, x_MK, sw_EN, *ctx.args)
     gw_EKN = gw.transpose(-2, -1) if w_column_major else gw
-    return gx_MK, gw_EKN, None, None, None
+    return gx_MK, gw_EKN, None, None, None, None
 
 
 torch.library.register_autograd(
@@ -303,7 +321,8 @@ class Fp8GroupedMM:
 
     def _call_opaque(self, x_MK: torch.Tensor, w_EKN: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
         x_MK, w_EKN, backend, use_scaled = self._prepare(x_MK, w_EKN, offs_E)
-        out_MN, stats, _, _ = _grouped_fwd_op(x_MK, w_EKN, offs_E, backend.e4m3, use_scaled)
+        out_MN, stats, _, _ = _grouped_fwd_op(x_MK, w_EKN, offs_E, backend.e4m3, use_scaled,
+                                              _keeps_fp8_weight(w_EKN, x_MK))
         self.last_stats = stats
         return out_MN
 

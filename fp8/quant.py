@@ -56,12 +56,13 @@ CASTS: dict[str, Cast] = {
         Cast("quantize_rowwise_and_colwise", kernel_when_compiled=True),
         Cast("transpose", kernel_when_compiled=True),
         Cast("quantize_rowwise_group_scaled", kernel_when_compiled=True),
+        Cast("cast_rows_transposed_batched", kernel_when_compiled=True),
         # The fused FP8 head's loss: eager only (fp8.head runs outside torch.compile), so no op.
         Cast("cross_entropy_fwd", kernel_when_compiled=False),
         Cast("cross_entropy_grad_cast", kernel_when_compiled=False),
     )
 }
-_TENSORWISE, _ROWWISE, _ROW_COL, _TRANSPOSE, _GROUP_SCALED, _CE_FWD, _CE_GRAD = CASTS.values()
+_TENSORWISE, _ROWWISE, _ROW_COL, _TRANSPOSE, _GROUP_SCALED, _ROWS_T_BATCHED, _CE_FWD, _CE_GRAD = CASTS.values()
 
 # ------------------------------------------------------------------------------------------------ the one policy
 
@@ -243,6 +244,16 @@ def quantize_rowwise_group_scaled(x_MN: torch.Tensor, mul_GN: torch.Tensor, gid_
         if out is not None:
             return out
     return _reference(_GROUP_SCALED, x_MN)(x_MN, mul_GN, gid_M, dtype, pow2)
+
+
+def cast_rows_transposed_batched(x_BRC: torch.Tensor, scale_BR: torch.Tensor, dtype: torch.dtype, *,
+                                 use_triton: bool | None = None) -> torch.Tensor:
+    """[B, R, C] (any strides) cast by given per-(b, r) scales, written [B, C, R] contiguous (no amax pass)."""
+    check_fp8_dtype(dtype)
+    if x_BRC.dim() != 3 or scale_BR.shape != x_BRC.shape[:2]:
+        raise ValueError(f"cast_rows_transposed_batched: x must be [B, R, C] and scale [B, R], got "
+                         f"{tuple(x_BRC.shape)} and {tuple(scale_BR.shape)}")
+    return _dispatch(_ROWS_T_BATCHED, x_BRC, (x_BRC, scale_BR, dtype), use_triton)
 
 
 def quantize_colwise_3d(w_EKN: torch.Tensor, dtype: torch.dtype, pow2: bool = True):

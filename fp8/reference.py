@@ -200,3 +200,10 @@ def quantize_rowwise_group_scaled_ref(
     check_2d_high_precision(x_hp_MN, "quantize_rowwise_group_scaled")
     y_MN = x_hp_MN.float() * mul_GN.float()[gid_M.long()]
     return quantize_rowwise_ref(y_MN, fp8_dtype, pow2)
+
+
+def cast_rows_transposed_batched_ref(x_hp_BRC: torch.Tensor, scale_BR: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """out_t [B, C, R] contiguous, out_t[b, c, r] = sat(x[b, r, c] * scale_BR[b, r]): the cast of an [E, N, K]-stored
+    expert weight by its forward row scales, laid out [E, K, N] for the grad-input GEMM."""
+    check_fp8_dtype(fp8_dtype)
+    return saturated_cast(x_hp_BRC, scale_BR.float()[:, :, None], fp8_dtype).transpose(-2, -1).contiguous()

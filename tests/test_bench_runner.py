@@ -174,8 +174,8 @@ def test_smoke_suite_writes_real_results_through_the_runner(tmp_path):
         f"benchmarks/fp8_kernels.py --smoke --out {tmp_path / 'scratch' / 'fp8_kernels_smoke'}")
     checks = kernels["results"]["checks"]
     ops = {c["op"] for c in checks}
-    assert {"tensorwise", "rowwise", "rowwise_and_colwise", "rowwise_group_scaled", "transpose_batched",
-            "transpose"} <= ops
+    assert {"tensorwise", "rowwise", "rowwise_and_colwise", "rowwise_group_scaled", "cast_rows_transposed_batched",
+            "transpose_batched", "transpose"} <= ops
     assert all(c["ok"] for c in checks) and kernels["results"]["checks_ok"] is True
     moe = json.loads((tmp_path / "moe_grouped_smoke.json").read_text())["results"]
     sqnr = moe["numerics"]

@@ -72,10 +72,9 @@ def test_kernel_failure_falls_back_to_reference(monkeypatch):
         assert torch.equal(a, b)
 
 
-def test_stored_enk_expert_weight_is_cast_once_and_transposed_in_fp8(monkeypatch):
-    """An [E, N, K]-stored weight: the forward's row cast reads the storage itself (no transposed high-precision copy),
-    and the grad-input GEMM's operand is that fp8 weight transposed as bytes (no second cast of the weight); the same
-    results as the references."""
+def test_stored_enk_backward_weight_cast_reads_the_storage_in_place(monkeypatch):
+    """A weight in the tokens' dtype (FSDP2's bf16 gather): the grad-input recast of an [E, N, K]-stored weight goes
+    through the batched kernel on the storage itself (no transposed bf16 copy), and gives the references' results."""
     calls = []
 
     def spy(cast, x, use_triton):
@@ -88,9 +87,41 @@ def test_stored_enk_expert_weight_is_cast_once_and_transposed_in_fp8(monkeypatch
     ref = grouped_run(stored_enk=True)
     monkeypatch.setattr(quant, "_kernel_for", spy)
     got = grouped_run(stored_enk=True)
-    assert ("quantize_rowwise", (3 * 48, 32), torch.bfloat16, True) in calls  # the storage's rows, as stored
+    assert ("cast_rows_transposed_batched", (3, 48, 32), torch.bfloat16, True) in calls  # the storage, as stored
+    assert not any(c[0] == "transpose" for c in calls)
+    for a, b in zip(got, ref, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_float32_expert_weight_is_cast_once_and_its_fp8_bytes_transposed(monkeypatch):
+    """Float32 master weights under bf16 autocast: the forward's row cast reads the float32 storage itself, and the
+    grad-input operand is that fp8 weight transposed as bytes (no bf16 copy, no second cast of the weight)."""
+    calls = []
+
+    def spy(cast, x, use_triton):
+        def wrapped(x, *args, **kwargs):
+            calls.append((cast.name, tuple(x.shape), x.dtype, x.is_contiguous()))
+            return cast.reference(x, *args, **kwargs)
+
+        return wrapped
+
+    def run():
+        torch.manual_seed(1)
+        x = torch.randn(64, 32).requires_grad_()
+        param = torch.randn(3, 48, 32).requires_grad_()
+        offs = torch.tensor([16, 16, 64], dtype=torch.int32)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = Fp8GroupedMM(emulate=True)(x, param.transpose(-2, -1), offs)
+        out.backward(torch.randn_like(out))
+        return out, x.grad, param.grad
+
+    ref = run()
+    monkeypatch.setattr(quant, "_kernel_for", spy)
+    got = run()
+    assert ("quantize_rowwise", (3 * 48, 32), torch.float32, True) in calls  # the float32 storage's rows
     assert ("transpose", (3, 48, 32), torch.float8_e4m3fn, True) in calls  # the fp8 weight, [E, N, K] -> [E, K, N]
     assert sum(c[1] == (3 * 48, 32) for c in calls) == 1  # the weight is cast once
+    assert not any(c[0] == "cast_rows_transposed_batched" for c in calls)
     for a, b in zip(got, ref, strict=True):
         assert torch.equal(a, b)
 

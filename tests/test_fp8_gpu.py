@@ -247,6 +247,7 @@ def test_dispatch_runs_every_cast_through_its_kernel_and_matches_the_reference()
     for name, cast in quant.CASTS.items():
         assert quant._kernel_for(cast, x, None) is getattr(kernels, f"{name}_triton"), name
     w_ENK = torch.stack([_x(96, 768, seed=22 + e) for e in range(3)])  # expert weights, [E, N, K] storage
+    scale_EN = reference.quantize_rowwise_ref(w_ENK, E4M3)[1].squeeze(-1)
     gid = torch.repeat_interleave(torch.arange(3, device="cuda", dtype=torch.int32),
                                   torch.tensor([500, 24, 500], device="cuda"))
     mul = torch.exp2(torch.randint(-4, 5, (3, 768), device="cuda").float())
@@ -266,6 +267,9 @@ def test_dispatch_runs_every_cast_through_its_kernel_and_matches_the_reference()
                          "_rowwise_group_scaled_kernel"),
         "transpose_batched": (lambda a: (quant.transpose((w_ENK * 2).to(E4M3)),),
                               lambda a: (reference.transpose_ref((w_ENK * 2).to(E4M3)),), "_transpose_kernel"),
+        "rows_transposed_batched": (lambda a: (quant.cast_rows_transposed_batched(w_ENK * 2, scale_EN, E4M3),),
+                                    lambda a: (reference.cast_rows_transposed_batched_ref(w_ENK * 2, scale_EN, E4M3),),
+                                    "_batched_row_scaled_cast_t_kernel"),
         "colwise_3d": (lambda a: quant.quantize_colwise_3d((w_ENK * 2).transpose(-2, -1), E4M3),
                        lambda a: reference.quantize_rowwise_ref((w_ENK * 2).transpose(-2, -1), E4M3, True, -2),
                        "_rowwise_kernel"),

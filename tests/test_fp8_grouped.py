@@ -168,14 +168,20 @@ def test_op_bodies_trace_without_graph_breaks(monkeypatch):
     offs = torch.tensor([32, 64, 96, 128], dtype=torch.int32)
     e4m3 = torch.float8_e4m3fn
     fwd = torch.compile(g._grouped_forward, backend="eager", fullgraph=True, dynamic=False)
-    out, stats, sw, q = fwd(x, w, offs, e4m3, False)
-    out_ref, stats_ref, sw_ref, q_ref = g._grouped_forward(x, w, offs, e4m3, False)
-    assert torch.equal(out, out_ref) and torch.equal(stats, stats_ref) and torch.equal(sw, sw_ref)
-    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
     bwd = torch.compile(g._grouped_backward, backend="eager", fullgraph=True, dynamic=False)
-    gx, gw = bwd(gy, q, offs, x, sw, True, torch.float32, e4m3, False)
-    gx_ref, gw_ref = g._grouped_backward(gy, q, offs, x, sw, True, torch.float32, e4m3, False)
-    assert torch.equal(gx, gx_ref) and torch.equal(gw, gw_ref) and gw.dtype == torch.float32
+    grads = {}
+    for keep_fp8 in (True, False):  # the forward keeps the fp8 weight, or the weight for a recast in backward
+        out, stats, sw, q = fwd(x, w, offs, e4m3, False, keep_fp8)
+        out_ref, stats_ref, sw_ref, q_ref = g._grouped_forward(x, w, offs, e4m3, False, keep_fp8)
+        assert torch.equal(out, out_ref) and torch.equal(stats, stats_ref) and torch.equal(sw, sw_ref)
+        assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and q.numel() == (w.numel() if keep_fp8 else 0)
+        kept = q if keep_fp8 else w
+        gx, gw = bwd(gy, kept, offs, x, sw, keep_fp8, True, torch.float32, e4m3, False)
+        gx_ref, gw_ref = g._grouped_backward(gy, kept, offs, x, sw, keep_fp8, True, torch.float32, e4m3, False)
+        assert torch.equal(gx, gx_ref) and torch.equal(gw, gw_ref) and gw.dtype == torch.float32
+        grads[keep_fp8] = (gx, gw)
+    # the recast by the saved scales gives the forward's fp8 bytes: the same gradients either way
+    assert torch.equal(grads[True][0], grads[False][0]) and torch.equal(grads[True][1], grads[False][1])
 
 
 def test_body_mode_switch_and_compile_blocks_sets_it():
@@ -278,7 +284,7 @@ def test_float32_master_weights_are_cast_to_fp8_as_stored_under_autocast():
     rows_fp8_of_bf16, _ = reference.quantize_rowwise_ref(storage.bfloat16().reshape(E * N, K), e4m3)
     assert not torch.equal(rows_fp8.view(torch.uint8), rows_fp8_of_bf16.view(torch.uint8))  # the test can tell
 
-    _, _, _, q_EKN = g._grouped_forward(x.bfloat16(), storage.transpose(-2, -1), offs, e4m3, False)
+    _, _, _, q_EKN = g._grouped_forward(x.bfloat16(), storage.transpose(-2, -1), offs, e4m3, False, True)
     want_q = rows_fp8.reshape(E, N, K).transpose(-2, -1).contiguous()
     assert q_EKN.is_contiguous() and torch.equal(q_EKN.view(torch.uint8), want_q.view(torch.uint8))
 
@@ -295,3 +301,25 @@ def test_float32_master_weights_are_cast_to_fp8_as_stored_under_autocast():
         want_gw = (gy[lo:hi].bfloat16().double().t() @ x[lo:hi].bfloat16().double()).float()
         torch.testing.assert_close(leaf.grad[e], want_gw, rtol=1e-5, atol=1e-5)
         lo = hi
+
+
+@pytest.mark.parametrize("mode", ["opaque", "eager"])
+def test_backward_keeps_the_fp8_weight_only_for_weights_wider_than_the_tokens(mode):
+    """What autograd keeps of an expert weight for backward: float32 master weights under bf16 autocast keep their fp8
+    form (1 byte a weight) and no bf16 copy; a weight already in the tokens' dtype (FSDP2's bf16 gather, which FSDP2
+    frees after the forward and gathers again) keeps only the weight itself, no weight-sized copy."""
+    E, K, N, M = 4, 64, 96, 128
+    offs = torch.tensor([32, 64, 96, 128], dtype=torch.int32)
+    for weight_dtype in (torch.float32, torch.bfloat16):
+        param = torch.randn(E, N, K, dtype=weight_dtype, requires_grad=True)
+        x = torch.randn(M, K, requires_grad=True)
+        saved = []
+        with (torch.autograd.graph.saved_tensors_hooks(lambda t, saved=saved: saved.append(t) or t, lambda t: t),
+              torch.autocast("cpu", dtype=torch.bfloat16)):
+            Fp8GroupedMM(emulate=True, mode=mode)(x, param.transpose(-2, -1), offs).sum().backward()
+        weight_sized = [t for t in saved if t.numel() == param.numel()]
+        if weight_dtype == torch.float32:
+            assert [(t.dtype, tuple(t.shape)) for t in weight_sized] == [(torch.float8_e4m3fn, (E, K, N))], mode
+        else:
+            assert len(weight_sized) == 1 and weight_sized[0].untyped_storage().data_ptr() == \
+                param.untyped_storage().data_ptr(), mode

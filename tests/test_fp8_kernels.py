@@ -263,6 +263,21 @@ def _interp_rowwise_group_scaled(interp, monkeypatch):
         assert_fp8_equal(got16, want, f"group-scaled data, bf16 multipliers, looped={looped}")
 
 
+def _interp_cast_rows_transposed_batched(interp, monkeypatch):
+    """Expert weights [E, N, K] cast by given row scales and written [E, K, N], read in place and as a strided view;
+    partial tiles; equal to the forward's rowwise cast transposed when given the forward's scales."""
+    monkeypatch.setattr(ft, "BATCHED_ROW_CAST_TILE", (16, 32))
+    w = torch.stack([make_x(37, 45, seed=40 + e) * 10.0 ** (e - 1) for e in range(3)])
+    for x, what in ((w, "contiguous"), (w.transpose(-2, -1).contiguous().transpose(-2, -1), "column-major")):
+        row_fp8, scale_M1 = ref.quantize_rowwise_ref(x.reshape(-1, 45), torch.float8_e4m3fn)
+        scale_BR = scale_M1.reshape(3, 37)
+        got = quant.cast_rows_transposed_batched(x, scale_BR, torch.float8_e4m3fn, use_triton=True)
+        want = ref.cast_rows_transposed_batched_ref(x, scale_BR, torch.float8_e4m3fn)
+        assert got.shape == (3, 45, 37) and got.is_contiguous()
+        assert_fp8_equal(got, want, f"{what} data")
+        assert_fp8_equal(got, row_fp8.reshape(3, 37, 45).transpose(-2, -1).contiguous(), f"{what} vs the row cast")
+
+
 def _interp_nan_is_loud(interp):
     """A NaN input makes its row's scale and data NaN (never a saturated finite value); other rows unaffected."""
     x = make_x(4, 16, seed=11)
@@ -346,7 +361,7 @@ def _interp_custom_ops_trace_under_torch_compile(interp):
 
 # ----------------------------------------------------------------------------- interpreter child process
 
-N_INTERP_CASES = 4 + 12 + 8 + 1 + 8 + 2 + 1 + 1 + 1 + 1  # test_interp_* items the child must pass
+N_INTERP_CASES = 4 + 12 + 8 + 1 + 8 + 2 + 1 + 1 + 1 + 1 + 1  # test_interp_* items the child must pass
 
 # The interpreter of Triton 3.7.1 failed 16 of these cases and 3.6's 23 (no e4m3fnuz/e5m2fnuz types, a 1-element
 # array converted to a Python scalar); 3.8.0 and 3.9.0 pass them all.

@@ -5,7 +5,7 @@ whether a launcher below (eager), its torch.library op in ops.py (compiled code)
 runs. Each launcher `<cast>_triton` takes and returns torch tensors with the reference's arguments and results:
 - quantize.py: tensorwise, rowwise, rowwise with per-group multipliers, rowwise + colwise (both GEMM layouts);
 - transposed.py: the fp8 transpose, plain or batched (torch._scaled_mm's operand layouts, the MoE grad-input GEMM's
-  weight);
+  weight), and the batched cast by given row scales written transposed (that weight recast from a bf16 one);
 - cross_entropy.py: the fused FP8 head's loss forward and its gradient cast (eager only: no op);
 - triton_fp8.py: what they share (in-kernel scale, saturating cast, the interpreter's exact rounding, launching).
 
@@ -26,11 +26,12 @@ from .quantize import (
     quantize_rowwise_triton,
     quantize_tensorwise_triton,
 )
-from .transposed import transpose_triton
+from .transposed import cast_rows_transposed_batched_triton, transpose_triton
 from .triton_fp8 import HAS_TRITON, triton_usable
 
 __all__ = [
     "HAS_TRITON",
+    "cast_rows_transposed_batched_triton",
     "cross_entropy_fwd_triton",
     "cross_entropy_grad_cast_triton",
     "ops",

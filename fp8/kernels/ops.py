@@ -59,3 +59,8 @@ def quantize_rowwise_group_scaled_op(
     return _kernel_or_reference("quantize_rowwise_group_scaled", _q.quantize_rowwise_group_scaled_triton, x_hp_MN,
                                 mul_GN, gid_M, fp8_dtype, pow2)
 
+
+@torch.library.triton_op("elastic_fp8::cast_rows_transposed_batched", mutates_args=())
+def cast_rows_transposed_batched_op(x_hp_BRC: torch.Tensor, scale_BR: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    return _kernel_or_reference("cast_rows_transposed_batched", _t.cast_rows_transposed_batched_triton, x_hp_BRC,
+                                scale_BR, fp8_dtype)
