@@ -72,18 +72,24 @@ def test_kernel_failure_falls_back_to_reference(monkeypatch):
         assert torch.equal(a, b)
 
 
-def test_stored_enk_backward_weight_cast_reads_the_storage_in_place(monkeypatch):
-    """A weight in the tokens' dtype (FSDP2's bf16 gather): the grad-input recast of an [E, N, K]-stored weight goes
-    through the batched kernel on the storage itself (no transposed bf16 copy), and gives the references' results."""
-    calls = []
-
-    def spy(cast, x, use_triton):
+def _recording_references(calls: list):
+    """A stand-in for quant._kernel_for that runs every cast's reference and records (name, shape, dtype, contiguous)
+    of its input."""
+    def kernel_for(cast, x, use_triton):
         def wrapped(x, *args, **kwargs):
             calls.append((cast.name, tuple(x.shape), x.dtype, x.is_contiguous()))
             return cast.reference(x, *args, **kwargs)
 
         return wrapped
 
+    return kernel_for
+
+
+def test_stored_enk_backward_weight_cast_reads_the_storage_in_place(monkeypatch):
+    """A weight in the tokens' dtype (FSDP2's bf16 gather): the grad-input recast of an [E, N, K]-stored weight goes
+    through the batched kernel on the storage itself (no transposed bf16 copy), and gives the references' results."""
+    calls = []
+    spy = _recording_references(calls)
     ref = grouped_run(stored_enk=True)
     monkeypatch.setattr(quant, "_kernel_for", spy)
     got = grouped_run(stored_enk=True)
@@ -97,14 +103,7 @@ def test_float32_expert_weight_is_cast_once_and_its_fp8_bytes_transposed(monkeyp
     """Float32 master weights under bf16 autocast: the forward's row cast reads the float32 storage itself, and the
     grad-input operand is that fp8 weight transposed as bytes (no bf16 copy, no second cast of the weight)."""
     calls = []
-
-    def spy(cast, x, use_triton):
-        def wrapped(x, *args, **kwargs):
-            calls.append((cast.name, tuple(x.shape), x.dtype, x.is_contiguous()))
-            return cast.reference(x, *args, **kwargs)
-
-        return wrapped
-
+    spy = _recording_references(calls)
     def run():
         torch.manual_seed(1)
         x = torch.randn(64, 32).requires_grad_()
