@@ -264,14 +264,14 @@ def _grouped_op_setup(ctx, inputs, output):
     _, _, sw_EN, q_EKN = output
     # Backward re-reads x for the bf16 weight gradient, and the fp8 weight or the weight for the grad input.
     ctx.save_for_backward(q_EKN if keep_fp8_weight else w_EKN, offs_E, x_MK, sw_EN)
-    ctx.args = (keep_fp8_weight, _is_column_major(w_EKN), w_EKN.dtype, e4m3, use_scaled)
+    ctx.w_column_major = _is_column_major(w_EKN)
+    ctx.args = (keep_fp8_weight, ctx.w_column_major, w_EKN.dtype, e4m3, use_scaled)
 
 
 def _grouped_op_backward(ctx, gy_MN, _g_stats, _g_sw, _g_q):
     kept_EKN, offs_E, x_MK, sw_EN = ctx.saved_tensors
-    w_column_major = ctx.args[1]
     gx_MK, gw = _grouped_bwd_op(gy_MN, kept_EKN, offs_E, x_MK, sw_EN, *ctx.args)
-    gw_EKN = gw.transpose(-2, -1) if w_column_major else gw
+    gw_EKN = gw.transpose(-2, -1) if ctx.w_column_major else gw
     return gx_MK, gw_EKN, None, None, None, None
 
 
