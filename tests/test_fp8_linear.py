@@ -127,6 +127,35 @@ def test_scaled_mm_emulated_matches_dequantized_product(autocast):
     assert torch.allclose(out.double(), expect, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("emulate", [True, False])
+def test_tensorwise_float32_master_weight_gradient_comes_out_of_the_gemm_in_float32(emulate):
+    """A float32 master weight under bf16 autocast (one worker's training step): the weight gradient is the float32
+    product of the fp8 operands as the GEMM writes it, not a bf16 result converted afterwards (that conversion was a
+    kernel of its own per layer). Both the emulated and the torch._scaled_mm path (tensorwise: CPU and GPU)."""
+    device = scaled_mm_device()
+    x, w, gy = (t.to(device) for t in make_inputs(torch.float32, seed=5))
+    lin = torch.nn.Linear(K, N, bias=False, device=device)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+    mod = Float8Linear.from_float(lin, "tensorwise")
+    mod.emulate = emulate
+    xi = x.clone().requires_grad_()
+    with torch.autocast(device.type, dtype=torch.bfloat16):
+        y = mod(xi)
+    assert y.dtype == torch.bfloat16
+    y.backward(gy.bfloat16())
+    gw = lin.weight.grad
+    assert gw.dtype == torch.float32
+    assert not torch.equal(gw, gw.bfloat16().float())
+    # The same product from the references: gy (bf16, as autocast's backward hands it) cast e5m2, x cast e4m3 from its
+    # bf16 autocast copy, multiplied dequantized in float64.
+    g8, sg = quantize_tensorwise_ref(gy.bfloat16(), torch.float8_e5m2)
+    x8, sx = quantize_tensorwise_ref(x.bfloat16(), torch.float8_e4m3fn)
+    expect = (g8.double() / sg.double()).t() @ (x8.double() / sx.double())
+    # float32 accumulation is ~1e-7 of the norm (measured on CPU: both paths); a bf16 rounding of the result ~1e-3.
+    assert ((gw.double() - expect).norm() / expect.norm()).item() < 1e-6
+
+
 def test_amax_to_scale_finite_on_zero_tiny_and_pow2():
     for pow2 in (False, True):
         s = amax_to_scale(torch.tensor([0.0, 1e-30, 1e-3, 3.0, 1e6]), torch.float8_e4m3fn, pow2)
