@@ -159,7 +159,8 @@ def convert_for_training(model: nn.Module, model_name: str, recipe: str, backend
     (layers_too_small) stay in bf16. None: convert every eligible layer (CPU runs emulate FP8 for correctness, not
     speed)."""
     eligible = make_module_filter(output_head=output_head, experts=experts)
-    count, kept = conversion_plan(model, eligible, tokens_per_forward)
+    names, kept = conversion_plan(model, eligible, tokens_per_forward)
+    count = len(names)
     convert_to_fp8(model, recipe, module_filter=lambda name, m: eligible(name, m) and name not in kept)
     if not any(True for _ in _fp8_modules(model)):
         # An "fp8" run with nothing in fp8 would fail later, at the first shadow check or RetryFP8.
@@ -173,13 +174,13 @@ def convert_for_training(model: nn.Module, model_name: str, recipe: str, backend
 
 
 def conversion_plan(model: nn.Module, eligible: Callable[[str, nn.Module], bool],
-                    tokens_per_forward: int | None) -> tuple[int, dict[str, str]]:
-    """What convert_for_training will do to an unconverted model (the launcher's plan reads it before Ray starts): how
-    many layers FP8 could convert (`eligible`: make_module_filter's), and those of them too small to pay at
-    tokens_per_forward (layers_too_small; None: none kept)."""
-    count = sum(1 for name, m in model.named_modules() if name and eligible(name, m)
-                and (type(m) is nn.Linear or _is_grouped(m)))
-    return count, layers_too_small(model, eligible, tokens_per_forward) if tokens_per_forward else {}
+                    tokens_per_forward: int | None) -> tuple[list[str], dict[str, str]]:
+    """What convert_for_training will do to an unconverted model (the launcher's plan reads it before Ray starts): the
+    names of the layers FP8 could convert (`eligible`: make_module_filter's), and those of them too small to pay at
+    tokens_per_forward (layers_too_small; None: none kept), by name with their sizes."""
+    names = [name for name, m in model.named_modules() if name and eligible(name, m)
+             and (type(m) is nn.Linear or _is_grouped(m))]
+    return names, layers_too_small(model, eligible, tokens_per_forward) if tokens_per_forward else {}
 
 
 def layers_too_small(model: nn.Module, module_filter: Callable[[str, nn.Module], bool],

@@ -9,15 +9,16 @@ The activation estimate counts, per token and layer, the tensors autograd keeps 
 (see `block_activation_bytes_per_token`); tests/test_planning.py checks it against a measured CPU run.
 What it leaves out: allocator fragmentation, CUDA/NCCL context and communication buffers, temporaries that live
 only inside one kernel's backward: `fits` keeps a reserve fraction of the memory for those.
-FP8: the estimate assumes compute_dtype_bytes for every saved activation and does not count the fp8 copies of
-weights an FP8 layer keeps for backward; measured FP8 runs can peak above bf16 (the max_mem_gib of
-benchmarks/results/train_step_*.json), so the reserve fraction must cover that.
+FP8 (`fp8_layers`: the names of the layers that run it): each keeps an fp8 copy of its weight for backward, 1 byte a
+weight, counted as `fp8_weight_copies` (fp8_weight_copy_bytes); saved activations are still counted at
+compute_dtype_bytes, so the FP8 estimate errs high there.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -148,6 +149,27 @@ def activation_bytes(model: nn.Module, tokens: int, a: int, checkpointing: bool)
     return tokens * (len(per_block) * dim * a + max(per_block) + head)
 
 
+def fp8_weight_copy_bytes(model: nn.Module, fp8_layers: Iterable[str], experts_keep_fp8: bool,
+                          checkpointing: bool) -> int:
+    """Bytes of the fp8 weights that the FP8 layers named keep from forward to backward, 1 a weight, unsharded (each
+    layer casts the weight as gathered): every FP8 linear's (fp8.linear; the head's too), and the routed experts' where
+    experts_keep_fp8 - their weights stored wider than the tokens (float32 master weights without FSDP); gathered in
+    the tokens' dtype they keep the weight itself, which FSDP's buffers count (fp8.grouped). With per-block activation
+    checkpointing a block's copies live only while its backward runs: the largest block's, plus those outside the
+    blocks."""
+    per_block: dict[str | None, int] = {}
+    for name in fp8_layers:
+        module = model.get_submodule(name)
+        if isinstance(module, nn.Linear):
+            n = module.weight.numel()
+        else:  # a group of routed experts
+            n = sum(p.numel() for p in module.parameters()) if experts_keep_fp8 else 0
+        block = name.split(".")[1] if name.startswith("layers.") else None
+        per_block[block] = per_block.get(block, 0) + n
+    outside = per_block.pop(None, 0)
+    return outside + (max(per_block.values(), default=0) if checkpointing else sum(per_block.values()))
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The plan
 
@@ -159,10 +181,11 @@ class MemoryBytes:
     optimizer: int  # AdamW m and v in fp32, plus an fp32 master copy when params are stored below fp32
     fsdp_buffers: int  # unsharded working copies (0 without sharding)
     activations: int
+    fp8_weight_copies: int = 0  # kept by FP8 layers from forward to backward (fp8_weight_copy_bytes)
 
     @property
     def total(self) -> int:
-        return self.params + self.grads + self.optimizer + self.fsdp_buffers + self.activations
+        return self.params + self.grads + self.optimizer + self.fsdp_buffers + self.activations + self.fp8_weight_copies
 
     def to_dict(self) -> dict[str, int]:
         return {**dataclasses.asdict(self), "total": self.total}
@@ -187,6 +210,8 @@ class ModelPlan:
     bytes_per_worker: MemoryBytes  # with the configured activation_checkpointing
     activation_bytes_no_ac: int
     activation_bytes_ac: int
+    fp8_copy_bytes_no_ac: int = 0
+    fp8_copy_bytes_ac: int = 0
     notes: list[str] = field(default_factory=list)
 
     def usable_bytes(self, memory_bytes_per_worker: int, reserve_fraction: float = 0.1) -> float:
@@ -208,12 +233,14 @@ class ModelPlan:
             return [f"fits: {head}"]
         reasons = [f"does not fit: {head}"]
         if not self.activation_checkpointing:
-            with_ac = need - self.activation_bytes_no_ac + self.activation_bytes_ac
+            with_ac = (need - self.activation_bytes_no_ac - self.fp8_copy_bytes_no_ac + self.activation_bytes_ac
+                       + self.fp8_copy_bytes_ac)
             if with_ac <= usable:
                 reasons.append(f"activation_checkpointing=true would need {with_ac / GIB:.2f} GiB and fit")
         state = self.bytes_per_worker.params + self.bytes_per_worker.grads + self.bytes_per_worker.optimizer
         state_unsharded = state * self.shard_degree
-        room = usable - self.bytes_per_worker.activations - self.bytes_per_worker.fsdp_buffers
+        room = (usable - self.bytes_per_worker.activations - self.bytes_per_worker.fsdp_buffers
+                - self.bytes_per_worker.fp8_weight_copies)
         if room > 0:
             min_shards = math.ceil(state_unsharded / room)
             if min_shards > self.shard_degree:
@@ -264,11 +291,13 @@ def plan_model(
     compute_dtype_bytes: int = 2,
     overrides: dict[str, Any] | None = None,
     model: nn.Module | None = None,
+    fp8_layers: Iterable[str] = (),
 ) -> ModelPlan:
     """Plan one configuration. sharding: "fsdp" shards states over all world_size workers; "hsdp" over groups
     of shard_degree (replicated across groups); "replicate" keeps full copies (DDP). param_dtype_bytes is the
     storage dtype of the parameters (FSDP2's usual setup: 4, fp32 sharded params with bf16 compute);
-    compute_dtype_bytes that of the gathered params and activations. `model`: a meta-built model to reuse."""
+    compute_dtype_bytes that of the gathered params and activations. `model`: a meta-built model to reuse.
+    fp8_layers: the module names that run FP8 (orchestration.training.model_setup.plan_fp8's `converted`)."""
     flavor = resolve_flavor(flavor, overrides)
     if world_size < 1 or seq_len < 1 or micro_batch < 1:
         raise ValueError(f"world_size, seq_len, micro_batch must be >= 1, got {world_size}, {seq_len}, {micro_batch}")
@@ -305,12 +334,17 @@ def plan_model(
 
     act_no_ac = activation_bytes(model, tokens, c, checkpointing=False)
     act_ac = activation_bytes(model, tokens, c, checkpointing=True)
+    fp8_layers = tuple(fp8_layers)
+    experts_keep_fp8 = shard_degree == 1 and p > c
+    fp8_no_ac, fp8_ac = (fp8_weight_copy_bytes(model, fp8_layers, experts_keep_fp8, checkpointing=ac)
+                         for ac in (False, True))
     mem = MemoryBytes(
         params=sharded(counts.total) * p,
         grads=sharded(counts.total) * p,
         optimizer=sharded(counts.total) * (8 + master),
         fsdp_buffers=fsdp_buffers,
         activations=act_ac if activation_checkpointing else act_no_ac,
+        fp8_weight_copies=fp8_ac if activation_checkpointing else fp8_no_ac,
     )
     notes = []
     if flavor.planning_only:
@@ -323,7 +357,7 @@ def plan_model(
         world_size=world_size, sharding=sharding, shard_degree=shard_degree, seq_len=seq_len,
         micro_batch=micro_batch, activation_checkpointing=activation_checkpointing, param_dtype_bytes=p,
         compute_dtype_bytes=c, bytes_per_worker=mem, activation_bytes_no_ac=act_no_ac, activation_bytes_ac=act_ac,
-        notes=notes,
+        fp8_copy_bytes_no_ac=fp8_no_ac, fp8_copy_bytes_ac=fp8_ac, notes=notes,
     )
 
 

@@ -62,10 +62,10 @@ def fp8_where_it_pays(job: JobConfig) -> list[str]:
     if job.precision.name != "fp8" or not is_gpu_job(job) or job.model.name not in MODEL_FLAVORS:
         return []
     try:
-        kept, eligible = plan_fp8(job, on_gpu=True)
+        layers = plan_fp8(job, on_gpu=True)
     except (ValueError, TypeError):  # a bad model override: validate names it
         return []
-    if eligible and len(kept) == eligible:
+    if layers.eligible and not layers.converted:
         job.precision.name = "bf16"
         job.precision.fp8_output_head = False
         return [(f"precision bf16: no layer of {job.model.name} is large enough for FP8 to pay at "

@@ -51,11 +51,11 @@ def test_a_gpu_plan_keeps_the_layers_too_small_to_pay_in_bf16_and_the_worker_con
 
     from orchestration.training.model_setup import build_training_model, plan_fp8
 
-    again, eligible = plan_fp8(job, on_gpu=True)
-    assert again == kept and eligible == plan["fp8_layers"]["eligible"]
+    again = plan_fp8(job, on_gpu=True)
+    assert again.kept_bf16 == kept and again.eligible == plan["fp8_layers"]["eligible"]
     model = build_training_model(job, world_size=1, device=torch.device("cpu"), size_rule=True).model
     converted = set(fp8.precision_state(model)["modules"])
-    assert converted and not converted & set(kept)
+    assert converted and not converted & set(kept) and converted == set(again.converted)
     assert len(converted) == plan["fp8_layers"]["converted"]
 
     _, cpu_plan = _planned(Machine(), *overrides)

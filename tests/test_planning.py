@@ -7,7 +7,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models.planning import GIB, activation_bytes, count_params, plan_model, smallest_fitting_world_size
+from models.planning import (
+    GIB,
+    activation_bytes,
+    count_params,
+    fp8_weight_copy_bytes,
+    plan_model,
+    smallest_fitting_world_size,
+)
 from models.registry import build_model
 
 
@@ -52,7 +59,8 @@ def test_plan_is_json_serialisable_with_fits():
     assert d["fits"] is True and d["reasons"][0].startswith("fits")
     for key in ("model", "total_params", "active_params", "flops_per_token", "bytes_per_worker"):
         assert key in d
-    assert set(d["bytes_per_worker"]) == {"params", "grads", "optimizer", "fsdp_buffers", "activations", "total"}
+    assert set(d["bytes_per_worker"]) == {"params", "grads", "optimizer", "fsdp_buffers", "activations",
+                                          "fp8_weight_copies", "total"}
     assert "fits" not in plan.to_dict()
 
 
@@ -124,6 +132,66 @@ def test_activation_estimate_matches_measured(name, dtype):
     estimate = activation_bytes(model, 4 * 128, dtype.itemsize, checkpointing=False)
     # Measured 2026-12: estimate / measured = 0.99 to 1.03.
     assert abs(estimate / measured - 1) < 0.05, (estimate, measured)
+
+
+def _measured_fp8_weight_copies(model, tokens) -> int:
+    """Bytes of the distinct fp8 tensors shaped like an FP8 layer's weight (either layout) that autograd saves in one
+    training forward under bf16 autocast: the weight copies FP8 layers keep for backward (activations have other
+    shapes: 3 x 40 = 120 rows, no weight dim here)."""
+    shapes = set()
+    for p in model.parameters():
+        if p.dim() >= 2:
+            shapes |= {tuple(p.shape), (*p.shape[:-2], p.shape[-1], p.shape[-2])}
+    saved = {}
+
+    def pack(t):
+        if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and tuple(t.shape) in shapes:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model(tokens[:, :-1])
+        F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+    return sum(saved.values())
+
+
+@pytest.mark.parametrize("name", ["debug_dense", "debug_moe"])
+@pytest.mark.parametrize("param_dtype", [torch.float32, torch.bfloat16])
+def test_fp8_weight_copies_match_what_fp8_layers_save(name, param_dtype):
+    """The plan's fp8 weight copies are the bytes the converted layers save for backward: every FP8 linear's weight in
+    fp8 (the head's too), and the experts' only where their weights are wider than the tokens (float32 master weights
+    under bf16 autocast; bf16 weights, as FSDP2 gathers them, are kept as they are)."""
+    import fp8
+
+    model = build_model(name, "cpu", seed=0).to(param_dtype)
+    fp8.convert_to_fp8(model, "tensorwise", module_filter=fp8.convert.make_module_filter(output_head=True))
+    names = list(fp8.precision_state(model)["modules"])
+    experts = [n for n in names if not isinstance(model.get_submodule(n), torch.nn.Linear)]
+    assert bool(experts) == (name == "debug_moe")
+    tokens = torch.randint(0, 256, (3, 41))
+    expect = fp8_weight_copy_bytes(model, names, experts_keep_fp8=param_dtype == torch.float32, checkpointing=False)
+    assert expect > 0 and _measured_fp8_weight_copies(model, tokens) == expect
+
+
+def test_plan_counts_fp8_weight_copies_and_activation_checkpointing_keeps_one_block():
+    """Llama3-8B, 4 layers, on one worker: its FP8 linears' weights, 1 byte each, with no checkpointing; with it, one
+    block's and the head's."""
+    model = build_model("llama3_8b", "meta", overrides={"n_layers": 4})
+    linears = [n for n, m in model.named_modules() if type(m) is torch.nn.Linear]
+    block = sum(model.get_submodule(n).weight.numel() for n in linears if n.startswith("layers.0."))
+    head = model.output.weight.numel()
+    assert block == 4096 * (4096 + 2 * 1024 + 4096) + 3 * 4096 * 14336 and head == 128256 * 4096
+    for ac in (False, True):
+        plain = plan_model("llama3_8b", world_size=1, seq_len=8192, micro_batch=1, overrides={"n_layers": 4},
+                           activation_checkpointing=ac)
+        plan = plan_model("llama3_8b", world_size=1, seq_len=8192, micro_batch=1, overrides={"n_layers": 4},
+                          activation_checkpointing=ac, fp8_layers=linears)
+        copies = plan.bytes_per_worker.fp8_weight_copies
+        assert plain.bytes_per_worker.fp8_weight_copies == 0
+        assert copies == head + (block if ac else 4 * block)
+        assert plan.bytes_per_worker.total == plain.bytes_per_worker.total + copies
+    # The "would fit with checkpointing" reason counts the copies checkpointing leaves.
+    assert plan.fp8_copy_bytes_no_ac == head + 4 * block and plan.fp8_copy_bytes_ac == head + block
 
 
 def test_count_params_active_for_moe():

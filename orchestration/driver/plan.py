@@ -22,6 +22,7 @@ def build_job_plan(job: JobConfig, machine_notes: list[str] | tuple[str, ...] = 
     from models.registry import resolve_flavor
     from orchestration.driver.ray_job import ray_plan
     from orchestration.driver.start_checks import checkpoint_bytes, resolve_run_root
+    from orchestration.training.model_setup import plan_fp8
 
     c = job.cluster
     flavor = resolve_flavor(job.model.name, dict(job.model.overrides))
@@ -32,7 +33,9 @@ def build_job_plan(job: JobConfig, machine_notes: list[str] | tuple[str, ...] = 
     model_plan = plan_model(flavor, world_size=world, seq_len=job.data.seq_len, micro_batch=batch.micro_batch_size,
                             sharding="fsdp" if sharding == "fsdp" else "replicate",
                             activation_checkpointing=job.model.activation_checkpointing,
-                            param_dtype_bytes=4)  # float32 master weights, whatever FSDP2 gathers them in
+                            param_dtype_bytes=4,  # float32 master weights, whatever FSDP2 gathers them in
+                            fp8_layers=plan_fp8(job, on_gpu=is_gpu_job(job),
+                                                micro_batch=batch.micro_batch_size).converted)
     memory_bytes = int(c.memory_per_worker_gb * GIB)
     mp = model_plan.to_dict(memory_bytes)
     bytes_per_worker = int(mp["bytes_per_worker"]["total"])
@@ -215,16 +218,18 @@ def smallest_fitting_workers(job: JobConfig, micro_batch: int, limit: int = 1 <<
     only falls as workers are added: doubling, then bisection), or None when even `limit` do not."""
     from models.planning import plan_model
     from models.registry import build_model, resolve_flavor
+    from orchestration.training.model_setup import plan_fp8
 
     flavor = resolve_flavor(job.model.name, dict(job.model.overrides))
     model = build_model(flavor, device="meta")
     memory = int(job.cluster.memory_per_worker_gb * GIB)
+    fp8_layers = plan_fp8(job, on_gpu=is_gpu_job(job), micro_batch=micro_batch, model=model).converted
 
     def fits(world: int) -> bool:
         return plan_model(flavor, world_size=world, seq_len=job.data.seq_len, micro_batch=micro_batch,
                           sharding="fsdp" if world > 1 else "replicate",
                           activation_checkpointing=job.model.activation_checkpointing, param_dtype_bytes=4,
-                          model=model).fits(memory)
+                          model=model, fp8_layers=fp8_layers).fits(memory)
 
     high = 1
     while not fits(high):
@@ -264,8 +269,8 @@ def fp8_layer_plan(job: JobConfig) -> dict[str, Any]:
     (orchestration.training.model_setup.plan_fp8, what the workers convert)."""
     from orchestration.training.model_setup import plan_fp8
 
-    kept_bf16, eligible = plan_fp8(job, on_gpu=is_gpu_job(job))
-    return {"eligible": eligible, "converted": eligible - len(kept_bf16), "kept_bf16": kept_bf16}
+    layers = plan_fp8(job, on_gpu=is_gpu_job(job))
+    return {"eligible": layers.eligible, "converted": len(layers.converted), "kept_bf16": layers.kept_bf16}
 
 
 def fp8_line(plan: dict[str, Any]) -> str | None:

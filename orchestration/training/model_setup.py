@@ -76,23 +76,25 @@ def import_hf_weights(model: torch.nn.Module, job: JobConfig) -> dict:
 class Fp8Plan(NamedTuple):
     """What build_training_model will do with a job's layers, known before Ray (the plan reads it): the layers FP8
     would convert but keeps in bf16 (too small to pay: fp8.convert.layers_too_small), by name with their sizes; how
-    many layers FP8 could convert."""
+    many layers FP8 could convert; the names of those it converts (the memory plan counts their fp8 weight copies)."""
 
     kept_bf16: dict[str, str]
     eligible: int
+    converted: tuple[str, ...]
 
 
-def plan_fp8(job: JobConfig, on_gpu: bool) -> Fp8Plan:
+def plan_fp8(job: JobConfig, on_gpu: bool, micro_batch: int | None = None, model=None) -> Fp8Plan:
     """The conversion build_training_model will make, read off the job's model on meta (the size rule only on
-    GPUs)."""
+    GPUs). micro_batch: another than the job's (the machine defaults try several); model: its meta build, to reuse."""
     import fp8
     from models.registry import build_model
 
     p = job.precision
     if p.name != "fp8":
-        return Fp8Plan({}, 0)
-    model = build_model(job.model.name, device="meta", overrides=dict(job.model.overrides))
+        return Fp8Plan({}, 0, ())
+    if model is None:
+        model = build_model(job.model.name, device="meta", overrides=dict(job.model.overrides))
     module_filter = fp8.convert.make_module_filter(output_head=p.fp8_output_head, experts=p.fp8_experts)
-    eligible, kept = fp8.convert.conversion_plan(model, module_filter,
-                                                 job.train.micro_batch_size * job.data.seq_len if on_gpu else None)
-    return Fp8Plan(kept, eligible)
+    tokens = (micro_batch or job.train.micro_batch_size) * job.data.seq_len
+    names, kept = fp8.convert.conversion_plan(model, module_filter, tokens if on_gpu else None)
+    return Fp8Plan(kept, len(names), tuple(n for n in names if n not in kept))
