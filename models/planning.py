@@ -9,8 +9,9 @@ The activation estimate counts, per token and layer, the tensors autograd keeps 
 (see `block_activation_bytes_per_token`); tests/test_planning.py checks it against a measured CPU run.
 What it leaves out: allocator fragmentation, CUDA/NCCL context and communication buffers, temporaries that live
 only inside one kernel's backward: `fits` keeps a reserve fraction of the memory for those.
-FP8 (`fp8_layers`: the names of the layers that run it): each keeps an fp8 copy of its weight for backward, 1 byte a
-weight, counted as `fp8_weight_copies` (fp8_weight_copy_bytes); saved activations are still counted at
+FP8: the layers that keep an fp8 copy of their weight from forward to backward (`fp8_weight_copy_layers`, named by
+the caller, which knows the precision settings and the parallel layout: orchestration.training.model_setup) count 1
+byte a weight as `fp8_weight_copies` (fp8_weight_copy_bytes); saved activations are still counted at
 compute_dtype_bytes, so the FP8 estimate errs high there.
 """
 
@@ -149,25 +150,22 @@ def activation_bytes(model: nn.Module, tokens: int, a: int, checkpointing: bool)
     return tokens * (len(per_block) * dim * a + max(per_block) + head)
 
 
-def fp8_weight_copy_bytes(model: nn.Module, fp8_layers: Iterable[str], experts_keep_fp8: bool,
-                          checkpointing: bool) -> int:
-    """Bytes of the fp8 weights that the FP8 layers named keep from forward to backward, 1 a weight, unsharded (each
-    layer casts the weight as gathered): every FP8 linear's (fp8.linear; the head's too), and the routed experts' where
-    experts_keep_fp8 - their weights stored wider than the tokens (float32 master weights without FSDP); gathered in
-    the tokens' dtype they keep the weight itself, which FSDP's buffers count (fp8.grouped). With per-block activation
-    checkpointing a block's copies live only while its backward runs: the largest block's, plus those outside the
-    blocks."""
+def fp8_weight_copy_bytes(model: nn.Module, layers: Iterable[str], checkpointing: bool) -> int:
+    """Bytes of the fp8 weight copies the layers named keep from forward to backward: 1 a weight, unsharded (each
+    layer casts the weight as gathered); a group of routed experts counts all its weights. Without checkpointing
+    every copy is alive when the forward ends. With per-block checkpointing a block keeps its copies only while its
+    backward runs (after the recompute), and the layers outside the blocks (the head) free theirs before the first
+    block's backward: the larger of the two."""
     per_block: dict[str | None, int] = {}
-    for name in fp8_layers:
+    for name in layers:
         module = model.get_submodule(name)
-        if isinstance(module, nn.Linear):
-            n = module.weight.numel()
-        else:  # a group of routed experts
-            n = sum(p.numel() for p in module.parameters()) if experts_keep_fp8 else 0
+        n = module.weight.numel() if isinstance(module, nn.Linear) else sum(p.numel() for p in module.parameters())
         block = name.split(".")[1] if name.startswith("layers.") else None
         per_block[block] = per_block.get(block, 0) + n
     outside = per_block.pop(None, 0)
-    return outside + (max(per_block.values(), default=0) if checkpointing else sum(per_block.values()))
+    if checkpointing:
+        return max(outside, max(per_block.values(), default=0))
+    return outside + sum(per_block.values())
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -291,13 +289,14 @@ def plan_model(
     compute_dtype_bytes: int = 2,
     overrides: dict[str, Any] | None = None,
     model: nn.Module | None = None,
-    fp8_layers: Iterable[str] = (),
+    fp8_weight_copy_layers: Iterable[str] = (),
 ) -> ModelPlan:
     """Plan one configuration. sharding: "fsdp" shards states over all world_size workers; "hsdp" over groups
     of shard_degree (replicated across groups); "replicate" keeps full copies (DDP). param_dtype_bytes is the
     storage dtype of the parameters (FSDP2's usual setup: 4, fp32 sharded params with bf16 compute);
     compute_dtype_bytes that of the gathered params and activations. `model`: a meta-built model to reuse.
-    fp8_layers: the module names that run FP8 (orchestration.training.model_setup.plan_fp8's `converted`)."""
+    fp8_weight_copy_layers: the FP8 layers that keep an fp8 copy of their weight for backward
+    (orchestration.training.model_setup.fp8_weight_copy_layers)."""
     flavor = resolve_flavor(flavor, overrides)
     if world_size < 1 or seq_len < 1 or micro_batch < 1:
         raise ValueError(f"world_size, seq_len, micro_batch must be >= 1, got {world_size}, {seq_len}, {micro_batch}")
@@ -334,10 +333,8 @@ def plan_model(
 
     act_no_ac = activation_bytes(model, tokens, c, checkpointing=False)
     act_ac = activation_bytes(model, tokens, c, checkpointing=True)
-    fp8_layers = tuple(fp8_layers)
-    experts_keep_fp8 = shard_degree == 1 and p > c
-    fp8_no_ac, fp8_ac = (fp8_weight_copy_bytes(model, fp8_layers, experts_keep_fp8, checkpointing=ac)
-                         for ac in (False, True))
+    copy_layers = tuple(fp8_weight_copy_layers)
+    fp8_no_ac, fp8_ac = (fp8_weight_copy_bytes(model, copy_layers, checkpointing=ac) for ac in (False, True))
     mem = MemoryBytes(
         params=sharded(counts.total) * p,
         grads=sharded(counts.total) * p,

@@ -154,7 +154,7 @@ def largest_fitting_micro_batch(job: JobConfig) -> tuple[int, str]:
     why)."""
     from models.planning import plan_model
     from models.registry import build_model, resolve_flavor
-    from orchestration.training.model_setup import plan_fp8
+    from orchestration.training.model_setup import fp8_weight_copy_layers, plan_fp8
 
     c, t = job.cluster, job.train
     world = c.min_workers
@@ -168,10 +168,11 @@ def largest_fitting_micro_batch(job: JobConfig) -> tuple[int, str]:
     for micro in range(share, 0, -1):
         if share % micro:
             continue
-        fp8_layers = plan_fp8(job, on_gpu=is_gpu_job(job), micro_batch=micro, model=model).converted
+        # The micro-batch chosen becomes the configured one, which decides the layers the workers run in FP8.
+        converted = plan_fp8(job, on_gpu=is_gpu_job(job), micro_batch=micro, model=model).converted
         plan = plan_model(flavor, world_size=world, seq_len=job.data.seq_len, micro_batch=micro, sharding=sharding,
                           activation_checkpointing=job.model.activation_checkpointing, param_dtype_bytes=4,
-                          model=model, fp8_layers=fp8_layers)
+                          model=model, fp8_weight_copy_layers=fp8_weight_copy_layers(job, world, converted, model))
         if plan.fits(memory):
             accum = share // micro
             return micro, (f"the largest that fits {c.memory_per_worker_gb:g} GiB at {world} worker(s)"

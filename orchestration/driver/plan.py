@@ -19,13 +19,16 @@ def build_job_plan(job: JobConfig, machine_notes: list[str] | tuple[str, ...] = 
     """The plan of a resolved job; machine_notes: what the machine decided (orchestration/machine_defaults.py),
     printed first."""
     from models.planning import plan_model
-    from models.registry import resolve_flavor
+    from models.registry import build_model, resolve_flavor
     from orchestration.driver.ray_job import ray_plan
     from orchestration.driver.start_checks import checkpoint_bytes, resolve_run_root
-    from orchestration.training.model_setup import plan_fp8
+    from orchestration.training.model_setup import fp8_weight_copy_layers, plan_fp8
 
     c = job.cluster
     flavor = resolve_flavor(job.model.name, dict(job.model.overrides))
+    meta_model = build_model(flavor, device="meta")
+    # The layers the workers convert: the size rule at the configured micro-batch, whatever the world size.
+    fp8_converted = plan_fp8(job, on_gpu=is_gpu_job(job), model=meta_model).converted
     # The smallest world size is the worst case for per-worker memory (fewest shards).
     world = c.min_workers
     batch = plan_batch(job.train.global_batch_size, job.train.micro_batch_size, world)
@@ -34,8 +37,8 @@ def build_job_plan(job: JobConfig, machine_notes: list[str] | tuple[str, ...] = 
                             sharding="fsdp" if sharding == "fsdp" else "replicate",
                             activation_checkpointing=job.model.activation_checkpointing,
                             param_dtype_bytes=4,  # float32 master weights, whatever FSDP2 gathers them in
-                            fp8_layers=plan_fp8(job, on_gpu=is_gpu_job(job),
-                                                micro_batch=batch.micro_batch_size).converted)
+                            fp8_weight_copy_layers=fp8_weight_copy_layers(job, world, fp8_converted, meta_model),
+                            model=meta_model)
     memory_bytes = int(c.memory_per_worker_gb * GIB)
     mp = model_plan.to_dict(memory_bytes)
     bytes_per_worker = int(mp["bytes_per_worker"]["total"])
@@ -97,6 +100,7 @@ def scaling_workload(job: JobConfig):
     from models import scaling
     from models.planning import count_params, flops_per_token
     from models.registry import build_model, resolve_flavor
+    from orchestration.training.model_setup import planned_recipe
 
     flavor = resolve_flavor(job.model.name, dict(job.model.overrides))
     measured = next((m for m in scaling.MEASURED_STEPS.values()
@@ -114,9 +118,7 @@ def scaling_workload(job: JobConfig):
     layer_params = counts.total - root
     m_model = build_model(resolve_flavor(measured.flavor, measured.overrides), device="meta")
     tokens = job.train.micro_batch_size * job.data.seq_len
-    # precision.recipe=auto is fp8.recommended_recipe of the GPUs the fabric preset has (rowwise_gw_hp on AMD)
-    amd = job.cluster.device == "rocm" or scaling.FABRICS[job.cluster.fabric].accelerator.startswith("mi")
-    recipe = job.precision.recipe if job.precision.recipe != "auto" else ("rowwise_gw_hp" if amd else "tensorwise")
+    recipe = planned_recipe(job)
     # model.activation_checkpointing wraps each whole block: its forward runs again in backward. The profile's dense
     # GEMMs are the nn.Linear ones (routed experts run grouped GEMMs).
     dense = sum(m.weight.numel() for m in m_model.modules() if type(m) is nn.Linear)
@@ -218,18 +220,19 @@ def smallest_fitting_workers(job: JobConfig, micro_batch: int, limit: int = 1 <<
     only falls as workers are added: doubling, then bisection), or None when even `limit` do not."""
     from models.planning import plan_model
     from models.registry import build_model, resolve_flavor
-    from orchestration.training.model_setup import plan_fp8
+    from orchestration.training.model_setup import fp8_weight_copy_layers, plan_fp8
 
     flavor = resolve_flavor(job.model.name, dict(job.model.overrides))
     model = build_model(flavor, device="meta")
     memory = int(job.cluster.memory_per_worker_gb * GIB)
-    fp8_layers = plan_fp8(job, on_gpu=is_gpu_job(job), micro_batch=micro_batch, model=model).converted
+    converted = plan_fp8(job, on_gpu=is_gpu_job(job), model=model).converted
 
     def fits(world: int) -> bool:
         return plan_model(flavor, world_size=world, seq_len=job.data.seq_len, micro_batch=micro_batch,
                           sharding="fsdp" if world > 1 else "replicate",
                           activation_checkpointing=job.model.activation_checkpointing, param_dtype_bytes=4,
-                          model=model, fp8_layers=fp8_layers).fits(memory)
+                          model=model,
+                          fp8_weight_copy_layers=fp8_weight_copy_layers(job, world, converted, model)).fits(memory)
 
     high = 1
     while not fits(high):

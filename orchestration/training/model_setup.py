@@ -73,6 +73,50 @@ def import_hf_weights(model: torch.nn.Module, job: JobConfig) -> dict:
     return import_weights(model, job.model.init_from, flavor.family, flavor.args)
 
 
+def planned_recipe(job: JobConfig) -> str:
+    """The recipe precision=fp8 trains with, known before any worker starts: precision.recipe, or for auto the one
+    fp8.recommended_recipe gives the job's GPUs (rowwise_gw_hp on AMD: cluster.device rocm or an MI fabric preset;
+    tensorwise elsewhere)."""
+    from models import scaling
+
+    if job.precision.recipe != "auto":
+        return job.precision.recipe
+    fabric = scaling.FABRICS.get(job.cluster.fabric)
+    amd = job.cluster.device == "rocm" or (fabric is not None and fabric.accelerator.startswith("mi"))
+    return "rowwise_gw_hp" if amd else "tensorwise"
+
+
+def fp8_weight_copy_layers(job: JobConfig, world_size: int, converted: tuple[str, ...], model) -> tuple[str, ...]:
+    """Which of the converted FP8 layers keep an fp8 copy of their weight from forward to backward at this world size
+    (models.planning counts 1 byte a weight for each), as shard_and_materialize sets them up:
+    - a linear keeps its fp8 weight unless FSDP2 gathers it in fp8 (precision.fp8_all_gather, tensorwise; never the
+      head): the saved fp8 weight is then FSDP2's own gather buffer, freed after the forward and gathered again for
+      the backward;
+    - routed experts keep their fp8 weight where it reaches the GEMM wider than the tokens (fp8.grouped): stored in
+      float32 where FSDP2 does not gather them (one worker, replicas, expert parallelism), else in the dtype FSDP2
+      gathers them in (precision.fsdp_param_dtype); in the tokens' dtype they keep the weight itself."""
+    from torch import nn
+
+    from fp8.convert import is_output_head
+
+    p = job.precision
+    layout = layout_for(job, world_size, getattr(model.args, "n_routed_experts", 0))
+    sharded = layout.world_size > 1 and layout.sharding != "none"
+    recipe = planned_recipe(job)
+    fp8_gathered = sharded and recipe == "tensorwise" and (p.fp8_all_gather is not False)
+    gathered_dtype = p.compute_dtype if p.fsdp_param_dtype == "auto" else p.fsdp_param_dtype
+    experts_dtype = gathered_dtype if sharded and layout.expert_parallel == 1 else "float32"
+    keep = []
+    for name in converted:
+        module = model.get_submodule(name)
+        if isinstance(module, nn.Linear):
+            if not (fp8_gathered and not is_output_head(name, module)):
+                keep.append(name)
+        elif experts_dtype != p.compute_dtype:
+            keep.append(name)
+    return tuple(keep)
+
+
 class Fp8Plan(NamedTuple):
     """What build_training_model will do with a job's layers, known before Ray (the plan reads it): the layers FP8
     would convert but keeps in bf16 (too small to pay: fp8.convert.layers_too_small), by name with their sizes; how
