@@ -155,16 +155,17 @@ def _measured_fp8_weight_copies(model, tokens) -> int:
     return sum(saved.values())
 
 
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_gw_hp"])
 @pytest.mark.parametrize("name", ["debug_dense", "debug_moe"])
 @pytest.mark.parametrize("param_dtype", [torch.float32, torch.bfloat16])
-def test_fp8_weight_copies_match_what_fp8_layers_save(name, param_dtype):
+def test_fp8_weight_copies_match_what_fp8_layers_save(name, param_dtype, recipe):
     """The plan's fp8 weight copies are the bytes the converted layers save for backward: every FP8 linear's weight in
-    fp8 (the head's too), and the experts' only where their weights are wider than the tokens (float32 master weights
+    fp8 in every recipe (tensorwise: as cast; rowwise: the column-scaled transposed copy; the head's too), and the experts' only where their weights are wider than the tokens (float32 master weights
     under bf16 autocast; bf16 weights, as FSDP2 gathers them, are kept as they are)."""
     import fp8
 
     model = build_model(name, "cpu", seed=0).to(param_dtype)
-    fp8.convert_to_fp8(model, "tensorwise", module_filter=fp8.convert.make_module_filter(output_head=True))
+    fp8.convert_to_fp8(model, recipe, module_filter=fp8.convert.make_module_filter(output_head=True))
     names = list(fp8.precision_state(model)["modules"])
     experts = [n for n in names if not isinstance(model.get_submodule(n), torch.nn.Linear)]
     assert bool(experts) == (name == "debug_moe")
