@@ -28,7 +28,7 @@ def build_job_plan(job: JobConfig, machine_notes: list[str] | tuple[str, ...] = 
     flavor = resolve_flavor(job.model.name, dict(job.model.overrides))
     meta_model = build_model(flavor, device="meta")
     # The layers the workers convert: the size rule at the configured micro-batch, whatever the world size.
-    fp8_converted = plan_fp8(job, on_gpu=is_gpu_job(job), model=meta_model).converted
+    fp8_layers = plan_fp8(job, on_gpu=is_gpu_job(job), model=meta_model)
     # The smallest world size is the worst case for per-worker memory (fewest shards).
     world = c.min_workers
     batch = plan_batch(job.train.global_batch_size, job.train.micro_batch_size, world)
@@ -37,7 +37,7 @@ def build_job_plan(job: JobConfig, machine_notes: list[str] | tuple[str, ...] = 
                             sharding="fsdp" if sharding == "fsdp" else "replicate",
                             activation_checkpointing=job.model.activation_checkpointing,
                             param_dtype_bytes=4,  # float32 master weights, whatever FSDP2 gathers them in
-                            fp8_weight_copy_layers=fp8_weight_copy_layers(job, world, fp8_converted, meta_model),
+                            fp8_weight_copy_layers=fp8_weight_copy_layers(job, world, fp8_layers.converted, meta_model),
                             model=meta_model)
     memory_bytes = int(c.memory_per_worker_gb * GIB)
     mp = model_plan.to_dict(memory_bytes)
@@ -70,7 +70,7 @@ def build_job_plan(job: JobConfig, machine_notes: list[str] | tuple[str, ...] = 
         "fits": fits,
         "reasons": reasons,
         "workers_needed": workers_needed,
-        "fp8_layers": fp8_layer_plan(job),
+        "fp8_layers": fp8_layer_plan(job, fp8_layers),
         "layouts": elastic_layouts(job),
         "machine": list(machine_notes),
         "scaling": scaling_plan(job) if c.fabric != "none" else None,
@@ -267,12 +267,14 @@ def _suggestion(job: JobConfig, workers_needed: int | None) -> str:
     return "suggestion: " + "; ".join(options)
 
 
-def fp8_layer_plan(job: JobConfig) -> dict[str, Any]:
+def fp8_layer_plan(job: JobConfig, layers=None) -> dict[str, Any]:
     """How many layers could train in FP8, how many do, and which stay bf16 with their size
-    (orchestration.training.model_setup.plan_fp8, what the workers convert)."""
+    (orchestration.training.model_setup.plan_fp8, what the workers convert; `layers`: its result, where the caller
+    has it already)."""
     from orchestration.training.model_setup import plan_fp8
 
-    layers = plan_fp8(job, on_gpu=is_gpu_job(job))
+    if layers is None:
+        layers = plan_fp8(job, on_gpu=is_gpu_job(job))
     return {"eligible": layers.eligible, "converted": len(layers.converted), "kept_bf16": layers.kept_bf16}
 
 

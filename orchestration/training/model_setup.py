@@ -50,9 +50,7 @@ def build_training_model(job: JobConfig, world_size: int, device: torch.device,
             model, job.model.name, recipe, fp8.get_backend(device), output_head=p.fp8_output_head,
             experts=p.fp8_experts, tokens_per_forward=job.train.micro_batch_size * job.data.seq_len
             if apply_size_rule else None)
-    # precision.fp8_all_gather null: on for tensorwise, the one recipe whose weights have one scale (the gathered fp8
-    # bytes are then the GEMM's operand).
-    fp8_all_gather = p.fp8_all_gather if p.fp8_all_gather is not None else recipe == "tensorwise"
+    fp8_all_gather = fp8_all_gather_on(job, recipe)
     template = copy.deepcopy(model)  # on meta: no memory
     layout = layout_for(job, world_size, getattr(model.args, "n_routed_experts", 0))
     model = shard_and_materialize(model, template, layout, job.train.seed, device, p.fsdp_param_dtype,
@@ -86,6 +84,14 @@ def planned_recipe(job: JobConfig) -> str:
     return "rowwise_gw_hp" if amd else "tensorwise"
 
 
+def fp8_all_gather_on(job: JobConfig, recipe: str | None) -> bool:
+    """Whether FSDP2 is asked to gather the FP8 linears' weights in fp8: precision.fp8_all_gather, or where it is null,
+    on for tensorwise, the one recipe whose weights have one scale (the gathered fp8 bytes are then the GEMM's
+    operand). Only tensorwise layers are gathered so (fp8.fsdp_allgather), whatever is asked."""
+    p = job.precision
+    return p.fp8_all_gather if p.fp8_all_gather is not None else recipe == "tensorwise"
+
+
 def fp8_weight_copy_layers(job: JobConfig, world_size: int, converted: tuple[str, ...], model) -> tuple[str, ...]:
     """Which of the converted FP8 layers keep an fp8 copy of their weight from forward to backward at this world size
     (models.planning counts 1 byte a weight for each), as shard_and_materialize sets them up:
@@ -103,7 +109,7 @@ def fp8_weight_copy_layers(job: JobConfig, world_size: int, converted: tuple[str
     layout = layout_for(job, world_size, getattr(model.args, "n_routed_experts", 0))
     sharded = layout.world_size > 1 and layout.sharding != "none"
     recipe = planned_recipe(job)
-    fp8_gathered = sharded and recipe == "tensorwise" and (p.fp8_all_gather is not False)
+    fp8_gathered = sharded and recipe == "tensorwise" and fp8_all_gather_on(job, recipe)
     gathered_dtype = p.compute_dtype if p.fsdp_param_dtype == "auto" else p.fsdp_param_dtype
     experts_dtype = gathered_dtype if sharded and layout.expert_parallel == 1 else "float32"
     keep = []
