@@ -156,6 +156,11 @@ class PrecisionConfig:
     # (tests/test_fp8_fsdp_allgather.py). null = on with the tensorwise recipe when FSDP2 shards (world size > 1).
     fp8_all_gather: bool | None = None
 
+    def fsdp_gather_dtype(self) -> str:
+        """The dtype FSDP2 gathers parameters in: fsdp_param_dtype, auto resolved to compute_dtype. Read before
+        validation resolves the field too (the machine defaults plan the micro-batch first)."""
+        return self.compute_dtype if self.fsdp_param_dtype == "auto" else self.fsdp_param_dtype
+
 
 @dataclass
 class ClusterConfig:

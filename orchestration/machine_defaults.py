@@ -152,9 +152,8 @@ def largest_fitting_micro_batch(job: JobConfig) -> tuple[int, str]:
     """The largest micro-batch (dividing each worker's share of the global batch at the smallest world size, so no
     worker gets a ragged last micro-batch) whose memory plan fits a worker; 1 when none fits (the plan then says
     why)."""
-    from models.planning import plan_model
     from models.registry import build_model, resolve_flavor
-    from orchestration.training.model_setup import fp8_weight_copy_layers, plan_fp8
+    from orchestration.training.model_setup import plan_fp8, plan_worker_memory
 
     c, t = job.cluster, job.train
     world = c.min_workers
@@ -164,16 +163,12 @@ def largest_fitting_micro_batch(job: JobConfig) -> tuple[int, str]:
         return 1, "data.seq_len beyond the model's range (see the error)"
     model = build_model(flavor, device="meta")
     memory = int(c.memory_per_worker_gb * 1024**3)
-    sharding = "fsdp" if (job.train.sharding == "fsdp" and world > 1) else "replicate"
     for micro in range(share, 0, -1):
         if share % micro:
             continue
         # The micro-batch chosen becomes the configured one, which decides the layers the workers run in FP8.
         converted = plan_fp8(job, on_gpu=is_gpu_job(job), micro_batch=micro, model=model).converted
-        plan = plan_model(flavor, world_size=world, seq_len=job.data.seq_len, micro_batch=micro, sharding=sharding,
-                          activation_checkpointing=job.model.activation_checkpointing, param_dtype_bytes=4,
-                          model=model, fp8_weight_copy_layers=fp8_weight_copy_layers(job, world, converted, model))
-        if plan.fits(memory):
+        if plan_worker_memory(job, world, micro, flavor, model, converted).fits(memory):
             accum = share // micro
             return micro, (f"the largest that fits {c.memory_per_worker_gb:g} GiB at {world} worker(s)"
                            + (f", x{accum} gradient accumulation" if accum > 1 else ""))

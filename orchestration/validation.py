@@ -128,8 +128,7 @@ def resolve_defaults(job: JobConfig) -> None:
     if job.train.lr is None and job.model.name in MODEL_FLAVORS:  # an unknown model fails in validate
         job.train.lr = MODEL_FLAVORS[job.model.name].peak_lr
         job.train.lr_source = "model"
-    if job.precision.fsdp_param_dtype == "auto":
-        job.precision.fsdp_param_dtype = job.precision.compute_dtype
+    job.precision.fsdp_param_dtype = job.precision.fsdp_gather_dtype()
 
 
 def check_choices(job: JobConfig) -> None:

@@ -203,3 +203,23 @@ def test_count_params_active_for_moe():
     routed_per_layer = 8 * 3 * 128 * 64
     assert counts.routed_experts == 2 * routed_per_layer
     assert counts.total - counts.active == 2 * routed_per_layer * 6 // 8  # 6 of 8 experts idle per token
+
+
+@pytest.mark.parametrize("sharding, group", [("fsdp", 8), ("hsdp", 4), ("hsdp", 2)])
+def test_the_launchers_plan_shards_the_states_as_the_layout_does(sharding, group):
+    """The plan a launch checks (and the fewest-workers search and the micro-batch default, which share its helper)
+    counts parameters, gradients and AdamW states over the layout's shard group: all 8 workers under FSDP, the group
+    under HSDP. Llama3-8B's 8,030,261,248 float32 parameters: 4 bytes each, 4 for the gradient, 8 for AdamW."""
+    from orchestration.driver.plan import build_job_plan
+    from orchestration.machine_defaults import Machine
+    from tests.test_machine_defaults import resolve
+
+    extra = [f"train.shard_group_size={group}"] if sharding == "hsdp" else []
+    job, notes = resolve(Machine(), "model=llama3_8b", "precision=fp8", "cluster.min_workers=8",
+                         "cluster.max_workers=8", "train.global_batch_size=8", "train.micro_batch_size=1",
+                         "data.seq_len=1024", f"train.sharding={sharding}", *extra, enforce=False)
+    breakdown = build_job_plan(job, notes)["bytes_breakdown"]
+    params = 8_030_261_248
+    assert breakdown["params"] == pytest.approx(4 * params / group, rel=1e-3)
+    assert breakdown["grads"] == pytest.approx(4 * params / group, rel=1e-3)
+    assert breakdown["optimizer"] == pytest.approx(8 * params / group, rel=1e-3)

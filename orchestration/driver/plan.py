@@ -18,11 +18,10 @@ GIB = 1024**3
 def build_job_plan(job: JobConfig, machine_notes: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
     """The plan of a resolved job; machine_notes: what the machine decided (orchestration/machine_defaults.py),
     printed first."""
-    from models.planning import plan_model
     from models.registry import build_model, resolve_flavor
     from orchestration.driver.ray_job import ray_plan
     from orchestration.driver.start_checks import checkpoint_bytes, resolve_run_root
-    from orchestration.training.model_setup import fp8_weight_copy_layers, plan_fp8
+    from orchestration.training.model_setup import plan_fp8, plan_worker_memory
 
     c = job.cluster
     flavor = resolve_flavor(job.model.name, dict(job.model.overrides))
@@ -33,12 +32,7 @@ def build_job_plan(job: JobConfig, machine_notes: list[str] | tuple[str, ...] = 
     world = c.min_workers
     batch = plan_batch(job.train.global_batch_size, job.train.micro_batch_size, world)
     sharding = job.train.sharding if world > 1 else "none"
-    model_plan = plan_model(flavor, world_size=world, seq_len=job.data.seq_len, micro_batch=batch.micro_batch_size,
-                            sharding="fsdp" if sharding == "fsdp" else "replicate",
-                            activation_checkpointing=job.model.activation_checkpointing,
-                            param_dtype_bytes=4,  # float32 master weights, whatever FSDP2 gathers them in
-                            fp8_weight_copy_layers=fp8_weight_copy_layers(job, world, fp8_layers.converted, meta_model),
-                            model=meta_model)
+    model_plan = plan_worker_memory(job, world, batch.micro_batch_size, flavor, meta_model, fp8_layers.converted)
     memory_bytes = int(c.memory_per_worker_gb * GIB)
     mp = model_plan.to_dict(memory_bytes)
     bytes_per_worker = int(mp["bytes_per_worker"]["total"])
@@ -143,7 +137,7 @@ def scaling_plan(job: JobConfig) -> dict[str, Any]:
 
     fabric = scaling.FABRICS[job.cluster.fabric]
     w, recipe, measured = scaling_workload(job)
-    gather = 4 if job.precision.fsdp_param_dtype == "float32" else 2
+    gather = 4 if job.precision.fsdp_gather_dtype() == "float32" else 2
     reduce = 4 if job.precision.fsdp_reduce_dtype == "float32" else 2
     precisions = [scaling.Precision(False, False, gather, reduce), scaling.Precision(True, False, gather, reduce)]
     if recipe == "tensorwise":
@@ -218,9 +212,8 @@ def print_scaling(scaling_plan_: dict[str, Any]) -> None:
 def smallest_fitting_workers(job: JobConfig, micro_batch: int, limit: int = 1 << 16) -> int | None:
     """The fewest FSDP workers of this cluster's memory that fit the model at this micro-batch (memory per worker
     only falls as workers are added: doubling, then bisection), or None when even `limit` do not."""
-    from models.planning import plan_model
     from models.registry import build_model, resolve_flavor
-    from orchestration.training.model_setup import fp8_weight_copy_layers, plan_fp8
+    from orchestration.training.model_setup import plan_fp8, plan_worker_memory
 
     flavor = resolve_flavor(job.model.name, dict(job.model.overrides))
     model = build_model(flavor, device="meta")
@@ -228,11 +221,7 @@ def smallest_fitting_workers(job: JobConfig, micro_batch: int, limit: int = 1 <<
     converted = plan_fp8(job, on_gpu=is_gpu_job(job), model=model).converted
 
     def fits(world: int) -> bool:
-        return plan_model(flavor, world_size=world, seq_len=job.data.seq_len, micro_batch=micro_batch,
-                          sharding="fsdp" if world > 1 else "replicate",
-                          activation_checkpointing=job.model.activation_checkpointing, param_dtype_bytes=4,
-                          model=model,
-                          fp8_weight_copy_layers=fp8_weight_copy_layers(job, world, converted, model)).fits(memory)
+        return plan_worker_memory(job, world, micro_batch, flavor, model, converted).fits(memory)
 
     high = 1
     while not fits(high):

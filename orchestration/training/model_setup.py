@@ -110,8 +110,7 @@ def fp8_weight_copy_layers(job: JobConfig, world_size: int, converted: tuple[str
     sharded = layout.world_size > 1 and layout.sharding != "none"
     recipe = planned_recipe(job)
     fp8_gathered = sharded and recipe == "tensorwise" and fp8_all_gather_on(job, recipe)
-    gathered_dtype = p.compute_dtype if p.fsdp_param_dtype == "auto" else p.fsdp_param_dtype
-    experts_dtype = gathered_dtype if sharded and layout.expert_parallel == 1 else "float32"
+    experts_dtype = p.fsdp_gather_dtype() if sharded and layout.expert_parallel == 1 else "float32"
     keep = []
     for name in converted:
         module = model.get_submodule(name)
@@ -121,6 +120,24 @@ def fp8_weight_copy_layers(job: JobConfig, world_size: int, converted: tuple[str
         elif experts_dtype != p.compute_dtype:
             keep.append(name)
     return tuple(keep)
+
+
+def plan_worker_memory(job: JobConfig, world_size: int, micro_batch: int, flavor, model, converted: tuple[str, ...]):
+    """One worker's memory plan (models.planning.ModelPlan) at this world size and micro-batch, in the layout the
+    workers run it (layout_for): FSDP over the world, HSDP's shard groups (a node's GPUs: cluster.fabric's, else the
+    world as on one node) or full replicas; float32 master weights, whatever FSDP2 gathers them in; with the fp8
+    weight copies the converted layers keep (fp8_weight_copy_layers)."""
+    from models import scaling
+    from models.planning import plan_model
+
+    fabric = scaling.FABRICS.get(job.cluster.fabric)
+    layout = layout_for(job, world_size, getattr(model.args, "n_routed_experts", 0),
+                        gpus_per_node=fabric.gpus_per_node if fabric is not None else None)
+    return plan_model(flavor, world_size=world_size, seq_len=job.data.seq_len, micro_batch=micro_batch,
+                      sharding={"fsdp": "fsdp", "hsdp": "hsdp", "none": "replicate"}[layout.sharding],
+                      shard_degree=layout.shard_group_size,
+                      activation_checkpointing=job.model.activation_checkpointing, param_dtype_bytes=4, model=model,
+                      fp8_weight_copy_layers=fp8_weight_copy_layers(job, world_size, converted, model))
 
 
 class Fp8Plan(NamedTuple):
