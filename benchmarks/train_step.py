@@ -219,7 +219,7 @@ def build_step(job: JobConfig, variant: Variant, device: torch.device) -> tuple[
         compiled = compile_after
     else:
         model, recipe, _, compiled = build_training_model(job, 1, device)
-    optimizer = make_optimizer(job, device, model.parameters())
+    optimizer = make_optimizer(job, device, model)
     cuda_graphs = compiled and job.model.compile_mode == "reduce-overhead" and device.type == "cuda"
     compute_dtype = getattr(torch, job.precision.compute_dtype)
     sm = StepModel(model, optimizer, device, compute_dtype, compiled, cuda_graphs, 1, job.train.sharding,

@@ -36,10 +36,11 @@ IGNORE_INDEX = -100  # F.cross_entropy's default: such targets count neither in 
 
 class _Fp8LinearCrossEntropyFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_MK, w_VK, targets_M, backend: Fp8Backend, use_scaled_mm: bool, grad_dtype: torch.dtype):
+    def forward(ctx, x_MK, w_VK, w_amax, targets_M, backend: Fp8Backend, use_scaled_mm: bool,
+                grad_dtype: torch.dtype):
         e4m3 = backend.e4m3
         x_fp8, sx = quant.quantize_tensorwise(x_MK, e4m3)
-        w_fp8, sw = quant.quantize_tensorwise(w_VK, e4m3)
+        w_fp8, sw = quant.quantize_tensorwise(w_VK, e4m3, amax=w_amax)  # w_amax: Float8Linear.kept_weight_amax
         logits_MV = scaled_mm(x_fp8, w_fp8.t(), sx, sw, x_MK.dtype, use_scaled_mm, fast_accum=True)
         lse_M, loss_M, gamax_M = quant.cross_entropy_fwd(logits_MV, targets_M, IGNORE_INDEX)
         counted = (targets_M != IGNORE_INDEX).sum().float()
@@ -65,7 +66,7 @@ class _Fp8LinearCrossEntropyFn(torch.autograd.Function):
         # weight's dtype itself (float32 master weights): no bf16 result converted by another kernel.
         del g_fp8
         gw_VK = scaled_mm(g_fp8_t, x_fp8, sg, sx, ctx.w_dtype, ctx.use_scaled_mm)
-        return gx_MK, gw_VK, None, None, None, None
+        return gx_MK, gw_VK, None, None, None, None, None
 
 
 @torch.compiler.disable
@@ -84,8 +85,8 @@ def fp8_linear_cross_entropy(head: Float8Linear, x: torch.Tensor, targets: torch
     torch._assert_async(((targets >= 0) & (targets < head.out_features) | (targets == IGNORE_INDEX)).all(),
                         "fp8_linear_cross_entropy: a target id lies outside [0, vocab_size) and is not ignore_index")
     grad_dtype = backend.e5m2 if head.recipe.grad_output_e5m2 else backend.e4m3
-    loss, stats = _Fp8LinearCrossEntropyFn.apply(x.reshape(-1, head.in_features), head.weight, targets,
-                                                 backend, use_scaled_mm, grad_dtype)
+    loss, stats = _Fp8LinearCrossEntropyFn.apply(x.reshape(-1, head.in_features), head.weight,
+                                                 head.kept_weight_amax(), targets, backend, use_scaled_mm, grad_dtype)
     head.record_health(stats)
     return loss
 

@@ -111,12 +111,13 @@ def to_compute_dtype(x: torch.Tensor) -> torch.Tensor:
 
 class _Fp8LinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_MK, w_NK, recipe: Recipe, backend: Fp8Backend, use_scaled_mm: bool):
+    def forward(ctx, x_MK, w_NK, w_amax, recipe: Recipe, backend: Fp8Backend, use_scaled_mm: bool):
         e4m3, pow2 = backend.e4m3, recipe.pow2_scales
         if recipe.granularity == "tensorwise":
             x_fp8, sx = quant.quantize_tensorwise(x_MK, e4m3, pow2)
-            # A weight FSDP2 all-gathered in fp8 (fp8.fsdp_allgather) comes cast, with its global scale.
-            w_fp8, sw = gathered_fp8(w_NK) or quant.quantize_tensorwise(w_NK, e4m3, pow2)
+            # A weight FSDP2 all-gathered in fp8 (fp8.fsdp_allgather) comes cast, with its global scale; w_amax, where
+            # given, is max |w| kept since the weight last changed (fp8.weight_amax): the cast then reads w once.
+            w_fp8, sw = gathered_fp8(w_NK) or quant.quantize_tensorwise(w_NK, e4m3, pow2, amax=w_amax)
             # One scale serves either layout: keep the fp8 copies for backward (half the bytes of x_hp); backward
             # transposes them for the GEMMs that read them the other way (fp8.quant.transpose).
             ctx.save_for_backward(x_fp8, sx, w_fp8, sw)
@@ -153,7 +154,7 @@ class _Fp8LinearFn(torch.autograd.Function):
             # The weight gradient comes out of the GEMM in the weight's dtype (a float32 master weight's too): a bf16
             # result converted afterwards is one more kernel reading 2 and writing 4 bytes per weight every step.
             gw_NK = scaled_mm(gy_fp8.t(), x_fp8, sg, sx, ctx.w_dtype, use)
-            return gx_MK, gw_NK, None, None, None
+            return gx_MK, gw_NK, None, None, None, None
         x_saved, sx_saved, w_fp8_t_KN, sw_1K = ctx.saved_tensors
         if recipe.grad_weight_hp:
             gy_fp8, sg_M1 = quant.quantize_rowwise(gy_MN, gy_dtype, -1, pow2)
@@ -162,7 +163,7 @@ class _Fp8LinearFn(torch.autograd.Function):
             gy_fp8, sg_M1, gy_fp8_t_NM, sg_1N = quant.quantize_rowwise_and_colwise(gy_MN, gy_dtype, pow2)
             gw_NK = scaled_mm(gy_fp8_t_NM, x_saved.t(), sg_1N.reshape(-1, 1), sx_saved, out_dtype, use)
         gx_MK = scaled_mm(gy_fp8, w_fp8_t_KN.t(), sg_M1, sw_1K, out_dtype, use)
-        return gx_MK, gw_NK.to(ctx.w_dtype), None, None, None
+        return gx_MK, gw_NK.to(ctx.w_dtype), None, None, None, None
 
 
 class Float8Linear(nn.Linear):
@@ -185,6 +186,19 @@ class Float8Linear(nn.Linear):
         self.fp8_health_valid: bool = False
         # Non-persistent: checkpoints of converted and plain models have identical keys.
         self.register_buffer("fp8_health_stats", torch.zeros(3, device=device), persistent=False)
+        self._init_weight_amax(device)
+
+    def _init_weight_amax(self, device) -> None:
+        # max |weight| where fp8.weight_amax keeps it (weight_amax_kept): written by the optimizer step that writes
+        # the weight, reduced again after any other change, so the tensorwise cast skips its pass over the weight.
+        self.register_buffer("weight_amax", torch.zeros((), device=device), persistent=False)
+        self.weight_amax_kept: bool = False
+
+    def kept_weight_amax(self) -> torch.Tensor | None:
+        """The weight's amax for the tensorwise cast where it is kept, else None (the cast reduces it). A module moved
+        to another float dtype since (module.to(torch.bfloat16)) holds a rounded amax: not used."""
+        kept = self.weight_amax_kept and self.weight_amax.dtype == torch.float32
+        return self.weight_amax if kept and self.recipe.granularity == "tensorwise" else None
 
     @classmethod
     def from_float(cls, mod: nn.Linear, recipe: str | Recipe = "tensorwise") -> Float8Linear:
@@ -194,6 +208,7 @@ class Float8Linear(nn.Linear):
         new.weight = mod.weight
         new.bias = mod.bias
         new.fp8_health_stats = torch.zeros(3, device=mod.weight.device)
+        new._init_weight_amax(mod.weight.device)
         new.train(mod.training)
         quant.look_up_kernels_eagerly()  # before any compile traces the casts (fp8.quant._kernels)
         return new
@@ -220,7 +235,8 @@ class Float8Linear(nn.Linear):
         x = to_compute_dtype(x)
         backend, use_scaled_mm = self.fp8_backend(x.device)
         x_MK = x.reshape(-1, self.in_features)
-        y_MN, stats = _Fp8LinearFn.apply(x_MK, self.weight, self.recipe, backend, use_scaled_mm)
+        y_MN, stats = _Fp8LinearFn.apply(x_MK, self.weight, self.kept_weight_amax(), self.recipe, backend,
+                                         use_scaled_mm)
         self.record_health(stats)
         y = y_MN.reshape(*x.shape[:-1], self.out_features)
         if self.bias is not None:

@@ -42,6 +42,9 @@ try:
     import triton
     import triton.language as tl
 
+    # max |x| with NaN kept, as torch.amax and the FP8 casts reduce it (the weight amax is theirs: fp8.weight_amax)
+    from fp8.kernels.triton_fp8 import _abs_max
+
     HAS_TRITON = True
 except ImportError:  # CPU-only installs: torch's step runs instead
     triton = None
@@ -54,6 +57,9 @@ except ImportError:  # CPU-only installs: torch's step runs instead
 BLOCK = 512
 NUM_WARPS = 4
 HINT_POINTERS = True  # state 16-byte alignment to the compiler where it holds (see the kernel); False: no hints
+# Chunk partials one program of the amax reduction reads at a time (fp8.weight_amax: ~10^3 chunks per weight of the
+# dense model's linears, one program per weight).
+AMAX_SEGMENT_BLOCK = 1024
 # Columns of the address table, one row per tensor.
 _P, _M, _V, _STEP = 0, 1, 2, 3
 
@@ -89,9 +95,9 @@ if HAS_TRITON:
 
     @triton.jit
     def _adamw_chunks_kernel(addr_ptr, grad_addr_ptr, numel_ptr, chunk_tensor_ptr, chunk_index_ptr, norm_ptr,
-                             gate_ptr, lr, beta1, beta2, eps, weight_decay, max_norm,
+                             gate_ptr, amax_partial_ptr, lr, beta1, beta2, eps, weight_decay, max_norm,
                              P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, S_DTYPE: tl.constexpr,
-                             CLIP: tl.constexpr, GATED: tl.constexpr, BLOCK: tl.constexpr,
+                             CLIP: tl.constexpr, GATED: tl.constexpr, AMAX: tl.constexpr, BLOCK: tl.constexpr,
                              ALIGNED_STATES: tl.constexpr, ALIGNED_GRADS: tl.constexpr):
         chunk = tl.program_id(0)
         t = tl.load(chunk_tensor_ptr + chunk).to(tl.int64)
@@ -135,9 +141,12 @@ if HAS_TRITON:
             p, m, v = _adamw_update(tl.load(p_ptr + offs).to(tl.float32), tl.load(g_ptr + offs).to(tl.float32),
                                     tl.load(m_ptr + offs).to(tl.float32), tl.load(v_ptr + offs).to(tl.float32),
                                     coef, lr, beta1, beta2, eps, weight_decay, bias1, bias2_sqrt)
-            tl.store(p_ptr + offs, p.to(P_DTYPE))
+            p_stored = p.to(P_DTYPE)
+            tl.store(p_ptr + offs, p_stored)
             tl.store(m_ptr + offs, m.to(S_DTYPE))
             tl.store(v_ptr + offs, v.to(S_DTYPE))
+            if AMAX:
+                tl.store(amax_partial_ptr + chunk, _abs_max(p_stored, 0))
         else:  # the tensor's last, partial chunk
             mask = offs < n
             p, m, v = _adamw_update(tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32),
@@ -145,9 +154,31 @@ if HAS_TRITON:
                                     tl.load(m_ptr + offs, mask=mask, other=0.0).to(tl.float32),
                                     tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32),
                                     coef, lr, beta1, beta2, eps, weight_decay, bias1, bias2_sqrt)
-            tl.store(p_ptr + offs, p.to(P_DTYPE), mask=mask)
+            p_stored = p.to(P_DTYPE)
+            tl.store(p_ptr + offs, p_stored, mask=mask)
             tl.store(m_ptr + offs, m.to(S_DTYPE), mask=mask)
             tl.store(v_ptr + offs, v.to(S_DTYPE), mask=mask)
+            if AMAX:  # (a gated-off step masks every element: its partials are unread, _amax_segments keeps the amax)
+                tl.store(amax_partial_ptr + chunk, _abs_max(tl.where(mask, p_stored.to(tl.float32), 0.0), 0))
+
+    @triton.jit
+    def _amax_segments_kernel(amax_partial_ptr, first_chunk_ptr, chunk_count_ptr, amax_addr_ptr, gate_ptr,
+                              GATED: tl.constexpr, BLOCK: tl.constexpr):
+        # Tensor t's amax = the max of its chunks' partials (its chunks are consecutive), written where it is kept
+        # (address 0: not kept); unchanged on a gated-off step, whose weights did not change either.
+        t = tl.program_id(0)
+        addr = tl.load(amax_addr_ptr + t)
+        first = tl.load(first_chunk_ptr + t)
+        count = tl.load(chunk_count_ptr + t)
+        if GATED:
+            count = tl.where(tl.load(gate_ptr) != 0.0, count, 0)
+        if addr != 0 and count > 0:
+            acc = tl.zeros((BLOCK,), dtype=tl.float32)
+            for i in range(0, count, BLOCK):
+                offs = i + tl.arange(0, BLOCK)
+                part = tl.load(amax_partial_ptr + first + offs, mask=offs < count, other=0.0)
+                acc = tl.where((part != part) | (part > acc), part, acc)  # noqa: PLR0124 - NaN wins, as in torch.amax
+            tl.store(addr.to(tl.pointer_type(tl.float32)), _abs_max(acc, 0))
 
     _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 else:
@@ -178,6 +209,12 @@ class _Bucket:
     staging: torch.Tensor  # int64 [T], pinned on CUDA: the host side of grad_addr's copies
     copied: torch.cuda.Event | None  # recorded after the last copy out of `staging`
     dtypes: tuple
+    # The weights whose amax the step keeps (keep_weight_amax), None when none of the bucket's: per tensor the address
+    # of its 0-d float32 amax (0: not kept), its first chunk and chunk count; one float32 partial per chunk.
+    amax_addr: torch.Tensor | None = None  # int64 [T]
+    first_chunk: torch.Tensor | None = None  # int32 [T]
+    chunk_count: torch.Tensor | None = None  # int32 [T]
+    amax_partial: torch.Tensor | None = None  # float32 [C]
 
 
 class ChunkedAdamW(torch.optim.AdamW):
@@ -193,6 +230,16 @@ class ChunkedAdamW(torch.optim.AdamW):
         self._clip: tuple[torch.Tensor, float] | None = None
         self.kernel_steps = 0  # kernel launches, a gated-off step's included (tests and benchmarks read it)
         self.last_compiled = None  # the last launch's compiled kernel (benchmarks/adamw.py reads its PTX)
+        # id(param) -> the module whose `weight_amax` buffer the step writes (keep_weight_amax)
+        self._amax_holders: dict[int, torch.nn.Module] = {}
+
+    def keep_weight_amax(self, holders: list[torch.nn.Module]) -> None:
+        """Write max |weight| of each holder's `weight` into its 0-d float32 buffer `weight_amax` at every kernel step,
+        from the values the step stores (fp8.weight_amax: the tensorwise FP8 layers then skip their weight's amax pass).
+        Steps that go through torch's AdamW do not: fp8.weight_amax sees their writes in the weights' version counters
+        and reduces again. The buffer is looked up at every step, so a module given a new buffer is followed."""
+        self._amax_holders = {id(m.weight): m for m in holders}
+        self._buckets.clear()
 
     def load_state_dict(self, state_dict) -> None:
         super().load_state_dict(state_dict)
@@ -326,13 +373,19 @@ class ChunkedAdamW(torch.optim.AdamW):
             norm, max_norm = self._clip[0].detach().reshape(1).float(), self._clip[1]
         else:
             norm, max_norm = bucket.numel, 0.0  # unread (CLIP=False)
+        gate_arg = bucket.numel if gate is None else gate.detach().reshape(1)  # (unread when not GATED)
+        amax = bucket.amax_addr is not None
         self.last_compiled = _adamw_chunks_kernel[(bucket.chunk_tensor.numel(),)](
-            bucket.addr, bucket.grad_addr, bucket.numel, bucket.chunk_tensor, bucket.chunk_index, norm,
-            bucket.numel if gate is None else gate.detach().reshape(1),  # (unread when not GATED)
+            bucket.addr, bucket.grad_addr, bucket.numel, bucket.chunk_tensor, bucket.chunk_index, norm, gate_arg,
+            bucket.amax_partial if amax else bucket.numel,  # (unwritten when not AMAX)
             float(group["lr"]), float(beta1), float(beta2), float(group["eps"]), float(group["weight_decay"]),
             float(max_norm), P_DTYPE=_TL_DTYPES[p_dtype], G_DTYPE=_TL_DTYPES[g_dtype], S_DTYPE=_TL_DTYPES[s_dtype],
-            CLIP=self._clip is not None, GATED=gate is not None, BLOCK=BLOCK, ALIGNED_STATES=HINT_POINTERS,
+            CLIP=self._clip is not None, GATED=gate is not None, AMAX=amax, BLOCK=BLOCK, ALIGNED_STATES=HINT_POINTERS,
             ALIGNED_GRADS=HINT_POINTERS and grads_aligned, num_warps=NUM_WARPS)
+        if amax:
+            _amax_segments_kernel[(len(bucket.params),)](
+                bucket.amax_partial, bucket.first_chunk, bucket.chunk_count, bucket.amax_addr, gate_arg,
+                GATED=gate is not None, BLOCK=AMAX_SEGMENT_BLOCK, num_warps=1)
         torch._foreach_add_(bucket.steps, step_increment)
 
     def _init_states(self, group: dict, params: list[torch.Tensor]) -> None:
@@ -350,7 +403,8 @@ class ChunkedAdamW(torch.optim.AdamW):
         """The group's buckets for these parameters (None: the kernel cannot step them), rebuilt when the set of
         parameters with gradients or a parameter's address changes; states change only through load_state_dict,
         which forgets the buckets."""
-        key = (tuple(map(id, params)), tuple(map(torch.Tensor.data_ptr, map(_local, params))))
+        key = (tuple(map(id, params)), tuple(map(torch.Tensor.data_ptr, map(_local, params))),
+               tuple(self._amax_address(p) for p in params) if self._amax_holders else ())
         cached = self._buckets.get(id(group))
         if cached is not None and cached[0] == key:
             return cached[1]
@@ -369,26 +423,44 @@ class ChunkedAdamW(torch.optim.AdamW):
         self._buckets[id(group)] = (key, buckets)
         return buckets
 
+    def _amax_address(self, p: torch.Tensor) -> int:
+        """The address the step writes p's amax to: its holder's `weight_amax` where that is a 0-d float32 buffer on
+        p's device and p a plain tensor (an FSDP2 shard's amax is not the weight's), else 0 (not kept)."""
+        holder = self._amax_holders.get(id(p))
+        if holder is None or type(p) not in (torch.Tensor, torch.nn.Parameter):
+            return 0
+        buf = holder.weight_amax
+        ok = buf.dtype == torch.float32 and buf.numel() == 1 and buf.device == p.device and buf.data_ptr() % 4 == 0
+        return buf.data_ptr() if ok else 0
+
     def _make_bucket(self, params: list[torch.Tensor], dtypes: tuple) -> _Bucket:
         device = _local(params[0]).device
-        rows, numels, chunk_tensor, chunk_index, steps = [], [], [], [], []
+        rows, numels, chunk_tensor, chunk_index, steps, first_chunk, chunk_count = [], [], [], [], [], [], []
         for i, p in enumerate(params):
             state = self.state[p]
             lp, m, v = _local(p), _local(state["exp_avg"]), _local(state["exp_avg_sq"])
             rows.append([lp.data_ptr(), m.data_ptr(), v.data_ptr(), state["step"].data_ptr()])
             numels.append(lp.numel())
             chunks = -(-lp.numel() // BLOCK)
+            first_chunk.append(len(chunk_tensor))
+            chunk_count.append(chunks)
             chunk_tensor += [i] * chunks
             chunk_index += range(chunks)
             steps.append(state["step"])
         pinned = device.type == "cuda"
+        amax_addr = [self._amax_address(p) for p in params]
+        kept = any(amax_addr)
         return _Bucket(
             params=params, addr=torch.tensor(rows, dtype=torch.int64).to(device),
             numel=torch.tensor(numels, dtype=torch.int64).to(device), numels=numels,
             chunk_tensor=torch.tensor(chunk_tensor, dtype=torch.int32).to(device),
             chunk_index=torch.tensor(chunk_index, dtype=torch.int32).to(device), steps=steps,
             grad_addr=torch.zeros(len(params), dtype=torch.int64, device=device), grad_addr_host=[],
-            staging=torch.zeros(len(params), dtype=torch.int64, pin_memory=pinned), copied=None, dtypes=dtypes)
+            staging=torch.zeros(len(params), dtype=torch.int64, pin_memory=pinned), copied=None, dtypes=dtypes,
+            amax_addr=torch.tensor(amax_addr, dtype=torch.int64).to(device) if kept else None,
+            first_chunk=torch.tensor(first_chunk, dtype=torch.int32).to(device) if kept else None,
+            chunk_count=torch.tensor(chunk_count, dtype=torch.int32).to(device) if kept else None,
+            amax_partial=torch.empty(len(chunk_tensor), dtype=torch.float32, device=device) if kept else None)
 
     @staticmethod
     def _send_grad_addresses(bucket: _Bucket, addrs: list[int]) -> None:

@@ -268,9 +268,9 @@ def test_train_adamw_picks_our_triton_step_on_nvidia_gpus_only(monkeypatch):
     with pytest.raises(ValueError, match="ROCm"):
         adamw_implementation(triton, cuda)
     monkeypatch.setattr(torch.version, "hip", None)
-    params = [torch.nn.Parameter(torch.ones(4))]
-    assert type(make_optimizer(auto, cpu, params)) is torch.optim.AdamW
-    assert type(make_optimizer(auto, cuda, params)) is ChunkedAdamW  # built, not stepped: no GPU needed for that
+    model = torch.nn.Linear(4, 4)
+    assert type(make_optimizer(auto, cpu, model)) is torch.optim.AdamW
+    assert type(make_optimizer(auto, cuda, model)) is ChunkedAdamW  # built, not stepped: no GPU needed for that
     with pytest.raises(ConfigCompositionException, match="train.adamw"):
         compose_job("train.adamw=apex")
 

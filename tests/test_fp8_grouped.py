@@ -62,7 +62,7 @@ def test_grouped_equals_per_group_dense_fp8():
             continue
         xe = x[s:t].clone().requires_grad_()
         we_NK = w[e].t().contiguous().requires_grad_()
-        ye, _ = _Fp8LinearFn.apply(xe, we_NK, RECIPES["rowwise_gw_hp"], backend, False)
+        ye, _ = _Fp8LinearFn.apply(xe, we_NK, None, RECIPES["rowwise_gw_hp"], backend, False)
         ye.backward(gy[s:t])
         torch.testing.assert_close(out[s:t], ye, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(gw[e], we_NK.grad.t(), rtol=1e-5, atol=1e-5)

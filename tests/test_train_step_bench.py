@@ -30,7 +30,7 @@ def reference_first_loss(precision: str, recipe: str = "auto") -> float:
     device = torch.device("cpu")
     torch.manual_seed(job.train.seed)
     model, fp8_recipe = build_training_model(job, 1, device)[:2]
-    optimizer = make_optimizer(job, device, model.parameters())
+    optimizer = make_optimizer(job, device, model)
     sm = StepModel(model, optimizer, device, torch.bfloat16, False, False, 1, "none", job.train.grad_clip)
     guard = StepGuard(job.monitor, model, fp8_run=fp8_recipe is not None)
     tokens = torch.randint(0, model.args.vocab_size, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(0))
@@ -141,7 +141,7 @@ def test_fp8_health_gauges_read_without_autograd_warnings():
     device = torch.device("cpu")
     torch.manual_seed(job.train.seed)
     model, fp8_recipe = build_training_model(job, 1, device)[:2]
-    sm = StepModel(model, make_optimizer(job, device, model.parameters()), device, torch.bfloat16, False, False, 1,
+    sm = StepModel(model, make_optimizer(job, device, model), device, torch.bfloat16, False, False, 1,
                    "none", job.train.grad_clip)
     guard = StepGuard(job.monitor, model, fp8_run=fp8_recipe is not None)
     tokens = torch.randint(0, model.args.vocab_size, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(0))

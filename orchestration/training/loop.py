@@ -62,7 +62,7 @@ class Trainer:
         built = build_training_model(job, dist.world_size, dist.device, dataset.vocab_size)
         self.fp8_layers = built.fp8_layers
         model, recipe, compiled = built.model, built.recipe, built.compiled
-        optimizer = make_optimizer(job, dist.device, model.parameters())
+        optimizer = make_optimizer(job, dist.device, model)
         step_model = StepModel(model, optimizer, dist.device, _DTYPES[job.precision.compute_dtype], compiled,
                                compiled and job.model.compile_mode == "reduce-overhead" and dist.device.type == "cuda",
                                dist.world_size, job.train.sharding, job.train.grad_clip)

@@ -59,9 +59,14 @@ def param_groups_by_mesh(params) -> list[dict]:
     return [{"params": ps} for ps in groups.values()]
 
 
-def make_optimizer(job: JobConfig, device: torch.device, params) -> torch.optim.Optimizer:
+def make_optimizer(job: JobConfig, device: torch.device, model: torch.nn.Module) -> torch.optim.Optimizer:
+    """AdamW over the model's parameters; the tensorwise FP8 layers' weight amax kept from step to step
+    (fp8.weight_amax: written by ChunkedAdamW's kernel, so their casts skip a pass over the weights)."""
+    from fp8.weight_amax import keep_weight_amax
+
     kwargs = adamw_kwargs(job, device)
-    params = param_groups_by_mesh(params)
-    if adamw_implementation(job, device) == "triton":
-        return ChunkedAdamW(params, **kwargs)
-    return torch.optim.AdamW(params, **kwargs)
+    params = param_groups_by_mesh(model.parameters())
+    optimizer = ChunkedAdamW(params, **kwargs) if adamw_implementation(job, device) == "triton" else \
+        torch.optim.AdamW(params, **kwargs)
+    keep_weight_amax(model, optimizer)
+    return optimizer

@@ -1,0 +1,67 @@
+"""The optimizer of the worker loop: AdamW (torch's, or optim.ChunkedAdamW's one-launch Triton step) and the LR
+schedule, a pure function of the global step."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from optim import ChunkedAdamW
+from orchestration.config import JobConfig
+
+
+def lr_at(step: int, job: JobConfig) -> float:
+    """Linear warmup then cosine to min_lr_ratio, a function of the global step only (continues across restarts)."""
+    t = job.train
+    if t.warmup_steps > 0 and step < t.warmup_steps:
+        return (step + 1) / t.warmup_steps
+    progress = min(1.0, (step - t.warmup_steps) / max(1, t.steps - t.warmup_steps))
+    return t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def set_learning_rate(optimizer: torch.optim.Optimizer, job: JobConfig, step: int, lr_scale: float) -> None:
+    """The learning rate the next step trains with: the schedule at the global step `step` times the scale a
+    rollback left in force. Set after every step, after a load and after a rollback (which changes the scale)."""
+    for group in optimizer.param_groups:
+        group["lr"] = job.train.lr * lr_at(step, job) * lr_scale
+
+
+def adamw_kwargs(job: JobConfig, device: torch.device) -> dict[str, Any]:
+    """AdamW's settings. Fused on GPUs: one multi-tensor kernel per step for all parameters instead of torch's
+    default foreach chain (about a dozen launches, and their host time, where the MoE step's GPU already waits on
+    the host before the optimizer, BENCHMARKS.md); torchtitan's default, and what benchmarks/train_step.py
+    times. CPU runs keep torch's default implementation. A resumed run takes the implementation its checkpoint was
+    saved with (torch restores a param group's settings with its state)."""
+    return {"lr": job.train.lr, "betas": (job.train.beta1, job.train.beta2), "weight_decay": job.train.weight_decay,
+            "fused": True if device.type == "cuda" else None}
+
+
+def adamw_implementation(job: JobConfig, device: torch.device) -> str:
+    """train.adamw resolved for this worker's device: "triton" (optim.ChunkedAdamW) or "torch"."""
+    nvidia = device.type == "cuda" and torch.version.hip is None
+    if job.train.adamw == "triton" and not nvidia:
+        raise ValueError(f"train.adamw=triton runs a Triton kernel on NVIDIA GPUs; this worker's device is "
+                         f"{'ROCm' if device.type == 'cuda' else device.type}: use train.adamw=auto or torch")
+    if job.train.adamw == "auto":
+        return "triton" if nvidia else "torch"
+    return job.train.adamw
+
+
+def param_groups_by_mesh(params) -> list[dict]:
+    """The parameters in one group per device mesh they are DTensors on (plain tensors together): torch's fused and
+    foreach AdamW run one multi-tensor op per group, and a DTensor op refuses operands on different meshes (FSDP's
+    and the expert-parallel experts', orchestration/training/expert_parallel.py). One group when there is one mesh."""
+    groups: dict = {}
+    for p in params:
+        groups.setdefault(getattr(p, "device_mesh", None), []).append(p)
+    return [{"params": ps} for ps in groups.values()]
+
+
+def make_optimizer(job: JobConfig, device: torch.device, params) -> torch.optim.Optimizer:
+    kwargs = adamw_kwargs(job, device)
+    params = param_groups_by_mesh(params)
+    if adamw_implementation(job, device) == "triton":
+        return ChunkedAdamW(params, **kwargs)
+    return torch.optim.AdamW(params, **kwargs)
