@@ -34,6 +34,7 @@ from torch import nn
 
 from fp8 import reference
 from fp8.backend import get_backend
+from fp8.weight_amax import fresh_weight_amax
 
 aten = torch.ops.aten
 
@@ -218,10 +219,16 @@ class _UnitAmaxes:
     @staticmethod
     def _local_amax(fsdp_param: Any, param_dtype: torch.dtype | None) -> torch.Tensor:
         hp = fsdp_param._sharded_local_tensor.hp
+        module = fsdp_param._module_info.module
         if fsdp_param.offload_to_cpu:  # as FSDPParam.all_gather_inputs moves the shard before the pre-all-gather
-            hp = hp.to(fsdp_param.device, non_blocking=True)
-        # The padding FSDP2 adds to uneven shards is zeros: it never raises the amax.
-        amax = reference.abs_amax(hp)
+            amax = reference.abs_amax(hp.to(fsdp_param.device, non_blocking=True))
+        elif getattr(module, "weight_amax_of", None) == "shard":
+            # Kept by the optimizer step that wrote the shard (fp8.weight_amax): no pass over it, in the forward's
+            # all-gather and the backward's alike.
+            amax = fresh_weight_amax(module, hp, (fsdp_param.sharded_param, fsdp_param._sharded_local_tensor))
+        else:
+            # The padding FSDP2 adds to uneven shards is zeros: it never raises the amax.
+            amax = reference.abs_amax(hp)
         if param_dtype is None or param_dtype == hp.dtype:
             return amax
         # max |x| of the weight cast to param_dtype without casting the weight: round-to-nearest-even is monotonic

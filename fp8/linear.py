@@ -189,15 +189,17 @@ class Float8Linear(nn.Linear):
         self._init_weight_amax(device)
 
     def _init_weight_amax(self, device) -> None:
-        # max |weight| where fp8.weight_amax keeps it (weight_amax_kept): written by the optimizer step that writes
-        # the weight, reduced again after any other change, so the tensorwise cast skips its pass over the weight.
+        # max |weight| where fp8.weight_amax keeps it: written by the optimizer step that writes the weight, reduced
+        # again after any other change, so the tensorwise cast skips its pass over the weight. weight_amax_of: None
+        # (not kept), "weight" (the whole weight: the forward's cast reads it) or "shard" (this rank's FSDP2 shard:
+        # the fp8 all-gather's global scale reads it).
         self.register_buffer("weight_amax", torch.zeros((), device=device), persistent=False)
-        self.weight_amax_kept: bool = False
+        self.weight_amax_of: str | None = None
 
     def kept_weight_amax(self) -> torch.Tensor | None:
         """The weight's amax for the tensorwise cast where it is kept, else None (the cast reduces it). A module moved
         to another float dtype since (module.to(torch.bfloat16)) holds a rounded amax: not used."""
-        kept = self.weight_amax_kept and self.weight_amax.dtype == torch.float32
+        kept = self.weight_amax_of == "weight" and self.weight_amax.dtype == torch.float32
         return self.weight_amax if kept and self.recipe.granularity == "tensorwise" else None
 
     @classmethod

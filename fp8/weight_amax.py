@@ -12,8 +12,11 @@ advance the weight's version counter; a forward pre-hook on the model compares e
 with those its amax was taken at and reduces again where they differ, before any layer runs. The kernel writes through
 raw addresses and leaves the counter alone, so after its step nothing is reduced again.
 
-Kept only for weights that are the optimizer's own tensors (one worker, or replicas): under FSDP2 a forward's weight
-is the gathered tensor, whose amax no single shard's optimizer step knows (the fp8 all-gather reduces its own).
+Kept where the optimizer's tensor is what gets cast: a whole weight (one worker, replicas), whose forward cast reads
+it, or under FSDP2's fp8 all-gather (fp8.fsdp_allgather) this rank's shard, whose amax goes into the all-reduce of
+the global scale at every all-gather (the forward's and the backward's); that check runs in the all-gather hook.
+Not for FSDP2 shards gathered in high precision: their forward casts the gathered weight, whose amax no shard holds.
+Which layers keep it, and the hooks, are set up with the optimizer (orchestration.training.optimizer).
 """
 
 from __future__ import annotations
@@ -21,56 +24,32 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fp8.linear import Float8Linear
 from fp8.reference import abs_amax
 
-
-def _is_plain(p: torch.Tensor) -> bool:
-    """A parameter with storage of its own (not an FSDP2 DTensor shard or an fp8 all-gather wrapper)."""
-    return type(p) in (torch.Tensor, nn.Parameter)
+_TAKEN_AT = "_weight_amax_taken_at"  # (version, address) of the tensor the amax was last reduced from
 
 
-def _identity(w: torch.Tensor) -> tuple[int, int]:
-    return w._version, w.data_ptr()
+def fresh_weight_amax(layer: nn.Module, w: torch.Tensor, wrappers: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
+    """layer.weight_amax holding max |w| of `w` as it is now: reduced again only where w changed since (its version
+    counter or its address), as no kernel step of the optimizer wrote it; counts reductions in weight_amax_reductions.
 
-
-class WeightAmaxKeeper:
-    """The kept weight amax of a model's tensorwise FP8 layers (see the module docstring); `refresh_stale()` runs
-    before every forward of the model (its pre-hook)."""
-
-    def __init__(self, layers: list[Float8Linear]):
-        self.layers = layers
-        self._taken_at: list[tuple[int, int] | None] = [None] * len(layers)
-        self.reductions = 0  # weights reduced again by refresh_stale (tests read it)
-
-    def refresh_stale(self) -> None:
-        """Reduce max |w| again for each kept weight changed since its amax was taken (or never taken)."""
-        stale = [i for i, layer in enumerate(self.layers) if self._taken_at[i] != _identity(layer.weight)]
-        if not stale:
-            return
+    wrappers: tensor subclasses over w (an FSDP2 DTensor parameter, fp8.fsdp_allgather's Fp8AllGatherWeight). An
+    in-place op on a wrapper reaches w from inside its __torch_dispatch__, below the dispatch key that advances
+    version counters: only the wrapper's counter moves (torch's AdamW on a sharded weight), so theirs count too."""
+    now = (w._version, w.data_ptr(), *(t._version for t in wrappers))
+    if layer.__dict__.get(_TAKEN_AT) != now:
         with torch.no_grad():
-            for i in stale:
-                layer = self.layers[i]
-                layer.weight_amax.copy_(abs_amax(layer.weight))
-                self._taken_at[i] = _identity(layer.weight)
-        self.reductions += len(stale)
+            layer.weight_amax.copy_(abs_amax(w))
+        layer.__dict__[_TAKEN_AT] = now
+        layer.weight_amax_reductions += 1
+    return layer.weight_amax
 
 
-def keep_weight_amax(model: nn.Module, optimizer: torch.optim.Optimizer) -> WeightAmaxKeeper | None:
-    """Keep the weight amax of `model`'s tensorwise FP8 layers whose weights are plain tensors the optimizer steps:
-    their forwards read it, `optimizer` writes it where it is an optim.ChunkedAdamW, and a pre-hook on `model` reduces
-    it again after any other change. None when no layer qualifies (bf16, rowwise recipes, FSDP2 shards)."""
-    from optim import ChunkedAdamW
-
-    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    layers = [m for m in model.modules() if isinstance(m, Float8Linear) and m.recipe.granularity == "tensorwise"
-              and _is_plain(m.weight) and id(m.weight) in stepped and m.weight_amax.dtype == torch.float32]
-    if not layers:
-        return None
-    keeper = WeightAmaxKeeper(layers)
-    for layer in layers:
-        layer.weight_amax_kept = True
-    if isinstance(optimizer, ChunkedAdamW):
-        optimizer.keep_weight_amax(layers)
-    model.register_forward_pre_hook(lambda _module, _args: keeper.refresh_stale())
-    return keeper
+def start_keeping(layer: nn.Module, kind: str) -> None:
+    """Mark `layer` as keeping its weight amax ("weight": the whole weight, the forward's cast reads it; "shard": its
+    FSDP2 fp8 all-gather shard), to be reduced at its next use."""
+    if kind not in ("weight", "shard"):
+        raise ValueError(f"kind must be 'weight' or 'shard', got {kind!r}")
+    layer.weight_amax_of = kind
+    layer.weight_amax_reductions = 0
+    layer.__dict__.pop(_TAKEN_AT, None)

@@ -164,15 +164,17 @@ if HAS_TRITON:
     @triton.jit
     def _amax_segments_kernel(amax_partial_ptr, first_chunk_ptr, chunk_count_ptr, amax_addr_ptr, gate_ptr,
                               GATED: tl.constexpr, BLOCK: tl.constexpr):
-        # Tensor t's amax = the max of its chunks' partials (its chunks are consecutive), written where it is kept
-        # (address 0: not kept); unchanged on a gated-off step, whose weights did not change either.
+        # Tensor t's amax = the max of its chunks' partials (its chunks are consecutive; none: an empty FSDP2 shard,
+        # amax 0), written where it is kept (address 0: not kept); unchanged on a gated-off step, whose weights did
+        # not change either.
         t = tl.program_id(0)
         addr = tl.load(amax_addr_ptr + t)
         first = tl.load(first_chunk_ptr + t)
         count = tl.load(chunk_count_ptr + t)
+        active = addr != 0
         if GATED:
-            count = tl.where(tl.load(gate_ptr) != 0.0, count, 0)
-        if addr != 0 and count > 0:
+            active = active & (tl.load(gate_ptr) != 0.0)
+        if active:
             acc = tl.zeros((BLOCK,), dtype=tl.float32)
             for i in range(0, count, BLOCK):
                 offs = i + tl.arange(0, BLOCK)
@@ -234,7 +236,8 @@ class ChunkedAdamW(torch.optim.AdamW):
         self._amax_holders: dict[int, torch.nn.Module] = {}
 
     def keep_weight_amax(self, holders: list[torch.nn.Module]) -> None:
-        """Write max |weight| of each holder's `weight` into its 0-d float32 buffer `weight_amax` at every kernel step,
+        """Write max |weight| of each holder's `weight` (of its local shard under FSDP2) into its 0-d float32 buffer
+        `weight_amax` at every kernel step,
         from the values the step stores (fp8.weight_amax: the tensorwise FP8 layers then skip their weight's amax pass).
         Steps that go through torch's AdamW do not: fp8.weight_amax sees their writes in the weights' version counters
         and reduces again. The buffer is looked up at every step, so a module given a new buffer is followed."""
@@ -424,13 +427,14 @@ class ChunkedAdamW(torch.optim.AdamW):
         return buckets
 
     def _amax_address(self, p: torch.Tensor) -> int:
-        """The address the step writes p's amax to: its holder's `weight_amax` where that is a 0-d float32 buffer on
-        p's device and p a plain tensor (an FSDP2 shard's amax is not the weight's), else 0 (not kept)."""
+        """The address the step writes the amax of p's local tensor (the whole weight, or this rank's FSDP2 shard) to:
+        its holder's `weight_amax` where that is a 0-d float32 buffer on that tensor's device, else 0 (not kept)."""
         holder = self._amax_holders.get(id(p))
-        if holder is None or type(p) not in (torch.Tensor, torch.nn.Parameter):
+        lp = _local(p)
+        if holder is None or type(lp) not in (torch.Tensor, torch.nn.Parameter):
             return 0
         buf = holder.weight_amax
-        ok = buf.dtype == torch.float32 and buf.numel() == 1 and buf.device == p.device and buf.data_ptr() % 4 == 0
+        ok = buf.dtype == torch.float32 and buf.numel() == 1 and buf.device == lp.device and buf.data_ptr() % 4 == 0
         return buf.data_ptr() if ok else 0
 
     def _make_bucket(self, params: list[torch.Tensor], dtypes: tuple) -> _Bucket:

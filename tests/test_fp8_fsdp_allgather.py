@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from orchestration.training.optimizer import keep_weight_amax
 from tests.spawned import free_port, rank_process_group
 
 FLAVOR = "debug_dense"
@@ -121,6 +122,9 @@ def _equivalence_worker(rank: int, world: int, port: int, out: str, param_dtype:
     with rank_process_group("gloo", f"tcp://127.0.0.1:{port}", rank, world):
         model, ref = _build_pair(init_device_mesh("cpu", (world,)), _DTYPES[param_dtype])
         opts = [torch.optim.AdamW(m.parameters(), lr=3e-3, weight_decay=0.1) for m in (model, ref)]
+        # The shards' amax kept as the worker keeps it (make_optimizer): torch's AdamW writes every shard, so each fp8
+        # forward's all-gather reduces it again and the backward's re-gather reuses it.
+        keeper = keep_weight_amax(model, opts[0])
         gen = torch.Generator().manual_seed(7)
         results = []
         # steps 0-1 fp8, 2-3 the BF16 fallback, 4 fp8 again
@@ -128,10 +132,12 @@ def _equivalence_worker(rank: int, world: int, port: int, out: str, param_dtype:
         with GatherBytes() as counter:
             for step, precision in enumerate(schedule):
                 tokens = torch.randint(0, 256, (world * BATCH, SEQ + 1), generator=gen)[rank * BATCH:(rank + 1) * BATCH]
+                before = keeper.reductions
                 row = _step_both(model, ref, opts, tokens, counter, "bytes",
                                  lambda m, precision=precision: fp8.set_precision(m, precision))
-                results.append({"step": step, "precision": precision, **row})
-        expected = _expected_gather_bytes(model, world, param_dtype)
+                results.append({"step": step, "precision": precision, **row,
+                                "amax_reductions": keeper.reductions - before})
+        expected = {**_expected_gather_bytes(model, world, param_dtype), "shards_kept": len(keeper.shard_layers)}
         with open(Path(out) / f"rank{rank}.json", "w") as f:
             json.dump({"steps": results, "expected": expected}, f)
 
@@ -173,6 +179,9 @@ def test_fp8_all_gather_is_bit_equal_to_gathering_in_high_precision(tmp_path, wo
             want = fwd_units + fwd_units[-1:0:-1] if row["precision"] == "fp8" else bwd_units + bwd_units[-1:0:-1]
             assert row["fp8_gather_bytes"] == want, (row["step"], row["fp8_gather_bytes"], want)
             assert row["reference_bytes"] == expected["hp"] + expected["hp"][-1:0:-1], row["reference_bytes"]
+            # each shard's amax reduced once per fp8 step (torch's AdamW changed it), by the forward's all-gather
+            assert row["amax_reductions"] == (expected["shards_kept"] if row["precision"] == "fp8" else 0), row
+        assert expected["shards_kept"] == 7 * OVERRIDES["n_layers"]
         # the linear weights move in one byte per element instead of param_dtype's
         assert expected["linear_weights_hp"] == _DTYPES[param_dtype].itemsize * expected["linear_weights_fp8"]
     fp8_step = data["steps"][0]

@@ -15,9 +15,9 @@ from torch import nn
 from fp8.head import Float8LMHead, fp8_linear_cross_entropy
 from fp8.linear import Float8Linear
 from fp8.reference import abs_amax
-from fp8.weight_amax import keep_weight_amax
 from optim import ChunkedAdamW
 from optim import adamw as adamw_mod
+from orchestration.training.optimizer import keep_weight_amax
 from tests.interp_child import expose_or_run
 
 KW = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
@@ -102,10 +102,57 @@ def _interp_after_kernel_steps_the_forward_reduces_nothing_and_matches_reducing(
             o.zero_grad(set_to_none=True)
         assert keeper.reductions == 3  # the first forward's: the kernel kept every later amax
         assert torch.equal(model(x), twin(x)), step
-    assert all(m.weight_amax_kept for m in model) and not any(m.weight_amax_kept for m in twin)
+    assert all(m.weight_amax_of == "weight" for m in model) and not any(m.weight_amax_of for m in twin)
 
 
-N_INTERP_CASES = 3
+def _interp_fsdp2_fp8_all_gather_shards_keep_their_amax_through_kernel_steps(monkeypatch, tmp_path):
+    """FSDP2 (one gloo rank) with the fp8 all-gather, stepped by the kernel: the all-gathers reduce each shard's amax
+    once (the first), then take the kernel's, and the losses equal a twin whose all-gathers reduce every time."""
+    monkeypatch.setattr(adamw_mod, "BLOCK", 4096)  # few interpreted programs for the model's ~250k elements
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    import fp8
+    from fp8.fsdp_allgather import enable_fp8_all_gather, track_fsdp_params
+    from models.registry import build_model
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+
+        def sharded():
+            model = build_model("debug_dense", device="cpu", overrides={"n_layers": 1}, seed=0)
+            fp8.convert_to_fp8(model, "tensorwise")
+            enable_fp8_all_gather(model)
+            policy = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+            for block in model.layers.values():
+                fully_shard(block, mesh=mesh, mp_policy=policy)
+            fully_shard(model, mesh=mesh, mp_policy=policy)
+            track_fsdp_params(model)
+            return model
+
+        model, twin = sharded(), sharded()
+        opt, opt_twin = ChunkedAdamW(model.parameters(), **KW), ChunkedAdamW(twin.parameters(), **KW)
+        keeper = keep_weight_amax(model, opt)
+        assert len(keeper.shard_layers) == 7 and not keeper.weight_layers  # the block's wq wk wv wo w1 w2 w3
+        tokens = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(1))
+        for step in range(2):
+            losses = []
+            for net, o in ((model, opt), (twin, opt_twin)):
+                loss = net(tokens[:, :-1], tokens[:, 1:])
+                loss.backward()
+                o.step()
+                o.zero_grad()
+                losses.append(loss.item())
+            assert losses[0] == losses[1], step
+            assert keeper.reductions == 7, step  # the first forward's all-gathers only
+        assert opt.kernel_steps == 2
+    finally:
+        dist.destroy_process_group()
+
+
+N_INTERP_CASES = 4
 expose_or_run(globals(), __file__, N_INTERP_CASES, "test_kernel_cases_in_the_triton_interpreter")
 
 
@@ -119,13 +166,13 @@ def test_the_tensorwise_cast_reads_the_kept_amax():
     layer = Float8Linear(64, 32, recipe="tensorwise")
     x = torch.randn(8, 64)
     reduced = layer(x)
-    layer.weight_amax_kept = True
+    layer.weight_amax_of = "weight"
     layer.weight_amax.copy_(abs_amax(layer.weight))
     assert torch.equal(layer(x), reduced)
     layer.weight_amax.mul_(0.25)
     assert not torch.allclose(layer(x), reduced, rtol=0.01)
     rowwise = Float8Linear(64, 32, recipe="rowwise")
-    rowwise.weight_amax_kept = True  # only tensorwise casts take one amax: a rowwise layer ignores it
+    rowwise.weight_amax_of = "weight"  # only tensorwise casts take one amax: a rowwise layer ignores it
     rowwise.weight_amax.fill_(1e-9)
     assert rowwise.kept_weight_amax() is None
 
@@ -135,7 +182,7 @@ def test_the_fused_fp8_head_reads_the_kept_amax():
     head = Float8LMHead(64, 96, bias=False, recipe="tensorwise")
     x, targets = torch.randn(16, 64), torch.randint(0, 96, (16,))
     reduced = fp8_linear_cross_entropy(head, x, targets)
-    head.weight_amax_kept = True
+    head.weight_amax_of = "weight"
     head.weight_amax.copy_(abs_amax(head.weight))
     assert torch.equal(fp8_linear_cross_entropy(head, x, targets), reduced)
     head.weight_amax.mul_(0.25)
@@ -178,15 +225,15 @@ def test_only_plain_tensorwise_weights_the_optimizer_steps_are_kept():
                           Float8Linear(8, 8, recipe="tensorwise"), nn.Linear(8, 8))
     opt = torch.optim.AdamW([*model[0].parameters(), *model[1].parameters(), *model[3].parameters()], **KW)
     keeper = keep_weight_amax(model, opt)
-    assert keeper.layers == [model[0]]  # model[2]'s weight is not the optimizer's
-    assert [m.weight_amax_kept for m in model[:3]] == [True, False, False]
+    assert keeper.weight_layers == [model[0]] and not keeper.shard_layers  # model[2]'s weight: not the optimizer's
+    assert [m.weight_amax_of for m in model[:3]] == ["weight", None, None]
     assert keep_weight_amax(nn.Sequential(nn.Linear(4, 4)), torch.optim.AdamW(nn.Linear(4, 4).parameters())) is None
 
 
 def test_the_worker_step_loses_nothing_with_the_amax_kept(monkeypatch):
     """The product's own build, optimizer and train_step (debug_dense, FP8 tensorwise with its fused head, on CPU):
     three steps' losses bit-equal to the same run with the amax reduced at every cast."""
-    import fp8.weight_amax as weight_amax_mod
+    import orchestration.training.optimizer as optimizer_mod
     from orchestration.config import JobConfig, ModelConfig, MonitorConfig, PrecisionConfig, TrainConfig
     from orchestration.divergence.guard import StepGuard
     from orchestration.training.model_setup import build_training_model
@@ -205,7 +252,7 @@ def test_the_worker_step_loses_nothing_with_the_amax_kept(monkeypatch):
         torch.manual_seed(job.train.seed)
         model, recipe = build_training_model(job, 1, device)[:2]
         if not keep:
-            monkeypatch.setattr(weight_amax_mod, "keep_weight_amax", lambda model, optimizer: None)
+            monkeypatch.setattr(optimizer_mod, "keep_weight_amax", lambda model, optimizer: None)
         optimizer = make_optimizer(job, device, model)
         monkeypatch.undo()
         sm = StepModel(model, optimizer, device, torch.bfloat16, False, False, 1, "none", job.train.grad_clip)
@@ -217,7 +264,7 @@ def test_the_worker_step_loses_nothing_with_the_amax_kept(monkeypatch):
             result = train_step(sm, [MicroBatch(tokens[:, :-1], tokens[:, 1:], 1.0, 1.0)], step, guard)
             assert result.updated
             out.append(float(result.loss))
-        return out, [m.weight_amax_kept for m in model.modules() if isinstance(m, Float8Linear)]
+        return out, [m.weight_amax_of == "weight" for m in model.modules() if isinstance(m, Float8Linear)]
 
     kept, kept_flags = losses(True)
     reduced, reduced_flags = losses(False)

@@ -59,11 +59,56 @@ def param_groups_by_mesh(params) -> list[dict]:
     return [{"params": ps} for ps in groups.values()]
 
 
+class WeightAmaxKeeper:
+    """The FP8 layers whose weight amax is kept (fp8.weight_amax): `weight_layers` (whole weights, checked before
+    every forward of the model by its pre-hook, refresh_stale) and `shard_layers` (FSDP2 fp8 all-gather shards,
+    checked by the all-gather hook)."""
+
+    def __init__(self, weight_layers: list[torch.nn.Module], shard_layers: list[torch.nn.Module]):
+        self.weight_layers, self.shard_layers = weight_layers, shard_layers
+
+    def refresh_stale(self) -> None:
+        from fp8.weight_amax import fresh_weight_amax
+
+        for layer in self.weight_layers:
+            fresh_weight_amax(layer, layer.weight)
+
+    @property
+    def reductions(self) -> int:
+        """Amaxes reduced again since keeping started (tests read it: after kernel steps, none)."""
+        return sum(layer.weight_amax_reductions for layer in (*self.weight_layers, *self.shard_layers))
+
+
+def keep_weight_amax(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> WeightAmaxKeeper | None:
+    """Keep the weight amax of `model`'s tensorwise FP8 layers whose weights `optimizer` steps, as whole plain tensors
+    or as FSDP2 fp8 all-gather shards (fp8.weight_amax): written by ChunkedAdamW's kernel, read by the casts, reduced
+    again after any other change. None when no layer qualifies (bf16, rowwise recipes, FSDP2 shards gathered in high
+    precision)."""
+    from fp8.fsdp_allgather import is_fp8_all_gather_weight
+    from fp8.linear import Float8Linear
+    from fp8.weight_amax import start_keeping
+
+    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    candidates = [m for m in model.modules() if isinstance(m, Float8Linear) and m.recipe.granularity == "tensorwise"
+                  and id(m.weight) in stepped and m.weight_amax.dtype == torch.float32]
+    weight_layers = [m for m in candidates if type(m.weight) in (torch.Tensor, torch.nn.Parameter)]
+    shard_layers = [m for m in candidates if is_fp8_all_gather_weight(m.weight)]
+    if not weight_layers and not shard_layers:
+        return None
+    keeper = WeightAmaxKeeper(weight_layers, shard_layers)
+    for layers, kind in ((weight_layers, "weight"), (shard_layers, "shard")):
+        for layer in layers:
+            start_keeping(layer, kind)
+    if isinstance(optimizer, ChunkedAdamW):
+        optimizer.keep_weight_amax(weight_layers + shard_layers)
+    if weight_layers:
+        model.register_forward_pre_hook(lambda _module, _args: keeper.refresh_stale())
+    return keeper
+
+
 def make_optimizer(job: JobConfig, device: torch.device, model: torch.nn.Module) -> torch.optim.Optimizer:
     """AdamW over the model's parameters; the tensorwise FP8 layers' weight amax kept from step to step
-    (fp8.weight_amax: written by ChunkedAdamW's kernel, so their casts skip a pass over the weights)."""
-    from fp8.weight_amax import keep_weight_amax
-
+    (keep_weight_amax: written by ChunkedAdamW's kernel, so their casts skip a pass over the weights)."""
     kwargs = adamw_kwargs(job, device)
     params = param_groups_by_mesh(model.parameters())
     optimizer = ChunkedAdamW(params, **kwargs) if adamw_implementation(job, device) == "triton" else \
