@@ -8,7 +8,8 @@ ms per step (CUDA events, median of --reps after warm-up; the clip's scaling pas
 the launch on ours), the bytes each step must move (param, grad, exp_avg, exp_avg_sq read; param and states
 written) over the time, and the largest difference between the two implementations after --check-steps identical
 steps from identical states (relative to the largest parameter change), so a fast wrong kernel cannot pass.
-Block-size candidates for the kernel are timed too (--blocks). Writes adamw.json to --out.
+Block-size candidates for the kernel are timed too (--blocks), and the shipped tile writing every matrix's amax (the
+FP8 weights' kept amax, fp8.weight_amax) against the same tile without. Writes adamw.json to --out.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import argparse
 import os
 import re
 import sys
+from types import SimpleNamespace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -113,6 +115,21 @@ def run_case(shapes, dtype, args, device) -> dict:
         ours.state.clear()
         torch.cuda.empty_cache()
     adamw.BLOCK, adamw.NUM_WARPS, adamw.HINT_POINTERS = shipped
+    # The shipped tile writing every matrix's amax as the worker has it write its FP8 weights' (fp8.weight_amax): one
+    # partial per chunk and a second launch; what that costs against the same step without it.
+    holders = [SimpleNamespace(weight=p, weight_amax=torch.zeros((), device=device)) for p in params if p.dim() == 2]
+    ours = ChunkedAdamW(params, fused=True, **kw)
+    ours.keep_weight_amax(holders)
+    for _ in range(3):
+        ours.clip_and_step(n, 1.0)
+    out["ours_clip_kept_amax_ms"] = cuda_event_ms(lambda opt=ours: opt.clip_and_step(n, 1.0), args.reps)
+    out["kept_amax_matrices"] = len(holders)
+    out["kept_amax_exact"] = all(torch.equal(h.weight_amax, h.weight.detach().abs().amax().float()) for h in holders)
+    out["ours_clip_shipped_tile_ms"] = tiles.get(f"block{shipped[0]}_warps{shipped[1]}_hint-"
+                                                 f"{'pointer' if shipped[2] else 'none'}")  # (None: not swept)
+    ours.state.clear()
+    del ours, holders
+    torch.cuda.empty_cache()
     out["ours_clip_ms_by_tile"] = tiles
     best = min(tiles.values())
     out["best_tile"] = min(tiles, key=tiles.get)
