@@ -57,9 +57,11 @@ except ImportError:  # CPU-only installs: torch's step runs instead
 BLOCK = 512
 NUM_WARPS = 4
 HINT_POINTERS = True  # state 16-byte alignment to the compiler where it holds (see the kernel); False: no hints
-# Chunk partials one program of the amax reduction reads at a time (fp8.weight_amax: ~10^3 chunks per weight of the
-# dense model's linears, one program per weight).
-AMAX_SEGMENT_BLOCK = 1024
+# The amax reduction runs one program per weight, reading its chunk partials AMAX_SEGMENT_BLOCK at a time: Llama3-8B's
+# head has ~10^6 chunks (a 4 MB read, ~130 loads at this block, not ~1000 serial ones at 1024), its block linears
+# 10^4-10^5. Chosen by that count, not timed (benchmarks/adamw.py: ours_clip_kept_amax_ms).
+AMAX_SEGMENT_BLOCK = 8192
+AMAX_SEGMENT_WARPS = 8
 # Columns of the address table, one row per tensor.
 _P, _M, _V, _STEP = 0, 1, 2, 3
 
@@ -237,10 +239,10 @@ class ChunkedAdamW(torch.optim.AdamW):
 
     def keep_weight_amax(self, holders: list[torch.nn.Module]) -> None:
         """Write max |weight| of each holder's `weight` (of its local shard under FSDP2) into its 0-d float32 buffer
-        `weight_amax` at every kernel step,
-        from the values the step stores (fp8.weight_amax: the tensorwise FP8 layers then skip their weight's amax pass).
-        Steps that go through torch's AdamW do not: fp8.weight_amax sees their writes in the weights' version counters
-        and reduces again. The buffer is looked up at every step, so a module given a new buffer is followed."""
+        `weight_amax` at every kernel step, from the values the step stores (fp8.weight_amax: the tensorwise FP8 layers
+        then skip their weight's amax pass). Steps that go through torch's AdamW do not: fp8.weight_amax sees their
+        writes in the weights' version counters and reduces again. The buffer is looked up at every step, so a module
+        given a new buffer is followed."""
         self._amax_holders = {id(m.weight): m for m in holders}
         self._buckets.clear()
 
@@ -388,7 +390,7 @@ class ChunkedAdamW(torch.optim.AdamW):
         if amax:
             _amax_segments_kernel[(len(bucket.params),)](
                 bucket.amax_partial, bucket.first_chunk, bucket.chunk_count, bucket.amax_addr, gate_arg,
-                GATED=gate is not None, BLOCK=AMAX_SEGMENT_BLOCK, num_warps=1)
+                GATED=gate is not None, BLOCK=AMAX_SEGMENT_BLOCK, num_warps=AMAX_SEGMENT_WARPS)
         torch._foreach_add_(bucket.steps, step_increment)
 
     def _init_states(self, group: dict, params: list[torch.Tensor]) -> None:
