@@ -274,20 +274,21 @@ def test_the_worker_step_loses_nothing_with_the_amax_kept(monkeypatch):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA GPU")
 def test_gpu_kernel_keeps_the_amax_and_the_compiled_casts_match_reducing():
-    """On the GPU at the dense model's sizes (4096-wide float32 weights: 32768 chunks each, so the reduction loops),
-    compiled as the worker compiles its blocks: the kernel's amax is the weight's, gated-off steps keep it, and the
-    compiled FP8 forward and backward equal a twin whose casts reduce the amax."""
+    """On the GPU at the dense model's sizes (4096-wide float32 weights: 32768 chunks each), each layer compiled as
+    the worker compiles its blocks (the model's own pre-hook runs eagerly): the kernel's amax is the weight's,
+    gated-off steps keep it, and the compiled FP8 forward and backward equal a twin whose casts reduce the amax."""
     torch.manual_seed(0)
     model = nn.Sequential(Float8Linear(4096, 4096, bias=False), Float8Linear(4096, 1024, bias=False)).cuda()
     twin = copy.deepcopy(model)
     opt, opt_twin = ChunkedAdamW(model.parameters(), **KW), ChunkedAdamW(twin.parameters(), **KW)
     keeper = keep_weight_amax(model, opt)
-    run, run_twin = torch.compile(model), torch.compile(twin)
+    for layer in (*model, *twin):
+        layer.compile()
     x = torch.randn(2048, 4096, device="cuda")
     for step in range(4):
         gate = torch.tensor(0.0 if step == 2 else 1.0, device="cuda")
         outs = []
-        for net, o in ((run, opt), (run_twin, opt_twin)):
+        for net, o in ((model, opt), (twin, opt_twin)):
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 y = net(x)
             y.float().square().mean().backward()
