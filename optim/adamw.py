@@ -408,8 +408,10 @@ class ChunkedAdamW(torch.optim.AdamW):
         """The group's buckets for these parameters (None: the kernel cannot step them), rebuilt when the set of
         parameters with gradients or a parameter's address changes; states change only through load_state_dict,
         which forgets the buckets."""
+        # The amax buffers' addresses: a holder given a new buffer rebuilds the bucket (checked once per holder, not per
+        # parameter: this runs every step, on the host time before the launch).
         key = (tuple(map(id, params)), tuple(map(torch.Tensor.data_ptr, map(_local, params))),
-               tuple(self._amax_address(p) for p in params) if self._amax_holders else ())
+               tuple(m.weight_amax.data_ptr() for m in self._amax_holders.values()))
         cached = self._buckets.get(id(group))
         if cached is not None and cached[0] == key:
             return cached[1]

@@ -8,6 +8,9 @@ from typing import Any
 
 import torch
 
+from fp8.fsdp_allgather import is_fp8_all_gather_weight
+from fp8.linear import Float8Linear
+from fp8.weight_amax import fresh_weight_amax, start_keeping
 from optim import ChunkedAdamW
 from orchestration.config import JobConfig
 
@@ -68,8 +71,6 @@ class WeightAmaxKeeper:
         self.weight_layers, self.shard_layers = weight_layers, shard_layers
 
     def refresh_stale(self) -> None:
-        from fp8.weight_amax import fresh_weight_amax
-
         for layer in self.weight_layers:
             fresh_weight_amax(layer, layer.weight)
 
@@ -84,10 +85,6 @@ def keep_weight_amax(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -
     or as FSDP2 fp8 all-gather shards (fp8.weight_amax): written by ChunkedAdamW's kernel, read by the casts, reduced
     again after any other change. None when no layer qualifies (bf16, rowwise recipes, FSDP2 shards gathered in high
     precision)."""
-    from fp8.fsdp_allgather import is_fp8_all_gather_weight
-    from fp8.linear import Float8Linear
-    from fp8.weight_amax import start_keeping
-
     stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
     candidates = [m for m in model.modules() if isinstance(m, Float8Linear) and m.recipe.granularity == "tensorwise"
                   and id(m.weight) in stepped and m.weight_amax.dtype == torch.float32]
